@@ -1,0 +1,1 @@
+"""shoal.node: the daemon, the command line and the training runtime."""

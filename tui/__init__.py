@@ -1,0 +1,1 @@
+"""shoal.tui: the Textual dashboard; imports shoal.protocol only."""
