@@ -30,7 +30,6 @@ def unpack(data: bytes, *, max_bytes: int = MAX_RECORD_BYTES) -> Any:
             raw=False,
             strict_map_key=True,
             use_list=True,
-            max_buffer_size=max_bytes,
             max_str_len=max_bytes,
             max_bin_len=max_bytes,
             max_array_len=4096,

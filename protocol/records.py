@@ -1,0 +1,74 @@
+"""Node records that travel the swarm: hardware profile, announcement, status (gossip-sized), leave notice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from shoal.protocol.schema import Bool, Choice, Float, Int, Nested, Optional, Seq, Str, WireRecord, spec
+
+PEER_ID = Str(64, allow_empty=False)
+MULTIADDR = Str(256, allow_empty=False)
+TIME_S = Float(0.0, 1e11)  # unix seconds
+DEVICE_KINDS = frozenset({"cpu", "cuda", "mps", "xpu"})
+ROLES = frozenset({"idle", "active", "backup", "broker", "observer"})
+STATES = frozenset({"starting", "ready", "joining", "training", "syncing", "draining", "leaving"})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareProfile(WireRecord):
+    device_kind: str = spec(Choice(DEVICE_KINDS))
+    device_name: str = spec(Str(128))
+    memory_bytes: int = spec(Int(0, 2**50))  # device memory (GPU) or system RAM (CPU)
+    matmul_tflops: float = spec(Float(0.0, 1e5))  # measured at start, fp32 on CPU, bf16/fp16 on GPU
+    free_disk_bytes: int = spec(Int(0, 2**60))
+    cpu_count: int = spec(Int(0, 4096), default=0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Announcement(WireRecord):
+    KIND: ClassVar[str] = "announce"
+    peer_id: str = spec(PEER_ID)
+    addrs: tuple[str, ...] = spec(Seq(MULTIADDR, 16))
+    software_version: str = spec(Str(32))
+    protocol_version: int = spec(Int(0, 2**16))
+    hardware: HardwareProfile = spec(Nested(HardwareProfile))
+    started_at: float = spec(TIME_S)
+    observer: bool = spec(Bool(), default=False)  # observers (dashboard, `shoal peers`) never take a slot
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StatusRecord(WireRecord):
+    """What a node is doing now; published every few seconds over gossip, so it stays a few hundred bytes."""
+
+    KIND: ClassVar[str] = "status"
+    peer_id: str = spec(PEER_ID)
+    seq: int = spec(Int(0, 2**62))  # strictly increasing per peer: older ones are ignored
+    time: float = spec(TIME_S)
+    role: str = spec(Choice(ROLES), default="idle")
+    state: str = spec(Choice(STATES), default="ready")
+    run_id: str | None = spec(Optional(Str(80)), default=None)
+    slot: str | None = spec(Optional(Str(32)), default=None)  # e.g. "s0r2": stage 0, replica 2
+    step: int = spec(Int(0, 2**62), default=0)
+    loss: float | None = spec(Optional(Float(-1e9, 1e9)), default=None)
+    eval_loss: float | None = spec(Optional(Float(-1e9, 1e9)), default=None)
+    tokens_per_s: float = spec(Float(0.0, 1e12), default=0.0)
+    up_bytes_per_s: float = spec(Float(0.0, 1e13), default=0.0)
+    down_bytes_per_s: float = spec(Float(0.0, 1e13), default=0.0)
+    bytes_sent: int = spec(Int(0, 2**62), default=0)
+    bytes_recv: int = spec(Int(0, 2**62), default=0)
+    compression_ratio: float | None = spec(Optional(Float(0.0, 1e9)), default=None)
+    state_hash: str | None = spec(Optional(Str(80)), default=None)
+    peers_seen: int = spec(Int(0, 1 << 20), default=0)
+    error: str | None = spec(Optional(Str(200)), default=None)  # the most recent error, for the dashboard
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LeaveNotice(WireRecord):
+    KIND: ClassVar[str] = "leave"
+    peer_id: str = spec(PEER_ID)
+    time: float = spec(TIME_S)
+    reason: str = spec(Str(200), default="")
+
+
+RECORD_TYPES: dict[str, type[WireRecord]] = {cls.KIND: cls for cls in (Announcement, StatusRecord, LeaveNotice)}
