@@ -63,9 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 def setup_logging(verbosity: int) -> None:
     level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    if verbosity < 2:  # py-libp2p is chatty at INFO
+    if verbosity < 2:  # py-libp2p logs routine peer churn as warnings
         for noisy in ("libp2p", "multiaddr", "async_service"):
-            logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+            logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,211 @@
+"""The node daemon: joins the swarm, announces itself, publishes status, keeps its membership view, leaves cleanly."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from shoal.node.cli import shoal_version
+from shoal.protocol import PROTOCOL_VERSION
+from shoal.protocol.envelope import Signed, open_envelope, seal
+from shoal.protocol.errors import ProtocolError
+from shoal.protocol.records import RECORD_TYPES, Announcement, HardwareProfile, LeaveNotice, StatusRecord
+from shoal.swarm.dht_records import announcement_key
+from shoal.swarm.gossip import RecordGossip
+from shoal.swarm.host import HostConfig, SwarmHost, open_host
+from shoal.swarm.identity import load_or_create_identity
+from shoal.swarm.membership import Event, Membership, MembershipConfig
+from shoal.swarm.penalty import Penalties
+from shoal.swarm.rpc import BadRequest, RpcError, RpcServer, call
+
+log = logging.getLogger(__name__)
+MAX_MEMBERS_REPLY = 1024
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeConfig:
+    host: HostConfig = field(default_factory=HostConfig)
+    identity: Path | None = None  # None: an ephemeral identity (tests, observers)
+    device: str = "auto"
+    home: Path = Path("~/.shoal")
+    status_file: Path | None = None
+    status_interval_s: float = 2.0
+    announce_interval_s: float = 15.0
+    rpc_timeout_s: float = 5.0
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+
+    def __post_init__(self) -> None:
+        if not 0.1 <= self.status_interval_s <= 60:
+            raise ValueError("status_interval_s must be within [0.1, 60]")
+        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+
+
+class Node:
+    def __init__(self, config: NodeConfig, hardware: HardwareProfile):
+        self.config = config
+        self.hardware = hardware
+        self.key = load_or_create_identity(config.identity)
+        self.sh: SwarmHost | None = None
+        self.membership: Membership | None = None
+        self.penalties = Penalties()
+        self.gossip: RecordGossip | None = None
+        self.state = "starting"
+        self.role = "idle"
+        self.started_at = time.time()
+        self._seq = 0
+        self._announcement: bytes = b""
+        self.events: list[tuple[float, Event]] = []
+        self._stop = trio.Event()
+
+    @property
+    def peer_id(self) -> str:
+        assert self.sh is not None
+        return self.sh.peer_id
+
+    # -- records -------------------------------------------------------------------------------------------
+    def ingest(self, signed: Signed, age_s: float = 0.0) -> None:
+        assert self.membership is not None
+        for ev in self.membership.observe(signed, age_s=age_s):
+            self._event(ev)
+
+    def _event(self, ev: Event) -> None:
+        log.info("peer %s: %s %s", ev.peer_id, ev.kind, ev.detail)
+        self.events = (self.events + [(time.time(), ev)])[-200:]
+
+    def status_record(self) -> StatusRecord:
+        self._seq = max(self._seq + 1, int(time.time() * 1000))  # increasing across restarts too
+        return StatusRecord(peer_id=self.peer_id, seq=self._seq, time=time.time(), role=self.role, state=self.state,
+                            peers_seen=len(self.membership.live_peers()) if self.membership else 0)
+
+    def members_snapshot(self) -> list[list[Any]]:
+        """[announcement envelope, status envelope, age in seconds] for every live peer, this one included."""
+        assert self.membership is not None
+        rows: list[list[Any]] = [[self._announcement, self._last_status, 0.0]]
+        for e in self.membership.live_peers()[: MAX_MEMBERS_REPLY - 1]:
+            rows.append([e.announcement.raw if e.announcement else None, e.status.raw if e.status else None,
+                         round(self.membership.age_s(e), 3)])
+        return rows
+
+    def ingest_snapshot(self, rows: Any, source: str) -> int:
+        """Verify and ingest a members snapshot from `source`; a malformed one penalizes the source."""
+        if not isinstance(rows, list) or len(rows) > MAX_MEMBERS_REPLY:
+            self.penalties.penalize(source, "members reply is not a bounded list")
+            return 0
+        n = 0
+        for row in rows:
+            try:
+                if not isinstance(row, list) or len(row) != 3 or not isinstance(row[2], (int, float)):
+                    raise BadRequest("members row must be [announcement, status, age_s]")
+                for raw in row[:2]:
+                    if raw is not None:
+                        self.ingest(open_envelope(raw, RECORD_TYPES), age_s=min(max(float(row[2]), 0.0), 3600.0))
+                n += 1
+            except ProtocolError as e:
+                self.penalties.penalize(source, f"bad members row: {e}")
+        return n
+
+    # -- tasks ---------------------------------------------------------------------------------------------
+    async def _rpc_members(self, caller: str, body: Any) -> Any:
+        return self.members_snapshot()
+
+    async def _rpc_announce(self, caller: str, body: Any) -> Any:
+        return self._announcement
+
+    async def _publish(self, envelope: bytes) -> None:
+        assert self.gossip is not None
+        try:
+            await self.gossip.publish(envelope)
+        except Exception as e:  # noqa: BLE001 - a gossip hiccup must not stop the node
+            log.warning("publish failed: %s: %s", type(e).__name__, e)
+
+    async def _status_loop(self) -> None:
+        while True:
+            self._last_status = seal(self.status_record(), self.key)
+            await self._publish(self._last_status)
+            for ev in self.membership.sweep():
+                self._event(ev)
+            self.write_status_file()
+            await trio.sleep(self.config.status_interval_s)
+
+    async def _announce_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.announce_interval_s)
+            await self._publish(self._announcement)
+
+    async def sync_from(self, peer_id: str) -> int:
+        try:
+            rows = await call(self.sh, peer_id, "members", timeout_s=self.config.rpc_timeout_s)
+        except RpcError as e:
+            log.warning("could not fetch members from %s: %s", peer_id, e)
+            return 0
+        return self.ingest_snapshot(rows, peer_id)
+
+    def write_status_file(self) -> None:
+        path = self.config.status_file
+        if path is None or self.sh is None:
+            return
+        live = self.membership.live_peers()
+        doc = {
+            "peer_id": self.peer_id, "addrs": self.sh.addrs, "state": self.state, "role": self.role,
+            "peers": [e.peer_id for e in live], "pid": os.getpid(), "time": time.time(),
+            "version": shoal_version(),
+        }
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, path)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with open_host(self.key, self.config.host) as sh:
+            self.sh = sh
+            self.membership = Membership(sh.peer_id, self.config.membership)
+            self.gossip = RecordGossip(sh, self.penalties, self.ingest)
+            rpc = RpcServer(sh, self.penalties)
+            rpc.register("members", self._rpc_members)
+            rpc.register("announce", self._rpc_announce)
+            self._announcement = seal(Announcement(
+                peer_id=sh.peer_id, addrs=tuple(sh.addrs), software_version=shoal_version(),
+                protocol_version=PROTOCOL_VERSION, hardware=self.hardware, started_at=self.started_at), self.key)
+            self._last_status = seal(self.status_record(), self.key)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.gossip.run)
+                joined = await sh.bootstrap()
+                if self.config.host.join and not joined:
+                    raise ConnectionError(f"could not reach any of {list(self.config.host.join)}")
+                for pid in joined:
+                    await self.sync_from(pid)
+                try:
+                    await sh.dht.put_value(announcement_key(sh.peer_id), self._announcement)
+                except Exception as e:  # noqa: BLE001 - the DHT copy is a convenience, gossip carries it too
+                    log.info("announcement not stored in the DHT: %s", e)
+                self.state = "ready"
+                await self._publish(self._announcement)
+                nursery.start_soon(self._status_loop)
+                nursery.start_soon(self._announce_loop)
+                task_status.started(self)
+                await self._stop.wait()
+                await self.leave(nursery)
+
+    async def leave(self, nursery: trio.Nursery, reason: str = "shutdown") -> None:
+        """Publish a leave notice, give it a moment to spread, then close everything."""
+        self.state = "leaving"
+        self.write_status_file()
+        notice = seal(LeaveNotice(peer_id=self.peer_id, time=time.time(), reason=reason), self.key)
+        with trio.move_on_after(2.0):
+            await self._publish(notice)
+            await trio.sleep(0.3)
+        nursery.cancel_scope.cancel()
+
+
+def node_config_with_join(config: NodeConfig, join: list[str]) -> NodeConfig:
+    return replace(config, host=replace(config.host, join=tuple(join)))

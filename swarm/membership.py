@@ -1,0 +1,121 @@
+"""The membership view: which peers are live, from their announcements, status records and leave notices."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shoal.protocol.envelope import Signed
+from shoal.protocol.records import Announcement, LeaveNotice, StatusRecord
+
+ALIVE, SUSPECT, GONE, LEFT = "alive", "suspect", "gone", "left"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MembershipConfig:
+    suspect_after_s: float = 6.0  # ~3 missed status intervals
+    gone_after_s: float = 12.0
+    forget_after_s: float = 600.0  # gone/left entries are dropped from the view after this long
+
+    def __post_init__(self) -> None:
+        if not 0 < self.suspect_after_s <= self.gone_after_s <= self.forget_after_s:
+            raise ValueError("need 0 < suspect_after_s <= gone_after_s <= forget_after_s")
+
+
+@dataclass(slots=True)
+class PeerEntry:
+    peer_id: str
+    first_seen: float
+    last_seen: float
+    state: str = ALIVE
+    announcement: Signed | None = None
+    status: Signed | None = None
+    left_at_unix: float = 0.0
+
+    @property
+    def live(self) -> bool:
+        return self.state in (ALIVE, SUSPECT)
+
+    @property
+    def status_record(self) -> StatusRecord | None:
+        return self.status.record if self.status else None
+
+    @property
+    def announcement_record(self) -> Announcement | None:
+        return self.announcement.record if self.announcement else None
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: str  # "join" | "gone" | "left" | "back"
+    peer_id: str
+    detail: str = ""
+
+
+class Membership:
+    def __init__(self, self_id: str, config: MembershipConfig = MembershipConfig(),
+                 clock: Callable[[], float] = time.monotonic):
+        self.self_id = self_id
+        self.config = config
+        self.clock = clock
+        self.peers: dict[str, PeerEntry] = {}
+
+    def observe(self, signed: Signed, *, age_s: float = 0.0) -> list[Event]:
+        """Ingest a verified record (`age_s`: how long ago a relaying peer last heard from it)."""
+        rec = signed.record
+        pid = rec.peer_id
+        if pid == self.self_id:
+            return []
+        seen_at = self.clock() - max(0.0, age_s)
+        e = self.peers.get(pid)
+        events: list[Event] = []
+        if isinstance(rec, LeaveNotice):
+            if e is not None and e.state != LEFT:
+                e.state, e.left_at_unix = LEFT, rec.time
+                events.append(Event("left", pid, rec.reason))
+            return events
+        if e is None:
+            e = self.peers[pid] = PeerEntry(pid, first_seen=seen_at, last_seen=seen_at)
+            events.append(Event("join", pid))
+        elif isinstance(rec, StatusRecord) and e.state == LEFT and rec.time <= e.left_at_unix:
+            return []  # a status sent before the leave notice, delivered late
+        if isinstance(rec, StatusRecord):
+            old = e.status_record
+            if old is not None and rec.seq <= old.seq:
+                return events
+            e.status = signed
+        elif isinstance(rec, Announcement):
+            old = e.announcement_record
+            if old is not None and rec.started_at < old.started_at:
+                return events
+            e.announcement = signed
+        if seen_at > e.last_seen or not e.live:
+            e.last_seen = max(e.last_seen, seen_at)
+        if not e.live and self.clock() - e.last_seen < self.config.gone_after_s:
+            e.state = ALIVE
+            events.append(Event("back", pid))
+        elif e.state == SUSPECT and self.clock() - e.last_seen < self.config.suspect_after_s:
+            e.state = ALIVE
+        return events
+
+    def sweep(self) -> list[Event]:
+        """Mark silent peers suspect, then gone; forget long-dead entries."""
+        now = self.clock()
+        events = []
+        for pid, e in list(self.peers.items()):
+            silent = now - e.last_seen
+            if e.live and silent > self.config.gone_after_s:
+                e.state = GONE
+                events.append(Event("gone", pid, f"silent for {silent:.1f} s"))
+            elif e.state == ALIVE and silent > self.config.suspect_after_s:
+                e.state = SUSPECT
+            elif not e.live and silent > self.config.forget_after_s:
+                del self.peers[pid]
+        return events
+
+    def live_peers(self) -> list[PeerEntry]:
+        return sorted((e for e in self.peers.values() if e.live), key=lambda e: e.peer_id)
+
+    def age_s(self, e: PeerEntry) -> float:
+        return max(0.0, self.clock() - e.last_seen)

@@ -1,0 +1,70 @@
+"""Misbehaving peers: count violations, ban with capped exponential backoff, forgive slowly."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PenaltyConfig:
+    strikes_before_ban: int = 3  # violations tolerated (logged and rejected) before the first ban
+    ban_base_s: float = 10.0
+    ban_max_s: float = 600.0
+    forget_after_s: float = 300.0  # a peer with no violation for this long starts afresh
+
+    def __post_init__(self) -> None:
+        if self.strikes_before_ban < 1 or not 0 < self.ban_base_s <= self.ban_max_s:
+            raise ValueError("need strikes_before_ban >= 1 and 0 < ban_base_s <= ban_max_s")
+
+
+@dataclass(slots=True)
+class _Record:
+    strikes: int = 0
+    bans: int = 0
+    banned_until: float = 0.0
+    last_violation: float = 0.0
+    reasons: list[str] = field(default_factory=list)
+
+
+class Penalties:
+    """Per-peer violation ledger. `penalize` returns True when the call put the peer under a (new) ban."""
+
+    def __init__(self, config: PenaltyConfig = PenaltyConfig(), clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.clock = clock
+        self._peers: dict[str, _Record] = {}
+
+    def penalize(self, peer_id: str, reason: str) -> bool:
+        now = self.clock()
+        r = self._peers.setdefault(peer_id, _Record())
+        if r.last_violation and now - r.last_violation > self.config.forget_after_s:
+            r.strikes = 0
+        r.strikes += 1
+        r.last_violation = now
+        r.reasons = (r.reasons + [reason])[-5:]
+        log.warning("peer %s violation %d: %s", peer_id, r.strikes, reason)
+        if r.strikes >= self.config.strikes_before_ban and now >= r.banned_until:
+            duration = min(self.config.ban_base_s * 2**r.bans, self.config.ban_max_s)
+            r.bans += 1
+            r.strikes = 0
+            r.banned_until = now + duration
+            log.warning("peer %s banned for %.0f s (ban #%d)", peer_id, duration, r.bans)
+            return True
+        return False
+
+    def is_banned(self, peer_id: str) -> bool:
+        r = self._peers.get(peer_id)
+        return r is not None and self.clock() < r.banned_until
+
+    def ban_remaining_s(self, peer_id: str) -> float:
+        r = self._peers.get(peer_id)
+        return max(0.0, r.banned_until - self.clock()) if r else 0.0
+
+    def reasons(self, peer_id: str) -> list[str]:
+        r = self._peers.get(peer_id)
+        return list(r.reasons) if r else []
