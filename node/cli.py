@@ -65,7 +65,7 @@ def setup_logging(verbosity: int) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if verbosity < 2:  # py-libp2p logs routine peer churn as warnings
         for noisy in ("libp2p", "multiaddr", "async_service"):
-            logging.getLogger(noisy).setLevel(logging.ERROR)
+            logging.getLogger(noisy).setLevel(logging.CRITICAL)
 
 
 def main(argv: list[str] | None = None) -> int:
