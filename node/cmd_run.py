@@ -127,6 +127,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"shoal run create: invalid manifest: {e}", file=sys.stderr)
             return 2
         manifest = manifest.signed(load_or_create_identity(args.identity))
+        from pathlib import Path
+
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         tmp = f"{args.output}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(manifest.to_toml())
