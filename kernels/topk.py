@@ -7,7 +7,7 @@ import torch
 from shoal.kernels.bitpack import pack_bits, packed_nbytes, unpack_bits
 from shoal.kernels.codec import DTYPE_NAMES, Encoded, as_bytes, split, view_as
 from shoal.kernels.fastpath import dequantize_bucketed, quantize_bucketed
-from shoal.kernels.quant import Bucketed, check_bits
+from shoal.kernels.quant import Bucketed, NonFiniteError, check_bits
 
 
 def topk_count(n: int, ratio: float, multiple: int = 128) -> int:
@@ -23,13 +23,15 @@ def topk_sizes(n: int, k: int, bits: int, bucket: int) -> list[int]:
 
 
 def encode_topk(delta: torch.Tensor, ratio: float, bits: int = 4, bucket: int = 128) -> Encoded:
-    """C(delta) = Q_b(TopK_ratio(delta)) for a 1-D tensor; NaN/Inf are selected first and then rejected by Q_b."""
+    """C(delta) = Q_b(TopK_ratio(delta)) for a 1-D tensor; NaN/Inf anywhere in delta are rejected."""
     check_bits(bits)
     if delta.dim() != 1:
         raise ValueError("top-k encodes a 1-D tensor")
     n = delta.numel()
     k = topk_count(n, ratio, bucket)
     x = delta if delta.dtype == torch.float32 else delta.float()
+    if n and not bool(torch.isfinite(x).all()):
+        raise NonFiniteError("delta holds NaN or Inf")
     sel = torch.zeros(n, dtype=torch.bool, device=x.device)
     if k:
         idx = torch.topk(x.abs(), k, sorted=False).indices
