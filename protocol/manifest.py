@@ -411,4 +411,4 @@ class RunManifest(_Record):
     def default(cls, size: str = "tiny", **overrides: Any) -> RunManifest:
         """The built-in run: a `size` GPT on the stdlib corpus, one stage, one replica."""
         seq = MODEL_PRESETS[size][3]
-        return cls(model=ModelSpec.preset(size), batch=BatchSpec(seq_len=seq), **overrides)
+        return cls(**{"model": ModelSpec.preset(size), "batch": BatchSpec(seq_len=seq), **overrides})
