@@ -1,0 +1,115 @@
+"""`DashApp`: the Textual dashboard over a `SwarmView`; records come in through `feed`, time through `clock`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.widgets import Footer, Header, TabbedContent, TabPane
+
+from shoal.tui.events import EventsTable
+from shoal.tui.model import SwarmView, ViewConfig
+from shoal.tui.overview import OverviewPane
+from shoal.tui.peers import PeersPane, PeerTable
+
+TABS = ("overview", "peers", "events")
+
+
+class DashApp(App):
+    """The swarm dashboard. Feed it records from any thread with `app.call_from_thread(app.feed, record)`.
+
+    `clock` gives the local time (unix s) used for last-seen ages and stale/gone; tests pass a fixed one.
+    A timer re-derives liveness every `refresh_s`, so silent peers turn stale, then gone, on their own.
+    """
+
+    TITLE = "shoal dash"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    CSS = """
+    TabbedContent { height: 1fr; }
+    TabPane { padding: 0; }
+    """
+    BINDINGS = [
+        Binding("1", "show_tab('overview')", "Overview"),
+        Binding("2", "show_tab('peers')", "Peers"),
+        Binding("3", "show_tab('events')", "Events"),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    def __init__(
+        self,
+        config: ViewConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        refresh_s: float = 1.0,
+        source: str = "",
+    ) -> None:
+        super().__init__()
+        self.view = SwarmView(config)
+        self.clock = clock
+        self.refresh_s = refresh_s
+        self.source = source
+        self._refresh_pending = False
+        self.problem: str | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with TabbedContent(initial="overview"):
+            with TabPane("Overview", id="overview"):
+                yield OverviewPane()
+            with TabPane("Peers", id="peers"):
+                yield PeersPane()
+            with TabPane("Events", id="events"):
+                yield EventsTable(id="events-table")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.set_interval(self.refresh_s, self.refresh_view)
+        self.refresh_view()
+
+    # --- records in ----------------------------------------------------------------------------
+
+    def feed(self, record: Any) -> None:
+        """Fold one protocol record into the view; the screen catches up on the next idle moment."""
+        self.view.feed(record, self.clock())
+        if not self._refresh_pending:
+            self._refresh_pending = True
+            self.call_later(self.refresh_view)
+
+    def report_problem(self, text: str) -> None:
+        """Shown in the header and as a notification (e.g. the observer lost the swarm)."""
+        self.problem = text
+        self.notify(text, severity="error", timeout=10)
+        self.refresh_view()
+
+    # --- state down ----------------------------------------------------------------------------
+
+    def refresh_view(self) -> None:
+        self._refresh_pending = False
+        now = self.clock()
+        view = self.view
+        view.tick(now)
+        summary = view.summary(now)
+        peers = len(view.counted_peers())
+        where = f"{self.source} · " if self.source else ""
+        self.sub_title = self.problem or f"{where}{peers} peers · {view.records_seen} records"
+        self.query_one(OverviewPane).show(summary, view.loss_history())
+        self.query_one(PeersPane).show(view.peers, now)
+        self.query_one(EventsTable).show(list(view.events))
+
+    # --- navigation ----------------------------------------------------------------------------
+
+    def action_show_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+        target = {"peers": PeerTable, "events": EventsTable}.get(tab)
+        if target is not None:
+            self.query_one(target).focus()
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        pane = event.pane.id
+        if pane == "peers":
+            self.query_one(PeerTable).focus()
+        elif pane == "events":
+            self.query_one(EventsTable).focus()
