@@ -59,7 +59,7 @@ def tensor_from_buffer(buf: bytes | bytearray | memoryview) -> torch.Tensor:
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).reshape(-1)
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def view_as(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -66,7 +66,7 @@ class TensorHeader:
             raise FieldError("shape", f"at most {MAX_NDIM} dimensions")
         n = 1
         for d in self.shape:
-            check_int("shape", d, 0, max_numel)
+            check_int("shape", d, 0, 1 << 62)
             n *= d
             if n > max_numel:
                 raise TooLargeError(f"shape {self.shape} has more than {max_numel} elements")
