@@ -117,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
 
     from shoal.protocol.errors import ProtocolError, SignatureError
 
-    console = Console()
+    console = Console(soft_wrap=True)
     if args.run_command == "create":
         from shoal.node.identity_file import load_or_create_identity
 

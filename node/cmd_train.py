@@ -52,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
     from shoal.protocol.errors import ProtocolError, SignatureError
     from shoal.protocol.manifest import RunManifest
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.run:
