@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shoal.kernels.bitpack import pack_bits, packed_nbytes, unpack_bits
@@ -30,7 +32,7 @@ def encode_topk(delta: torch.Tensor, ratio: float, bits: int = 4, bucket: int = 
     n = delta.numel()
     k = topk_count(n, ratio, bucket)
     x = delta if delta.dtype == torch.float32 else delta.float()
-    if n and not bool(torch.isfinite(x).all()):
+    if n and not math.isfinite(float(x.sum())):  # one pass: NaN/Inf (or overflow) anywhere propagate
         raise NonFiniteError("delta holds NaN or Inf")
     sel = torch.zeros(n, dtype=torch.bool, device=x.device)
     if k:
