@@ -8,6 +8,7 @@ from typing import Any
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.widgets import Footer, Header, TabbedContent, TabPane
 
 from shoal.tui.events import EventsTable
@@ -95,9 +96,14 @@ class DashApp(App):
         peers = len(view.counted_peers())
         where = f"{self.source} · " if self.source else ""
         self.sub_title = self.problem or f"{where}{peers} peers · {view.records_seen} records"
-        self.query_one(OverviewPane).show(summary, view.loss_history())
-        self.query_one(PeersPane).show(view.peers, now)
-        self.query_one(EventsTable).show(list(view.events))
+        try:
+            overview, peers_pane, events = (self.query_one(OverviewPane), self.query_one(PeersPane),
+                                            self.query_one(EventsTable))
+        except NoMatches:  # a timer firing while the app shuts down
+            return
+        overview.show(summary, view.loss_history())
+        peers_pane.show(view.peers, now)
+        events.show(list(view.events))
 
     # --- navigation ----------------------------------------------------------------------------
 

@@ -185,8 +185,10 @@ class PeerTable(DataTable):
 
 
 class PeersPane(Vertical):
-    """Filter input, peers table and (once a row is selected) the detail panel."""
+    """Filter input, peers table and (once a row is selected) the detail panel: below the table on a
+    narrow terminal, beside it on a wide one (the app's `-wide` breakpoint class on the screen)."""
 
+    SCOPED_CSS = False  # the layout rules look at the screen's breakpoint class
     DEFAULT_CSS = """
     PeersPane { height: 1fr; }
     PeersPane #peer-filter { height: 1; margin: 0 1; }
