@@ -80,9 +80,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         err.print(f"starting {args.nodes} nodes in {workdir} …")
         swarm.start()
+        converged_after = swarm.wait_converged(args.converge_timeout)
         local_file.write_text(json.dumps({"pid": os.getpid(), "bootstrap": swarm.bootstrap_addrs(),
                                           "workdir": str(workdir)}))
-        converged_after = swarm.wait_converged(args.converge_timeout)
         err.print(f"all {args.nodes} nodes see each other after {converged_after:.1f} s; "
                   f"bootstrap: {swarm.bootstrap_addrs()[0]}", soft_wrap=True)
         end = t0 + args.duration if args.duration is not None else float("inf")

@@ -190,10 +190,12 @@ class Node:
                     log.info("announcement not stored in the DHT: %s", e)
                 self.state = "ready"
                 await self._publish(self._announcement)
-                nursery.start_soon(self._status_loop)
-                nursery.start_soon(self._announce_loop)
-                task_status.started(self)
-                await self._stop.wait()
+                async with trio.open_nursery() as periodic:
+                    periodic.start_soon(self._status_loop)
+                    periodic.start_soon(self._announce_loop)
+                    task_status.started(self)
+                    await self._stop.wait()
+                    periodic.cancel_scope.cancel()  # no status may follow the leave notice
                 await self.leave(nursery)
 
     async def leave(self, nursery: trio.Nursery, reason: str = "shutdown") -> None:
