@@ -38,7 +38,9 @@ def _trim_metrics(path, keep_through_step: int) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import json
+    import signal
     import sys
+    import threading
     import time
     from pathlib import Path
 
@@ -102,6 +104,18 @@ def main(args: argparse.Namespace) -> int:
     )
     plain = progress.disable
     t_start = time.perf_counter()
+    # Ctrl+C finishes the step under way (a checkpoint mid-step would not resume exactly); a second one aborts
+    stop = []
+    previous_handler = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum, frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+        console.print("stopping after this step (Ctrl+C again to abort without a checkpoint)")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_sigint)
     try:
         with progress, metrics_path.open("a") as metrics:
             task = progress.add_task("train", total=total, completed=trainer.step_count, loss="-", eval="-", tps="-")
@@ -120,10 +134,18 @@ def main(args: argparse.Namespace) -> int:
                 if ckpt_every and r.step % ckpt_every == 0:
                     trainer.save(out)
                     last_saved = r.step
+                if stop:
+                    break
     except KeyboardInterrupt:
+        console.print(f"aborted in step {trainer.step_count + 1}; the last checkpoint in {out} is step {last_saved}")
+        return 130
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous_handler)
+    if stop:
         if trainer.step_count != last_saved:
             trainer.save(out)
-        console.print(f"interrupted at step {trainer.step_count}; checkpoint saved in {out}")
+        console.print(f"stopped at step {trainer.step_count}; checkpoint saved in {out}")
         return 130
     if trainer.step_count != last_saved:
         trainer.save(out)

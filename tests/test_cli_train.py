@@ -82,3 +82,29 @@ def test_invalid_manifest_error_message(tmp_path, capsys):
 
     assert cmd_run.main(Namespace(run_command="show", path=str(run))) == 2
     assert "plan.replicas" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.node.cli", "train", "--steps", "100000", "--out", str(out), "--threads", "1", "--no-progress"],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not ((out / "metrics.jsonl").exists() and metrics(out)):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "checkpoint saved" in err
+    step = metrics(out)[-1]["step"]
+    assert (out / f"ckpt-{step:010d}.pt").exists()
