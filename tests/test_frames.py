@@ -106,7 +106,7 @@ def test_topk_count_bounds():
 def test_payload_is_a_view_not_a_copy():
     f = bytearray(good_frame())
     h, payload = decode_frame(f)
-    assert isinstance(payload, memoryview) and payload.obj is f or payload.nbytes == h.nbytes
+    assert isinstance(payload, memoryview) and payload.obj is f and payload.nbytes == h.nbytes
 
 
 @given(data=st.binary(max_size=300))
