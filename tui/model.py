@@ -194,7 +194,7 @@ class SwarmView:
             self._emit(now, EventKind.BROKER, old, f"no broker: {short_id(old or '?')} {why}")
         else:
             was = f" (was {short_id(old)})" if old else ""
-            self._emit(now, EventKind.BROKER, peer_id, f"{short_id(peer_id)} is the broker{was}")
+            self._emit(now, EventKind.BROKER, peer_id, f"is now the broker{was}")
 
     # --- aggregates ----------------------------------------------------------------------------
 
@@ -303,10 +303,9 @@ def _on_status(view: SwarmView, s: StatusRecord, now: float) -> None:
     p = view._touch(s.peer_id, now)
     prev = p.status
     p.status = s
-    pid = short_id(s.peer_id)
     if prev is not None and prev.role == "backup" and s.role == "active":
         where = f" into slot {s.slot}" if s.slot else ""
-        view._emit(now, EventKind.PROMOTION, s.peer_id, f"{pid} promoted from the backup pool{where}")
+        view._emit(now, EventKind.PROMOTION, s.peer_id, f"promoted from the backup pool{where}")
     if s.role == "broker":
         view._set_broker(s.peer_id, now, "")
     elif view.broker == s.peer_id:

@@ -33,7 +33,7 @@ def summary_table(s: Summary) -> Table:
     t.add_row("Wire", fmt.rate(s.wire_bytes_per_s))
     t.add_row("Uncompr.", fmt.rate(s.uncompressed_bytes_per_s))
     ratio = s.compression
-    t.add_row("Compress.", "-" if ratio is None else f"{ratio:.1f}x")
+    t.add_row("Ratio", "-" if ratio is None else f"{ratio:.1f}x")
     return t
 
 
@@ -66,7 +66,7 @@ class OverviewPane(Horizontal):
 
     DEFAULT_CSS = """
     OverviewPane { height: 1fr; }
-    OverviewPane #summary { width: 38; padding: 0 1; }
+    OverviewPane #summary { width: 40; padding: 0 1; }
     """
 
     def compose(self) -> ComposeResult:

@@ -35,10 +35,15 @@ def _status(p: PeerView, name: str, default: Any = None) -> Any:
 
 
 def _device(p: PeerView) -> str:
+    """The device's name (its kind when unnamed); the full profile is in the detail panel."""
     if p.announcement is None:
         return "?"
     hw = p.announcement.hardware
-    return hw.device_kind if not hw.device_name else f"{hw.device_kind} {hw.device_name}"
+    return hw.device_name or hw.device_kind
+
+
+def _device_kind(p: PeerView) -> str:
+    return p.announcement.hardware.device_kind if p.announcement else ""
 
 
 def _state(p: PeerView) -> str:
@@ -51,13 +56,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("peer", "peer", lambda p, now: short_id(p.peer_id), lambda p, now: p.peer_id),
     Column("role", "role", lambda p, now: p.role, lambda p, now: (ROLE_ORDER.get(p.role, 9), _status(p, "slot") or "")),
     Column("slot", "slot", lambda p, now: _status(p, "slot") or "-", lambda p, now: _status(p, "slot") or "~"),
-    Column("device", "device", lambda p, now: _device(p)[:16], lambda p, now: _device(p)),
+    Column("device", "device", lambda p, now: _device(p)[:10], lambda p, now: _device(p)),
     Column("step", "step", lambda p, now: str(_status(p, "step", 0)), lambda p, now: _status(p, "step", 0), True),
-    Column("tps", "tok/s", lambda p, now: fmt.si(_status(p, "tokens_per_s", 0.0)),
+    Column("tps", "tok/s", lambda p, now: fmt.si(_status(p, "tokens_per_s", 0.0), digits=2),
            lambda p, now: _status(p, "tokens_per_s", 0.0), True),
-    Column("up", "up", lambda p, now: fmt.rate(_status(p, "up_bytes_per_s", 0.0)),
+    Column("up", "up/s", lambda p, now: fmt.si(_status(p, "up_bytes_per_s", 0.0), digits=2),
            lambda p, now: _status(p, "up_bytes_per_s", 0.0), True),
-    Column("down", "down", lambda p, now: fmt.rate(_status(p, "down_bytes_per_s", 0.0)),
+    Column("down", "dn/s", lambda p, now: fmt.si(_status(p, "down_bytes_per_s", 0.0), digits=2),
            lambda p, now: _status(p, "down_bytes_per_s", 0.0), True),
     Column("seen", "seen", lambda p, now: fmt.ago(now - p.last_seen), lambda p, now: now - p.last_seen, True),
     Column("state", "state", lambda p, now: _state(p), lambda p, now: _state(p)),
@@ -69,7 +74,7 @@ def peer_matches(p: PeerView, needle: str) -> bool:
     """Case-insensitive substring match over the peer id, role, slot, state and device."""
     if not needle:
         return True
-    hay = " ".join((p.peer_id, p.role, _status(p, "slot") or "", _state(p), _device(p))).lower()
+    hay = " ".join((p.peer_id, p.role, _status(p, "slot") or "", _state(p), _device_kind(p), _device(p))).lower()
     return all(word in hay for word in needle.lower().split())
 
 
@@ -80,6 +85,10 @@ def peer_detail(p: PeerView, now: float) -> Table:
     t.add_column(overflow="fold")
     t.add_row("Peer", p.peer_id)
     t.add_row("Status", Text(f"{p.role} · {_state(p)} · seen {fmt.ago(now - p.last_seen)} ago", LIVENESS_STYLE[p.liveness]))
+    if p.errors:
+        t.add_row("Errors", Text("\n".join(f"{fmt.clock(at)} {text}" for at, text in reversed(p.errors)), "red"))
+    if p.left is not None:
+        t.add_row("Left", f"{fmt.clock(p.left.time)} {p.left.reason}")
     s = p.status
     if s is not None:
         t.add_row("Run", f"{s.run_id or '-'}  slot {s.slot or '-'}  step {s.step}")
@@ -98,10 +107,6 @@ def peer_detail(p: PeerView, now: float) -> Table:
         t.add_row("Addresses", "\n".join(a.addrs) if a.addrs else "-")
     else:
         t.add_row("Hardware", Text("no announcement seen yet", "dim"))
-    if p.left is not None:
-        t.add_row("Left", f"{fmt.clock(p.left.time)} {p.left.reason}")
-    if p.errors:
-        t.add_row("Errors", Text("\n".join(f"{fmt.clock(at)} {text}" for at, text in reversed(p.errors)), "red"))
     return t
 
 
@@ -198,7 +203,7 @@ class PeersPane(Vertical):
                              overflow-y: auto; }
     PeersPane.-detail #peer-detail { display: block; }
     .-wide PeersPane #peer-body { layout: horizontal; }
-    .-wide PeersPane #peer-detail { border-top: none; border-left: solid $primary; height: 1fr; width: 60; }
+    .-wide PeersPane #peer-detail { border-top: none; border-left: solid $primary; height: 1fr; width: 64; }
     """
 
     BINDINGS = [
