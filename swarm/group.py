@@ -1,0 +1,44 @@
+"""A data-parallel group as one round sees it: a fixed, ordered member list under an epoch number."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Group:
+    """Membership changes only between rounds, and every change bumps `epoch`.
+
+    `members` are the peer ids of the active replicas of one stage, sorted, so every member derives the same
+    chunk ownership (member i serves chunk i) without talking.
+    """
+
+    run_id: str
+    stage: int = 0
+    epoch: int
+    members: tuple[str, ...]
+    me: str
+
+    def __post_init__(self) -> None:
+        if tuple(sorted(set(self.members))) != self.members:
+            raise ValueError("group members must be sorted and unique")
+        if self.me not in self.members:
+            raise ValueError("this node is not a member of the group")
+        if self.epoch < 0:
+            raise ValueError("epoch must be >= 0")
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.me)
+
+    def without(self, missing: set[str]) -> Group:
+        """The same round's group with `missing` members dropped (a deterministic re-owning of their chunks)."""
+        return Group(run_id=self.run_id, stage=self.stage, epoch=self.epoch,
+                     members=tuple(m for m in self.members if m not in missing), me=self.me)
+
+    def tag(self, round_: int, phase: str) -> str:
+        return f"{self.run_id[:16]}/{self.stage}/{self.epoch}/{round_}/{phase}"
