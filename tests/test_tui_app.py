@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import io
 
+import pytest
+
 from rich.console import Console
 from textual.widgets import Static
 
@@ -188,3 +190,32 @@ def test_late_dashboard_fills_from_a_snapshot():
         assert len(rows(app)) == 6
 
     run(body, until=T0 - 1)
+
+
+def test_records_from_another_thread_before_and_while_running():
+    import threading
+
+    async def main():
+        clock = Clock(END)
+        app = DashApp(clock=clock, refresh_s=3600)
+        app.feed_threadsafe(StatusRecord(peer_id=A1, seq=1, time=T0, role="active"))  # before the app runs
+        async with app.run_test(size=SIZE) as pilot:
+            t = threading.Thread(target=app.feed_threadsafe,
+                                 args=(StatusRecord(peer_id=A2, seq=1, time=T0, role="backup"),))
+            t.start()
+            t.join()
+            await pilot.pause(0.3)
+            assert set(rows(app)) == {A1, A2}
+
+    asyncio.run(main())
+
+
+def test_cmd_dash_argument_errors(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("shoal.node.cmd_dash")  # not committed while node may not import tui (test_layers)
+    from shoal.node.cli import main as shoal_main
+
+    monkeypatch.setenv("SHOAL_HOME", str(tmp_path))
+    assert shoal_main(["dash", "--local"]) == 2
+    assert "no local swarm" in capsys.readouterr().err
+    assert shoal_main(["dash"]) == 2
+    assert shoal_main(["dash", "--join", "/ip4/127.0.0.1/tcp/1", "--stale-after", "9", "--gone-after", "3"]) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,11 +17,12 @@ from shoal.tui.model import SwarmView, ViewConfig
 from shoal.tui.overview import OverviewPane
 from shoal.tui.peers import PeersPane, PeerTable
 
-TABS = ("overview", "peers", "events")
+INBOX_POLL_S = 0.1  # how often records queued by another thread are taken in
 
 
 class DashApp(App):
-    """The swarm dashboard. Feed it records from any thread with `app.call_from_thread(app.feed, record)`.
+    """The swarm dashboard. Feed it records with `feed(record)` on the app's own loop, or from any thread
+    (before or while it runs) with `feed_threadsafe(record)`, which never blocks the caller.
 
     `clock` gives the local time (unix s) used for last-seen ages and stale/gone; tests pass a fixed one.
     A timer re-derives liveness every `refresh_s`, so silent peers turn stale, then gone, on their own.
@@ -53,6 +55,7 @@ class DashApp(App):
         self.refresh_s = refresh_s
         self.source = source
         self._refresh_pending = False
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.problem: str | None = None
 
     def compose(self) -> ComposeResult:
@@ -68,6 +71,8 @@ class DashApp(App):
 
     def on_mount(self) -> None:
         self.set_interval(self.refresh_s, self.refresh_view)
+        self.set_interval(INBOX_POLL_S, self._drain_inbox)
+        self._drain_inbox()
         self.refresh_view()
 
     # --- records in ----------------------------------------------------------------------------
@@ -78,6 +83,18 @@ class DashApp(App):
         if not self._refresh_pending:
             self._refresh_pending = True
             self.call_later(self.refresh_view)
+
+    def feed_threadsafe(self, record: Any) -> None:
+        """Queue a record from another thread (the observer's); the app takes it within INBOX_POLL_S."""
+        self._inbox.put(record)
+
+    def _drain_inbox(self) -> None:
+        for _ in range(10_000):  # bounded per poll, so a flood cannot freeze the screen
+            try:
+                record = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.feed(record)
 
     def report_problem(self, text: str) -> None:
         """Shown in the header and as a notification (e.g. the observer lost the swarm)."""
