@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = sub.add_parser("create", help="write a new signed manifest", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     c.add_argument("-o", "--output", required=True, help="where to write the manifest (TOML)")
     c.add_argument("--name", default="shoal-run")
-    c.add_argument("--identity", default="~/.shoal/identity.key", help="Ed25519 key file that signs (created if missing)")
+    c.add_argument("--identity", default=None,
+                   help="Ed25519 key file that signs (created if missing; default: $SHOAL_HOME/identity.key)")
     c.add_argument("--size", choices=("tiny", "small", "base"), default="tiny", help="model preset")
     c.add_argument("--layers", type=int, help="override the preset's layer count")
     c.add_argument("--d-model", type=int, help="override the preset's width")
@@ -119,14 +120,16 @@ def main(args: argparse.Namespace) -> int:
 
     console = Console(soft_wrap=True)
     if args.run_command == "create":
-        from shoal.node.identity_file import load_or_create_identity
+        from shoal.swarm.identity import load_or_create_identity
 
         try:
             manifest = build_manifest(args)
         except ProtocolError as e:
             print(f"shoal run create: invalid manifest: {e}", file=sys.stderr)
             return 2
-        manifest = manifest.signed(load_or_create_identity(args.identity))
+        from shoal.node.cmd_node import shoal_home
+
+        manifest = manifest.signed(load_or_create_identity(args.identity or shoal_home() / "identity.key"))
         from pathlib import Path
 
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

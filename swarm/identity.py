@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 SEED_BYTES = 32
 
 
-class IdentityError(RuntimeError):
+class IdentityError(ValueError):
     """The identity file exists but cannot be used."""
 
 
@@ -31,7 +31,7 @@ def load_or_create_identity(path: Path | str | None) -> Ed25519PrivateKey:
             raise IdentityError(f"{path}: expected a {SEED_BYTES}-byte Ed25519 seed, found {len(seed)} bytes")
         return Ed25519PrivateKey.from_private_bytes(seed)
     key = Ed25519PrivateKey.generate()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -45,6 +45,11 @@ def load_or_create_identity(path: Path | str | None) -> Ed25519PrivateKey:
         os.unlink(tmp)
         return load_or_create_identity(path)
     os.unlink(tmp)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # the new name survives a crash
+    finally:
+        os.close(dfd)
     log.info("created identity %s at %s", peer_id_of(key), path)
     return key
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shoal.node.identity_file import IdentityFileError, load_or_create_identity
+from shoal.swarm.identity import IdentityError, load_or_create_identity
 from shoal.protocol.errors import FieldError, SignatureError
 from shoal.protocol.manifest import (
     BatchSpec,
@@ -163,5 +163,5 @@ def test_identity_file_is_created_private_and_reloaded(tmp_path):
     assert public_key_bytes(k1) == public_key_bytes(k2)
     assert [p.name for p in path.parent.iterdir()] == ["identity.key"]
     path.write_bytes(b"short")
-    with pytest.raises(IdentityFileError):
+    with pytest.raises(IdentityError):
         load_or_create_identity(path)
