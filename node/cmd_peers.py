@@ -24,8 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long to listen to gossip after the snapshot (default: 1.5)")
 
 
-def resolve_join(args: argparse.Namespace, prog: str) -> list[str]:
-    """--join addresses, or with --local those of the swarm `shoal swarm up` runs here; SystemExit if none."""
+def resolve_join(args: argparse.Namespace, prog: str) -> list[str] | None:
+    """--join addresses, or with --local those of the swarm `shoal swarm up` runs here; None (said why) if none."""
+    import sys
+
     from shoal.node.cmd_node import shoal_home
     from shoal.swarm.observer import find_local_swarm
 
@@ -33,9 +35,11 @@ def resolve_join(args: argparse.Namespace, prog: str) -> list[str]:
     if getattr(args, "local", False):
         join += find_local_swarm(shoal_home())
         if not join:
-            raise SystemExit(f"{prog}: no local swarm is running (start one with `shoal swarm up`)")
+            print(f"{prog}: no local swarm is running (start one with `shoal swarm up`)", file=sys.stderr)
+            return None
     if not join:
-        raise SystemExit(f"{prog}: give --join MULTIADDR (or --local)")
+        print(f"{prog}: say which swarm: --join MULTIADDR or --local", file=sys.stderr)
+        return None
     return join
 
 
@@ -65,6 +69,8 @@ def main(args: argparse.Namespace) -> int:
     from shoal.swarm.observer import Observer
 
     join = resolve_join(args, "shoal peers")
+    if join is None:
+        return 2
     try:
         obs = Observer(join)
     except ValueError as e:

@@ -211,7 +211,6 @@ def test_records_from_another_thread_before_and_while_running():
 
 
 def test_cmd_dash_argument_errors(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("shoal.node.cmd_dash")  # not committed while node may not import tui (test_layers)
     from shoal.node.cli import main as shoal_main
 
     monkeypatch.setenv("SHOAL_HOME", str(tmp_path))

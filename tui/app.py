@@ -20,6 +20,13 @@ from shoal.tui.peers import PeersPane, PeerTable
 INBOX_POLL_S = 0.1  # how often records queued by another thread are taken in
 
 
+class _Problem:
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+
 class DashApp(App):
     """The swarm dashboard. Feed it records with `feed(record)` on the app's own loop, or from any thread
     (before or while it runs) with `feed_threadsafe(record)`, which never blocks the caller.
@@ -88,13 +95,20 @@ class DashApp(App):
         """Queue a record from another thread (the observer's); the app takes it within INBOX_POLL_S."""
         self._inbox.put(record)
 
+    def feed_threadsafe_problem(self, text: str) -> None:
+        """Queue a problem report from another thread; shown like `report_problem`."""
+        self._inbox.put(_Problem(text))
+
     def _drain_inbox(self) -> None:
         for _ in range(10_000):  # bounded per poll, so a flood cannot freeze the screen
             try:
                 record = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            self.feed(record)
+            if isinstance(record, _Problem):
+                self.report_problem(record.text)
+            else:
+                self.feed(record)
 
     def report_problem(self, text: str) -> None:
         """Shown in the header and as a notification (e.g. the observer lost the swarm)."""
