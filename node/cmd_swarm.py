@@ -11,6 +11,7 @@ first one the bootstrap. It waits until every node sees every other, shows a
 live summary, and stops them all on Ctrl+C.
 
   shoal swarm up                          # 3 nodes, until Ctrl+C
+  shoal swarm up --dash                   # the same, watched in the dashboard (q stops it)
   shoal swarm up --nodes 5 --duration 30 --json   # unattended, for scripts and CI
 
 While it runs, other terminals can look at it:
@@ -28,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--json", action="store_true", help="print a final JSON summary on stdout")
     up.add_argument("--dir", type=str, default=None, metavar="PATH",
                     help="where node keys, status files and logs go (default: a new folder under $SHOAL_HOME/swarms)")
+    up.add_argument("--dash", action="store_true", help="open the dashboard on the swarm (quitting it stops the swarm)")
     up.add_argument("--device", default="cpu", help="device for every node (default: cpu)")
     up.add_argument("--converge-timeout", type=float, default=90.0, metavar="SECONDS",
                     help="give up if the nodes do not all see each other within this long (default: 90)")
@@ -86,7 +88,16 @@ def main(args: argparse.Namespace) -> int:
         err.print(f"all {args.nodes} nodes see each other after {converged_after:.1f} s; "
                   f"bootstrap: {swarm.bootstrap_addrs()[0]}", soft_wrap=True)
         end = t0 + args.duration if args.duration is not None else float("inf")
-        if interactive:
+        if args.dash:
+            import subprocess
+
+            dash = subprocess.Popen([sys.executable, "-m", "shoal.node.cli", "dash", "--local"])
+            while dash.poll() is None and time.monotonic() < end:
+                time.sleep(0.3)
+            if dash.poll() is None:
+                dash.terminate()
+                dash.wait()
+        elif interactive:
             with Live(_table(swarm, t0, converged_after), console=err, refresh_per_second=2) as live:
                 while time.monotonic() < end:
                     time.sleep(0.5)
