@@ -1,0 +1,265 @@
+"""What the group synchronizers share: the round's group, tensor frames on the collective, validation, chunked all-reduce."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from shoal.kernels.codec import Codec, Encoded, tensor_from_buffer
+from shoal.kernels.topk import decode_topk
+from shoal.node.trainer import Synchronizer
+from shoal.protocol.errors import ProtocolError
+from shoal.protocol.frames import decode_frame, encode_frame, make_header
+from shoal.swarm.collective import Collective
+from shoal.swarm.group import Group
+from shoal.swarm.penalty import Penalties
+
+log = logging.getLogger(__name__)
+
+#: a hook for fault-injection tests: (phase, outgoing Encoded) -> what is really sent to other members
+Fault = Callable[[str, Encoded], Encoded]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncConfig:
+    round_timeout_s: float = 30.0  # one exchange phase; a member not heard by then is dropped from the round
+    norm_factor: float = 10.0  # a contribution whose norm exceeds this x the group's (low) median is rejected
+    broadcast_norm_factor: float = 1000.0  # the same for owners' broadcasts (RMS against the median over chunks)
+
+    def __post_init__(self) -> None:
+        if self.round_timeout_s <= 0 or self.norm_factor <= 1 or self.broadcast_norm_factor <= 1:
+            raise ValueError("round_timeout_s must be positive and the norm factors > 1")
+
+
+class Rejected(ProtocolError):
+    """A member's update failed validation: it is excluded from the aggregation and penalized."""
+
+
+def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """Cut [0, n) into `parts` near-equal contiguous chunks; member i of the group owns chunk i."""
+    base, extra = divmod(n, parts)
+    out, a = [], 0
+    for i in range(parts):
+        b = a + base + (1 if i < extra else 0)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def encode_tensor(e: Encoded) -> bytes:
+    """An Encoded as one tensor frame (header + payload) ready for the collective."""
+    mv = e.payload_bytes()
+    h = make_header(e.codec, e.dtype, e.shape, e.bits, e.bucket, e.count, mv)
+    head, body = encode_frame(h, mv)
+    return bytes(head) + bytes(body)
+
+
+def decode_tensor(buf: bytes, *, codec: str, dtype: str, numel: int, bits: int | None = None,
+                  bucket: int | None = None, count: int | None = None) -> Encoded:
+    """Parse a tensor frame and check it is exactly the kind expected; raises ProtocolError."""
+    h, payload = decode_frame(buf, max_numel=numel, max_payload=len(buf))
+    want = {"codec": codec, "dtype": dtype, "shape": (numel,), "bits": bits, "bucket": bucket, "count": count}
+    for k, v in want.items():
+        if v is not None and getattr(h, k) != v:
+            raise Rejected(f"frame field {k}={getattr(h, k)!r}, expected {v!r}")
+    return Encoded(h.codec, h.dtype, h.shape, h.bits, h.bucket, h.count, tensor_from_buffer(payload))
+
+
+def decode_values(e: Encoded, codec: Codec | None) -> torch.Tensor:
+    """Dense float32 values of a received Encoded, checked finite."""
+    try:
+        x = decode_topk(e) if e.codec == "topk" else codec.decode(e).float()
+    except ValueError as err:
+        raise Rejected(f"undecodable {e.codec} payload: {err}") from err
+    if not bool(torch.isfinite(x).all()):
+        raise Rejected("non-finite values")
+    return x
+
+
+def hash_tensor(x: torch.Tensor) -> str:
+    return hashlib.sha256(x.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+
+
+@torch.no_grad()
+def write_flat_params(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    o = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.copy_(flat[o : o + n].view_as(p))
+        o += n
+
+
+def flat_grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                      for p in model.parameters()])
+
+
+@torch.no_grad()
+def write_flat_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    o = 0
+    for p in model.parameters():
+        n = p.numel()
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad.copy_(flat[o : o + n].view_as(p))
+        o += n
+
+
+class GroupSync(Synchronizer):
+    """Base of the network synchronizers; the trainer thread reaches the trio loop through `trio_token`.
+
+    Callbacks: `on_missing(peer_ids)` when members miss a round's deadline (they are left out of the rest of the
+    group epoch: their chunks are re-owned by `Group.without`), `on_offender(peer_id, reason)` when a member's
+    update is rejected (excluded for the epoch, penalized; `penalties` bans it with backoff).
+    """
+
+    def __init__(self, *, collective: Collective, group_fn: Callable[[], Group], trio_token: trio.lowlevel.TrioToken,
+                 penalties: Penalties, config: SyncConfig = SyncConfig(),
+                 on_missing: Callable[[list[str]], None] | None = None,
+                 on_offender: Callable[[str, str], None] | None = None):
+        self.collective = collective
+        self.group_fn = group_fn
+        self.trio_token = trio_token
+        self.penalties = penalties
+        self.config = config
+        self.on_missing = on_missing
+        self.on_offender = on_offender
+        self.bytes_sent = 0  # tensor-frame bytes this replica sent to other members
+        self.bytes_recv = 0  # tensor-frame bytes accepted from other members
+        self.fp32_bytes = 0  # what fp32 all-reduce messages for the same coordinates would have carried
+        self.rounds = 0
+        self.last_hash = ""
+        self.fault: Fault | None = None
+        self._epoch: tuple[str, int] | None = None
+        self._excluded: set[str] = set()
+
+    # -- what the daemon reads
+    def state_hash(self) -> str:
+        """Hash of the synchronized state after the last round: equal on every replica of the group."""
+        return self.last_hash
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.fp32_bytes / self.bytes_sent if self.bytes_sent else 1.0
+
+    # -- group and faults
+    def group(self) -> Group:
+        """This round's group: the broker's group minus members dropped or rejected earlier in this epoch."""
+        g = self.group_fn()
+        if self._epoch != (g.run_id, g.epoch):
+            self._epoch, self._excluded = (g.run_id, g.epoch), set()
+        drop = {m for m in g.members if m != g.me and (m in self._excluded or self.penalties.is_banned(m))}
+        return g.without(drop) if drop else g
+
+    def _missing(self, peers: set[str]) -> None:
+        if peers:
+            self._excluded |= peers
+            log.warning("members missed the round deadline, dropped for this epoch: %s", sorted(peers))
+            if self.on_missing:
+                self.on_missing(sorted(peers))
+
+    def _offend(self, peer: str, reason: str) -> None:
+        self._excluded.add(peer)
+        self.penalties.penalize(peer, f"sync: {reason}")
+        log.warning("update from %s rejected: %s", peer, reason)
+        if self.on_offender:
+            self.on_offender(peer, reason)
+
+    # -- network
+    def exchange(self, tag: str, sends: dict[str, Encoded], expect: set[str], phase: str) -> dict[str, bytes]:
+        """Frame and send `sends`, wait for `expect` (from the trainer's worker thread); counts bytes."""
+        wire: dict[str, bytes] = {}
+        for p, e in sends.items():
+            if p != self.collective.me and self.fault is not None:
+                e = self.fault(phase, e)
+            wire[p] = encode_tensor(e)
+            if p != self.collective.me:
+                self.bytes_sent += len(wire[p])
+                self.fp32_bytes += 4 * e.numel
+        got = trio.from_thread.run(self.collective.exchange, tag, wire, expect, self.config.round_timeout_s,
+                                   trio_token=self.trio_token)
+        self.bytes_recv += sum(len(b) for p, b in got.items() if p != self.collective.me)
+        return got
+
+    def accept(self, got: dict[str, bytes], decode: Callable[[bytes], torch.Tensor],
+               norm_factor: float | None) -> dict[str, torch.Tensor]:
+        """Decode and validate contributions; reject bad frames, non-finite values and norms far above the median."""
+        out: dict[str, torch.Tensor] = {}
+        for p, b in got.items():
+            try:
+                out[p] = decode(b)
+            except ProtocolError as e:
+                if p == self.collective.me:
+                    raise
+                self._offend(p, str(e))
+        if norm_factor and len(out) >= 2:
+            norms = {p: float(x.norm()) / math.sqrt(max(x.numel(), 1)) for p, x in out.items()}
+            ref = statistics.median_low(sorted(norms.values()))
+            for p, v in norms.items():
+                if p != self.collective.me and v > norm_factor * ref + 1e-12:
+                    self._offend(p, f"update RMS {v:.3g} > {norm_factor:g} x median {ref:.3g}")
+                    del out[p]
+        return out
+
+    def allreduce_mean(self, flat: torch.Tensor, codec: Codec, group: Group, round_: int, phase: str) -> torch.Tensor:
+        """Mean of `flat` over the group: reduce-scatter to chunk owners, the owner encodes once (and keeps the
+        decoded value itself, so all replicas hold identical bits), all-gather. A chunk whose owner is not heard
+        from is zero on every replica that missed it."""
+        if group.size == 1:
+            return codec.decode(codec.encode(flat)).float()
+        bounds = chunk_bounds(flat.numel(), group.size)
+        a, b = bounds[group.rank]
+        members = set(group.members)
+        sends = {m: codec.encode(flat[lo:hi].contiguous()) for m, (lo, hi) in zip(group.members, bounds)}
+        got = self.exchange(group.tag(round_, f"{phase}/rs"), sends, members, f"{phase}/rs")
+        missing = members - got.keys()
+
+        def dec(n):
+            return lambda buf: decode_values(decode_tensor(buf, codec=codec.name, dtype="float32", numel=n), codec)
+
+        parts = self.accept(got, dec(b - a), self.config.norm_factor)
+        total = torch.zeros(b - a)
+        for m in group.members:  # a fixed order: the owner's sum is deterministic
+            if m in parts:
+                total += parts[m]
+        mean = codec.encode(total / len(parts))
+        got = self.exchange(group.tag(round_, f"{phase}/ag"), {m: mean for m in group.members}, members, f"{phase}/ag")
+        missing |= members - got.keys()
+        out = torch.zeros_like(flat, dtype=torch.float32)
+        chunks = {}
+        for m, (lo, hi) in zip(group.members, bounds):
+            if m in got:
+                try:
+                    chunks[m] = dec(hi - lo)(got[m])
+                except ProtocolError as e:
+                    self._offend(m, str(e))
+        chunks = self.accept_broadcasts(chunks)
+        for m, (lo, hi) in zip(group.members, bounds):
+            if m in chunks:
+                out[lo:hi] = chunks[m]
+        self._missing(missing)
+        return out
+
+    def accept_broadcasts(self, chunks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Owners' broadcasts are compared by RMS with the median over chunks (a loose bound: chunks differ)."""
+        if len(chunks) < 2:
+            return chunks
+        rms = {p: float(x.norm()) / math.sqrt(max(x.numel(), 1)) for p, x in chunks.items()}
+        ref = statistics.median_low(sorted(rms.values()))
+        for p, v in rms.items():
+            if p != self.collective.me and v > self.config.broadcast_norm_factor * ref + 1e-12:
+                self._offend(p, f"broadcast RMS {v:.3g} > {self.config.broadcast_norm_factor:g} x median {ref:.3g}")
+                del chunks[p]
+        return chunks
+
