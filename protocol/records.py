@@ -72,3 +72,6 @@ class LeaveNotice(WireRecord):
 
 
 RECORD_TYPES: dict[str, type[WireRecord]] = {cls.KIND: cls for cls in (Announcement, StatusRecord, LeaveNotice)}
+
+# the broker's record kinds (lease, assignment table) register themselves into RECORD_TYPES on import
+import shoal.protocol.assignment  # noqa: E402,F401

@@ -41,3 +41,12 @@ class ShoalRecordValidator(Validator):
             if t > best_t:
                 best, best_t = i, t
         return best
+
+
+def lease_key(broker_id: str) -> str:
+    """Where a broker keeps its lease (signed by the broker, so the generic validator applies)."""
+    return f"/{NAMESPACE}/lease/{broker_id}"
+
+
+def table_key(broker_id: str) -> str:
+    return f"/{NAMESPACE}/table/{broker_id}"

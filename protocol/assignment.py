@@ -1,0 +1,152 @@
+"""Run records owned by the broker: the lease, the signed assignment table, and admission request/response bodies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from shoal.protocol.errors import FieldError
+from shoal.protocol.records import PEER_ID, RECORD_TYPES, TIME_S, HardwareProfile
+from shoal.protocol.schema import Bool, Bytes, Choice, Int, Nested, Optional, Seq, Str, WireRecord, spec
+
+RUN_ID = Str(80, allow_empty=False)
+MAX_STAGES = 64
+MAX_REPLICAS = 256
+MAX_PROVIDERS = 384  # keeps a full table (~75 bytes per provider) well under the gossip and DHT record limits
+
+# algorithms.md §4: REGISTERED -> BENCHMARKED -> BACKUP -> ACTIVE(stage) -> DRAINING -> GONE
+REGISTERED, BENCHMARKED, BACKUP, ACTIVE, DRAINING, GONE = (
+    "registered", "benchmarked", "backup", "active", "draining", "gone")
+PROVIDER_STATES = frozenset({REGISTERED, BENCHMARKED, BACKUP, ACTIVE, DRAINING, GONE})
+
+
+def slot_name(stage: int, replica: int) -> str:
+    """The slot label status records carry: stage 0, replica 2 -> "s0r2"."""
+    return f"s{stage}r{replica}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BrokerLease(WireRecord):
+    """The broker's claim on a run, renewed every few seconds; `peer_id` is the holder and the signer."""
+
+    KIND: ClassVar[str] = "lease"
+    peer_id: str = spec(PEER_ID)
+    run_id: str = spec(RUN_ID)
+    lease_epoch: int = spec(Int(0, 2**62))  # +1 on every change of holder
+    time: float = spec(TIME_S)  # issued at (unix seconds); the newest wins in the DHT
+    expires_at: float = spec(TIME_S)
+
+    def __post_init__(self) -> None:
+        WireRecord.__post_init__(self)
+        if self.expires_at < self.time:
+            raise FieldError("expires_at", "before the time the lease was issued")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SlotEntry(WireRecord):
+    stage: int = spec(Int(0, MAX_STAGES - 1))
+    replica: int = spec(Int(0, MAX_REPLICAS - 1))
+    peer_id: str = spec(PEER_ID)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProviderEntry(WireRecord):
+    peer_id: str = spec(PEER_ID)
+    state: str = spec(Choice(PROVIDER_STATES))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AssignmentTable(WireRecord):
+    """Who does what in a run. Signed by the broker (`peer_id`); (lease_epoch, version) only ever grows.
+
+    `epochs[s]` is stage s's group epoch: it changes whenever the set of active members of that stage changes.
+    Only filled slots are listed; a stage's group is the sorted peer ids of its slots.
+    """
+
+    KIND: ClassVar[str] = "table"
+    peer_id: str = spec(PEER_ID)  # the broker
+    run_id: str = spec(RUN_ID)
+    lease_epoch: int = spec(Int(0, 2**62))
+    version: int = spec(Int(0, 2**62))
+    time: float = spec(TIME_S)
+    stages: int = spec(Int(1, MAX_STAGES))
+    replicas: int = spec(Int(1, MAX_REPLICAS))
+    epochs: tuple[int, ...] = spec(Seq(Int(0, 2**62), MAX_STAGES))
+    standby: str | None = spec(Optional(PEER_ID), default=None)
+    slots: tuple[SlotEntry, ...] = spec(Seq(Nested(SlotEntry), MAX_REPLICAS), default=())
+    backups: tuple[str, ...] = spec(Seq(PEER_ID, MAX_PROVIDERS), default=())  # best first
+    providers: tuple[ProviderEntry, ...] = spec(Seq(Nested(ProviderEntry), MAX_PROVIDERS), default=())
+
+    def __post_init__(self) -> None:
+        WireRecord.__post_init__(self)
+        if len(self.epochs) != self.stages:
+            raise FieldError("epochs", f"expected one epoch per stage ({self.stages}), got {len(self.epochs)}")
+        seen_slots, seen_peers = set(), set()
+        for i, s in enumerate(self.slots):
+            if s.stage >= self.stages or s.replica >= self.replicas:
+                raise FieldError(f"slots[{i}]", f"{slot_name(s.stage, s.replica)} is outside the plan")
+            if (s.stage, s.replica) in seen_slots or s.peer_id in seen_peers:
+                raise FieldError(f"slots[{i}]", "slot or peer listed twice")
+            seen_slots.add((s.stage, s.replica))
+            seen_peers.add(s.peer_id)
+        for i, b in enumerate(self.backups):
+            if b in seen_peers:
+                raise FieldError(f"backups[{i}]", "peer is both a backup and in a slot (or listed twice)")
+            seen_peers.add(b)
+        if self.standby is not None and self.standby == self.peer_id:
+            raise FieldError("standby", "the broker cannot be its own standby")
+        if len({p.peer_id for p in self.providers}) != len(self.providers):
+            raise FieldError("providers", "peer listed twice")
+
+    # -- queries -------------------------------------------------------------------------------------------
+    def slot_of(self, peer_id: str) -> tuple[int, int] | None:
+        for s in self.slots:
+            if s.peer_id == peer_id:
+                return s.stage, s.replica
+        return None
+
+    def members(self, stage: int = 0) -> tuple[str, ...]:
+        return tuple(sorted(s.peer_id for s in self.slots if s.stage == stage))
+
+    def provider_state(self, peer_id: str) -> str | None:
+        for p in self.providers:
+            if p.peer_id == peer_id:
+                return p.state
+        return None
+
+    def newer_than(self, other: AssignmentTable | None) -> bool:
+        return other is None or (self.lease_epoch, self.version) > (other.lease_epoch, other.version)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdmitRequest(WireRecord):
+    """Body of the broker's `run.admit` RPC; the caller's peer id comes from the authenticated channel."""
+
+    run_id: str = spec(RUN_ID)
+    hardware: HardwareProfile = spec(Nested(HardwareProfile))
+    secret: str | None = spec(Optional(Str(256)), default=None)  # the run's join secret, when it is private
+    backup_only: bool = spec(Bool(), default=False)  # a provider that wants to wait in the pool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdmitResponse(WireRecord):
+    admitted: bool = spec(Bool())
+    state: str | None = spec(Optional(Choice(PROVIDER_STATES)), default=None)
+    slot: str | None = spec(Optional(Str(32)), default=None)
+    error: str | None = spec(Optional(Str(300)), default=None)
+    table: bytes | None = spec(Optional(Bytes(64 * 1024)), default=None)  # the signed table envelope
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MissingReport(WireRecord):
+    """Body of `run.report_missing`: members of a round at `epoch` that missed its deadline."""
+
+    run_id: str = spec(RUN_ID)
+    stage: int = spec(Int(0, MAX_STAGES - 1), default=0)
+    epoch: int = spec(Int(0, 2**62))
+    missing: tuple[str, ...] = spec(Seq(PEER_ID, MAX_REPLICAS))
+
+
+RUN_RECORD_TYPES: dict[str, type[WireRecord]] = {cls.KIND: cls for cls in (BrokerLease, AssignmentTable)}
+
+RECORD_TYPES.update(RUN_RECORD_TYPES)  # gossip and the DHT validator accept these kinds
