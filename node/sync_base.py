@@ -177,8 +177,14 @@ class GroupSync(Synchronizer):
             self.on_offender(peer, reason)
 
     # -- network
-    def exchange(self, tag: str, sends: dict[str, Encoded], expect: set[str], phase: str) -> dict[str, bytes]:
-        """Frame and send `sends`, wait for `expect` (from the trainer's worker thread); counts bytes."""
+    def close(self, model: torch.nn.Module) -> None:
+        """Finish whatever round is still in flight and apply it (call before a checkpoint or at the end)."""
+
+    def exchange(self, tag: str, sends: dict[str, Encoded], expect: set[str], phase: str,
+                 dense_numel: int | None = None) -> dict[str, bytes]:
+        """Frame and send `sends`, wait for `expect` (from the trainer's worker thread); counts bytes.
+
+        `dense_numel`: the coordinates one message stands for, if not its own size (fp32-equivalent accounting)."""
         wire: dict[str, bytes] = {}
         for p, e in sends.items():
             if p != self.collective.me and self.fault is not None:
@@ -186,7 +192,7 @@ class GroupSync(Synchronizer):
             wire[p] = encode_tensor(e)
             if p != self.collective.me:
                 self.bytes_sent += len(wire[p])
-                self.fp32_bytes += 4 * e.numel
+                self.fp32_bytes += 4 * (dense_numel if dense_numel is not None else e.numel)
         got = trio.from_thread.run(self.collective.exchange, tag, wire, expect, self.config.round_timeout_s,
                                    trio_token=self.trio_token)
         self.bytes_recv += sum(len(b) for p, b in got.items() if p != self.collective.me)
