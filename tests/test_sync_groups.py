@@ -173,3 +173,25 @@ async def test_cocktail_learns_g_stays_identical_and_bytes_match_the_formula():
         assert 0 < headers < (warm * 4 + rounds * 4) * 128, headers  # tensor-frame headers: < 128 bytes a message
         formula = rounds * 2 * (2 / 3) * n * kc.bits_per_param() / 8  # p(1 + rb + 16r/B) bits, each direction
         assert exact == pytest.approx(formula, rel=0.10)
+
+
+# -- diloco ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("e3m0,fragments", [(False, 1), (True, 2)])
+async def test_diloco_learns_and_theta_stays_identical(e3m0, fragments):
+    steps, h = 12, 3
+    spec = DilocoSpec(inner_steps=h, outer_lr=0.7, outer_momentum=0.9, fragments=fragments, e3m0=e3m0)
+    reps, _ = await run_group(run_manifest("diloco", steps, diloco=spec), steps)
+    assert_learns_and_agrees(reps, steps)
+    n = sum(p.numel() for p in reps[0].trainer.model.parameters())
+    for r in reps:
+        assert r.sync.rounds == steps // h * fragments
+        if fragments == 1:  # the last step was a sync step: x = theta
+            assert torch.equal(flat(r.trainer.model), reps[0].sync.theta)
+        per_round_fp32 = 2 * 2 / 3 * n * 4 * steps // h  # every parameter once per H steps
+        want = per_round_fp32 * (4.125 / 32 if e3m0 else 1)  # E3M0: 4 bits + one fp16 scale per 128
+        assert r.sync.bytes_sent == pytest.approx(want, rel=0.03)
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])

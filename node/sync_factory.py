@@ -1,0 +1,48 @@
+"""`make_synchronizer`: the manifest's `plan.sync.method` as a synchronizer over the group collective."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import trio
+
+from shoal.kernels.cocktail import CocktailConfig
+from shoal.node.sync_allreduce import AllReduceSync
+from shoal.node.sync_base import SyncConfig
+from shoal.node.sync_cocktail import CocktailSync
+from shoal.node.sync_diloco import DilocoSync
+from shoal.node.trainer import NoSync, Synchronizer
+from shoal.protocol.manifest import RunManifest
+from shoal.swarm.collective import Collective
+from shoal.swarm.group import Group
+from shoal.swarm.penalty import Penalties
+
+
+def make_synchronizer(
+    manifest: RunManifest,
+    *,
+    collective: Collective,
+    group_fn: Callable[[], Group],
+    trio_token: trio.lowlevel.TrioToken,
+    penalties: Penalties,
+    config: SyncConfig = SyncConfig(),
+    on_missing: Callable[[list[str]], None] | None = None,
+    on_offender: Callable[[str, str], None] | None = None,
+) -> Synchronizer:
+    """The synchronizer of `manifest.plan.sync.method`; NoSync for 'none'."""
+    spec = manifest.plan.sync
+    kw = dict(collective=collective, group_fn=group_fn, trio_token=trio_token, penalties=penalties, config=config,
+              on_missing=on_missing, on_offender=on_offender)
+    if spec.method == "none":
+        return NoSync()
+    if spec.method == "allreduce":
+        return AllReduceSync(dtype=spec.allreduce.dtype, **kw)
+    if spec.method == "cocktail":
+        c = spec.cocktail
+        return CocktailSync(cocktail=CocktailConfig(p=c.p, r=c.r, bits=c.bits), warmup_steps=c.warmup_steps,
+                            allreduce_dtype=spec.allreduce.dtype, **kw)
+    if spec.method == "diloco":
+        d = spec.diloco
+        return DilocoSync(inner_steps=d.inner_steps, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum,
+                          fragments=d.fragments, e3m0=d.e3m0, **kw)
+    raise ValueError(f"unknown sync method {spec.method!r}")
