@@ -195,3 +195,40 @@ async def test_diloco_learns_and_theta_stays_identical(e3m0, fragments):
 
 def flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# -- faults ----------------------------------------------------------------------------------------------
+
+METHODS = {
+    "allreduce": {},
+    "cocktail": {"cocktail": CocktailSpec(p=0.1, r=0.2, bits=4, warmup_steps=1)},
+    "diloco-e3m0": {"diloco": DilocoSpec(inner_steps=2, e3m0=True)},
+}
+
+
+def method_manifest(name: str, steps: int) -> RunManifest:
+    return run_manifest(name.split("-")[0], steps, **METHODS[name])
+
+
+@pytest.mark.parametrize("fault", ["nan", "oversized"])
+@pytest.mark.parametrize("method", list(METHODS))
+async def test_poisoned_member_is_excluded_and_banned_others_keep_training(method, fault):
+    steps = 8
+    reps, ids = await run_group(method_manifest(method, steps), steps, timeout_s=2.0, faults={0: poison(fault)})
+    bad, honest = ids[0], reps[1:]
+    for r in honest:
+        assert bad in r.offenders and r.pen.is_banned(bad)
+        assert not set(r.offenders) - {bad}
+    assert_learns_and_agrees(honest, steps)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+async def test_silent_member_misses_the_deadline_and_the_round_completes_without_it(method):
+    steps, stop = 8, 3
+    t0 = trio.current_time()
+    reps, ids = await run_group(method_manifest(method, steps), steps, timeout_s=1.5, stop_after={0: stop})
+    alive = reps[1:]
+    for r in alive:
+        assert ids[0] in r.missing and not r.offenders
+    assert_learns_and_agrees(alive, steps)
+    assert trio.current_time() - t0 < 30
