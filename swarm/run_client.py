@@ -160,6 +160,8 @@ class RunClient:
         except ProtocolError as e:
             log.info("bad run record from %s: %s", source, e)
             return False
+        if isinstance(signed.record, AssignmentTable):
+            return self._accept(signed.record, signed.raw, source)  # True only if it became the current table
         return self.on_record(signed, source=source)
 
     def on_record(self, signed: Signed, source: str | None = None) -> bool:
@@ -277,8 +279,8 @@ class RunClient:
             return
         if await self._poll(t.peer_id):
             pass
-        elif t.standby and t.standby != self.me:
-            await self._poll(t.standby)  # it may have taken over already
+        elif t.standby and t.standby != self.me and not await self._poll(t.standby):  # it may have taken over
+            await self._dht_table(t.standby)  # or we cannot reach it directly: its table may be in the DHT
         t = self.table
         if t.peer_id != self.me and t.standby == self.me:
             silent = time.monotonic() - self.broker_alive_at

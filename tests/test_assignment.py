@@ -1,0 +1,107 @@
+"""Assignment records: strict validation, signatures, and acceptance by gossip and the DHT validator."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shoal.protocol.assignment import (
+    AdmitRequest, AdmitResponse, AssignmentTable, BrokerLease, MissingReport, ProviderEntry, SlotEntry)
+from shoal.protocol.envelope import open_envelope, seal
+from shoal.protocol.errors import FieldError, ProtocolError, SignatureError
+from shoal.protocol.records import RECORD_TYPES
+from shoal.swarm.dht_records import ShoalRecordValidator, lease_key, table_key
+from shoal.swarm.identity import peer_id_of
+from tests.swarm_helpers import HW
+
+K1, K2, K3 = (Ed25519PrivateKey.generate() for _ in range(3))
+P1, P2, P3 = (peer_id_of(k) for k in (K1, K2, K3))
+
+
+def table(**over) -> AssignmentTable:
+    kw = dict(peer_id=P1, run_id="r" * 64, lease_epoch=0, version=3, time=time.time(), stages=1, replicas=2,
+              epochs=(2,), standby=P2, slots=(SlotEntry(stage=0, replica=0, peer_id=P1),
+                                              SlotEntry(stage=0, replica=1, peer_id=P2)),
+              backups=(P3,), providers=tuple(ProviderEntry(peer_id=p, state=s)
+                                             for p, s in ((P1, "active"), (P2, "active"), (P3, "backup"))))
+    kw.update(over)
+    return AssignmentTable(**kw)
+
+
+def test_table_round_trips_signed_and_answers_queries():
+    t = table()
+    signed = open_envelope(seal(t, K1), RECORD_TYPES)
+    assert signed.record == t
+    assert t.members() == tuple(sorted([P1, P2])) and t.slot_of(P2) == (0, 1) and t.slot_of(P3) is None
+    assert t.provider_state(P3) == "backup"
+    assert table(version=4).newer_than(t) and table(lease_epoch=1, version=1).newer_than(t)
+    assert not t.newer_than(table(version=4))
+    with pytest.raises(SignatureError):
+        seal(t, K2)  # only the broker named in the table can sign it
+
+
+@pytest.mark.parametrize("bad", [
+    dict(epochs=(1, 2)),  # one epoch per stage
+    dict(slots=(SlotEntry(stage=0, replica=0, peer_id=P1), SlotEntry(stage=0, replica=0, peer_id=P2))),
+    dict(slots=(SlotEntry(stage=0, replica=5, peer_id=P1),)),  # outside the plan
+    dict(backups=(P2,)),  # in a slot and a backup
+    dict(standby=P1),  # the broker as its own standby
+    dict(providers=(ProviderEntry(peer_id=P1, state="active"),) * 2),
+    dict(version=-1),
+    dict(run_id=""),
+])
+def test_table_rejects_inconsistent_fields(bad):
+    with pytest.raises(FieldError):
+        table(**bad)
+
+
+def test_wire_bodies_are_strict():
+    with pytest.raises(FieldError):
+        ProviderEntry.from_wire({"peer_id": P1, "state": "emperor"})
+    with pytest.raises(FieldError):
+        AdmitRequest.from_wire({"run_id": "r", "hardware": HW.to_wire(), "secret": 5})
+    with pytest.raises(FieldError):
+        AdmitRequest.from_wire({"run_id": "r", "hardware": HW.to_wire(), "secret": "x" * 1000})
+    req = AdmitRequest.from_wire({"run_id": "r", "hardware": HW.to_wire(), "future_field": 1})
+    assert req.secret is None and not req.backup_only
+    assert AdmitResponse.from_wire(AdmitResponse(admitted=False, error="no").to_wire()).error == "no"
+    with pytest.raises(FieldError):
+        MissingReport.from_wire({"run_id": "r", "epoch": 1, "missing": ["x"] * 1000})
+    with pytest.raises(FieldError):
+        BrokerLease(peer_id=P1, run_id="r", lease_epoch=0, time=10.0, expires_at=5.0)
+
+
+def test_dht_validator_accepts_signed_run_records_at_their_signers_key():
+    v = ShoalRecordValidator()
+    now = time.time()
+    lease = seal(BrokerLease(peer_id=P1, run_id="r", lease_epoch=0, time=now, expires_at=now + 15), K1)
+    v.validate(lease_key(P1), lease)
+    v.validate(table_key(P1), seal(table(), K1))
+    with pytest.raises(ValueError):
+        v.validate(lease_key(P2), lease)  # stored under someone else's key
+    newer = seal(BrokerLease(peer_id=P1, run_id="r", lease_epoch=0, time=now + 3, expires_at=now + 18), K1)
+    assert v.select(lease_key(P1), [lease, newer]) == 1
+    with pytest.raises(ProtocolError):
+        open_envelope(lease[:-3] + b"zzz", RECORD_TYPES)
+
+
+def test_run_client_trusts_only_the_broker_chain():
+    from types import SimpleNamespace
+
+    from shoal.swarm.run_client import RunClient
+
+    ctx = SimpleNamespace(me=P3, run_id="r" * 64)
+    c = RunClient(ctx, HW, broker_id=P1)
+    assert not c.accept_envelope(seal(table(peer_id=P2, standby=P1), K2), P2)  # not the broker we asked
+    assert c.accept_envelope(seal(table(), K1), P1) and c.role() == "backup"
+    assert not c.accept_envelope(seal(table(version=2), K1), P1)  # older
+    assert not c.accept_envelope(seal(table(peer_id=P3, standby=P1, version=9, slots=(), backups=()), K3), P3)
+    # the standby named in the table may take over with a higher lease epoch
+    t2 = table(peer_id=P2, standby=P3, lease_epoch=1, version=4, backups=(),
+               slots=(SlotEntry(stage=0, replica=0, peer_id=P3),))
+    assert c.accept_envelope(seal(t2, K2), P2)
+    assert c.broker_id == P2 and c.slot_name() == "s0r0" and c.group().members == (P3,)
+    assert not c.accept_envelope(seal(table(version=99), K1), P1)  # the deposed broker is no longer trusted
+    assert not c.accept_envelope(b"\x00garbage", P1)
