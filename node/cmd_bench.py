@@ -30,6 +30,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--threads", type=int, default=1, help="torch threads for both sides (1: stable on a shared machine)")
     c.add_argument("--hivemind-python", default=None, help="python of a venv with hivemind (default: .venv-bench-hivemind)")
     c.add_argument("--no-hivemind", action="store_true", help="skip the hivemind baseline")
+    v = sub.add_parser("convergence", help="D replicas on loopback under allreduce, cocktail and diloco variants")
+    v.add_argument("--steps", type=int, default=300, help="optimizer steps per variant")
+    v.add_argument("--replicas", type=int, default=4)
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--d-model", type=int, default=64)
+    v.add_argument("--layers", type=int, default=2)
+    v.add_argument("--inner-steps", type=int, default=50, help="DiLoCo H for the fp32 variant")
+    v.add_argument("--inner-steps-e3m0", type=int, default=100, help="DiLoCo H for the E3M0 variants")
+    v.add_argument("--fragments", type=int, default=2, help="Streaming DiLoCo fragments")
+    v.add_argument("--timeout", type=float, default=60.0, help="round deadline in seconds")
+    v.add_argument("--only", nargs="*", default=None, help="run only variants whose label contains one of these")
+    v.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    v.add_argument("--name", default="convergence", help="basename of the result files")
 
 
 def heavy_tailed(numel: int, seed: int):
@@ -157,6 +170,8 @@ def main(args: argparse.Namespace) -> int:
 
     import torch
 
+    if args.bench == "convergence":
+        return convergence(args)
     if args.bench != "codecs":
         return 2
     if args.threads > 0:
@@ -198,6 +213,34 @@ def main(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     md = markdown(result)
+    (args.out / f"{args.name}.md").write_text(md)
+    print(md)
+    return 0
+
+
+def convergence(args: argparse.Namespace) -> int:
+    """`shoal bench convergence`: the runner lives in node/sync_bench.py; this writes the results."""
+    import platform
+
+    import torch
+
+    from shoal.node import sync_bench
+
+    rows = sync_bench.run_all(steps=args.steps, replicas=args.replicas, seed=args.seed, d_model=args.d_model,
+                              layers=args.layers, h=args.inner_steps, h_e3m0=args.inner_steps_e3m0,
+                              fragments=args.fragments, timeout_s=args.timeout, only=args.only)
+    result = {
+        "command": "shoal " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("shoal")
+        else " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "config": {"steps": args.steps, "replicas": args.replicas, "seed": args.seed, "d_model": args.d_model,
+                   "layers": args.layers, "inner_steps": args.inner_steps, "inner_steps_e3m0": args.inner_steps_e3m0,
+                   "fragments": args.fragments},
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, 1 torch thread per replica",
+        "rows": rows, "targets": sync_bench.targets(rows),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    md = sync_bench.markdown(result)
     (args.out / f"{args.name}.md").write_text(md)
     print(md)
     return 0
