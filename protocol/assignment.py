@@ -76,11 +76,16 @@ class AssignmentTable(WireRecord):
     slots: tuple[SlotEntry, ...] = spec(Seq(Nested(SlotEntry), MAX_REPLICAS), default=())
     backups: tuple[str, ...] = spec(Seq(PEER_ID, MAX_PROVIDERS), default=())  # best first
     providers: tuple[ProviderEntry, ...] = spec(Seq(Nested(ProviderEntry), MAX_PROVIDERS), default=())
+    # switch_steps[s]: the first training step at which stage s's group in this table takes effect; every
+    # member changes its group at that same round boundary (empty: from step 0)
+    switch_steps: tuple[int, ...] = spec(Seq(Int(0, 2**62), MAX_STAGES), default=())
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)
         if len(self.epochs) != self.stages:
             raise FieldError("epochs", f"expected one epoch per stage ({self.stages}), got {len(self.epochs)}")
+        if self.switch_steps and len(self.switch_steps) != self.stages:
+            raise FieldError("switch_steps", f"expected one step per stage ({self.stages})")
         seen_slots, seen_peers = set(), set()
         for i, s in enumerate(self.slots):
             if s.stage >= self.stages or s.replica >= self.replicas:
@@ -107,6 +112,9 @@ class AssignmentTable(WireRecord):
 
     def members(self, stage: int = 0) -> tuple[str, ...]:
         return tuple(sorted(s.peer_id for s in self.slots if s.stage == stage))
+
+    def switch_step(self, stage: int = 0) -> int:
+        return self.switch_steps[stage] if self.switch_steps else 0
 
     def provider_state(self, peer_id: str) -> str | None:
         for p in self.providers:

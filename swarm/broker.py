@@ -59,6 +59,9 @@ class RunContext:
     publish: Callable[[bytes], Awaitable[None]]  # gossip publish of a sealed envelope (must not raise)
     membership: Membership | None = None  # liveness from status gossip; RPC contact counts too
     penalties: Penalties | None = None
+    # stage -> the first step at which a group change can safely take effect (every member must hear of the
+    # new table before it reaches that step); None: changes take effect from step 0 (nothing trains yet)
+    switch_step: Callable[[int], int] | None = None
 
     @property
     def run_id(self) -> str:
@@ -98,6 +101,7 @@ class Broker:
         self.lease_epoch = lease_epoch
         self.version = version
         self.epochs = [0] * self.stages
+        self.switch_steps = [0] * self.stages
         self.providers: dict[str, Provider] = {}
         self.slots: dict[tuple[int, int], str] = {}
         self.standby: str | None = None
@@ -116,6 +120,7 @@ class Broker:
         """The standby's takeover: continue from the last published table under a new lease epoch."""
         b = cls(ctx, config, lease_epoch=table.lease_epoch + 1, version=table.version)
         b.epochs = list(table.epochs)
+        b.switch_steps = [table.switch_step(s) for s in range(table.stages)]
         backups = {pid: i for i, pid in enumerate(table.backups)}
         for p in table.providers:
             b.providers[p.peer_id] = Provider(p.peer_id, p.state, next(b._order),
@@ -140,13 +145,18 @@ class Broker:
             del self.providers[p.peer_id]
         providers = [p for p in providers if p.peer_id in self.providers]
         self.version += 1
+        prev = self.table
+        for s in range(self.stages):
+            if prev is not None and prev.epochs[s] != self.epochs[s] and self.ctx.switch_step is not None:
+                self.switch_steps[s] = max(self.switch_steps[s], self.ctx.switch_step(s))
         self.table = AssignmentTable(
             peer_id=self.ctx.me, run_id=self.ctx.run_id, lease_epoch=self.lease_epoch, version=self.version,
             time=time.time(), stages=self.stages, replicas=self.replicas, epochs=tuple(self.epochs),
             standby=self.standby,
             slots=tuple(SlotEntry(stage=s, replica=r, peer_id=pid) for (s, r), pid in sorted(self.slots.items())),
             backups=tuple(p.peer_id for p in self._backups()),
-            providers=tuple(ProviderEntry(peer_id=p.peer_id, state=p.state) for p in providers))
+            providers=tuple(ProviderEntry(peer_id=p.peer_id, state=p.state) for p in providers),
+            switch_steps=tuple(self.switch_steps))
         self.table_env = seal(self.table, self.ctx.sh.key)
         for cb in list(self.on_change):
             try:

@@ -150,9 +150,11 @@ class StateServer:
     """Serves `provider()` (the latest Snapshot, or None) to any peer that asks on STATE_PROTOCOL."""
 
     def __init__(self, sh: SwarmHost, provider: Callable[[], Snapshot | None], *, penalties: Penalties | None = None,
-                 config: StateTransferConfig = StateTransferConfig()):
+                 config: StateTransferConfig = StateTransferConfig(),
+                 by_revision: Callable[[int], Snapshot | None] | None = None):
         self.sh = sh
         self.provider = provider
+        self.by_revision = by_revision  # serves requests for one exact revision (a joining replica's entry point)
         self.penalties = penalties
         self.config = config
         self.served = 0
@@ -168,9 +170,16 @@ class StateServer:
                 req = unpack(await read_frame(stream, 4096), max_bytes=4096)
                 if not isinstance(req, dict) or req.get("want") != "state":
                     raise ProtocolError("state request must be {'want': 'state'}")
-                snap = self.provider()
+                rev = req.get("revision")
+                if rev is not None and (not isinstance(rev, int) or isinstance(rev, bool) or rev < 0):
+                    raise ProtocolError("revision must be a non-negative int")
+                if rev is None:
+                    snap = self.provider()
+                else:
+                    snap = self.by_revision(rev) if self.by_revision is not None else None
                 if snap is None:
-                    await write_frame(stream, pack({"ok": False, "e": "no state to serve yet"}))
+                    what = "no state to serve yet" if rev is None else f"revision {rev} is not available"
+                    await write_frame(stream, pack({"ok": False, "e": what}))
                     await stream.close()
                     return
                 names = sorted(snap.tensors)
@@ -240,15 +249,19 @@ def _check_header(h: Any, config: StateTransferConfig) -> tuple[int, str, Any, l
 
 
 async def pull_state(sh: SwarmHost, peer_id: str, *, config: StateTransferConfig = StateTransferConfig(),
-                     expect_hash: str | None = None) -> Snapshot:
-    """Fetch `peer_id`'s current Snapshot; verify sizes, dtypes and the hash. Raises StateTransferError."""
+                     expect_hash: str | None = None, revision: int | None = None) -> Snapshot:
+    """Fetch `peer_id`'s current Snapshot (or exactly `revision`); verify sizes, dtypes and the hash.
+
+    Raises StateTransferError."""
     try:
         with trio.fail_after(config.timeout_s):
             stream = await sh.open_stream(peer_id, STATE_PROTOCOL)
             try:
-                await write_frame(stream, pack({"want": "state"}))
+                await write_frame(stream, pack({"want": "state", "revision": revision}))
                 header = unpack(await read_frame(stream, config.max_header_bytes), max_bytes=config.max_header_bytes)
                 rev, hsh, skeleton, entries = _check_header(header, config)
+                if revision is not None and rev != revision:
+                    raise StateTransferError(f"asked for revision {revision}, got {rev}")
                 if expect_hash is not None and hsh != expect_hash:
                     raise StateTransferError(f"peer serves hash {hsh[:12]}…, not the expected {expect_hash[:12]}…")
                 tensors: dict[str, torch.Tensor] = {}
