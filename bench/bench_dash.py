@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -81,7 +82,7 @@ def main() -> int:
         screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
-        swarm.terminate()
+        swarm.send_signal(signal.SIGINT)  # the supervisor stops its nodes by PID
         swarm.wait(timeout=60)
     usage = {k: round((after[k] - before[k]) / wall * 100, 2) for k in pids}
     result = {"command": command, "nodes": args.nodes, "wall_s": round(wall, 1), "cpu_percent_of_one_core": usage,

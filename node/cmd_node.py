@@ -43,6 +43,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how often to publish status (default: 2)")
     p.add_argument("--gone-after", type=float, default=12.0, metavar="SECONDS",
                    help="a peer silent this long is marked gone (default: 12)")
+    t = p.add_argument_group("training (with --run)")
+    t.add_argument("--run", default=None, metavar="RUN.toml|RUN_ID",
+                   help="train in this run: a manifest file (the first node with it hosts the broker) or, with "
+                        "--join, the run id of a run the swarm already trains")
+    t.add_argument("--secret", default=None, help="the run's join secret, for a private run "
+                                                  "(or set SHOAL_JOIN_SECRET)")
+    t.add_argument("--steps", type=int, default=None, metavar="N", help="stop training after N steps")
+    t.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads")
+    t.add_argument("--round-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="a replica not heard within this long is dropped from a synchronization round (default: 20)")
+    t.add_argument("--fail-after", type=float, default=30.0, metavar="SECONDS",
+                   help="the broker replaces an active node silent this long (default: 30)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -52,13 +64,19 @@ def main(args: argparse.Namespace) -> int:
     import trio
 
     from shoal.node.daemon import Node, NodeConfig
+    from shoal.swarm.broker import AdmissionError
+    from shoal.swarm.rpc import RpcError
     from shoal.node.hardware import hardware_profile
     from shoal.swarm.host import HostConfig
     from shoal.swarm.membership import MembershipConfig
 
     home = shoal_home()
     try:
+        run = None
+        if args.run is not None:
+            run = run_config(args)
         config = NodeConfig(
+            run=run,
             host=HostConfig(listen=args.listen, join=tuple(args.join)),
             identity=args.identity or home / "identity.key",
             device=args.device,
@@ -69,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
                                         gone_after_s=args.gone_after),
         )
         hardware = hardware_profile(args.device, home)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, OSError) as e:
         print(f"shoal node: {e}", file=sys.stderr)
         return 2
 
@@ -79,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 try:
                     await nursery.start(node.run)
-                except ConnectionError as e:
+                except (ConnectionError, AdmissionError, RpcError) as e:
                     print(f"shoal node: {e}", file=sys.stderr)
                     return 1
                 join_addr = next((a for a in node.sh.addrs if "/127.0.0.1/" not in a), node.sh.addrs[0])
@@ -92,3 +110,29 @@ def main(args: argparse.Namespace) -> int:
         return 0
 
     return trio.run(run)
+
+
+def run_config(args: argparse.Namespace):
+    """The RunConfig for --run: a manifest file (verified), or a run id whose manifest comes from the swarm."""
+    import os
+    from dataclasses import replace
+
+    from shoal.node.run_runtime import RunConfig
+    from shoal.protocol.manifest import RunManifest
+    from shoal.swarm.broker import BrokerConfig
+    from shoal.swarm.run_client import RunClientConfig
+
+    path = Path(args.run)
+    manifest, run_id = None, None
+    if path.exists():
+        manifest = RunManifest.from_toml(path.read_text())
+        manifest.verify()
+    elif not args.join:
+        raise ValueError(f"--run {args.run}: no such manifest file (a run id needs --join)")
+    else:
+        run_id = args.run
+    broker = BrokerConfig(fail_after_s=args.fail_after, heartbeat_s=min(5.0, args.fail_after / 3))
+    return RunConfig(manifest=manifest, run_id=run_id, secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"),
+                     device="cpu" if args.device == "auto" else args.device, threads=args.threads,
+                     max_steps=args.steps, round_timeout_s=args.round_timeout, broker=broker,
+                     client=replace(RunClientConfig(), broker=broker))

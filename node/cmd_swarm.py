@@ -66,6 +66,12 @@ def main(args: argparse.Namespace) -> int:
     from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig
     from shoal.swarm.observer import LOCAL_SWARM_FILE
 
+    import signal
+
+    def on_sigterm(signum, frame):  # stop the nodes by PID, as on Ctrl+C, rather than orphaning them
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     home = shoal_home()
     workdir = Path(args.dir) if args.dir else home / "swarms" / time.strftime("%Y%m%d-%H%M%S")
     try:

@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -25,6 +25,9 @@ from shoal.swarm.membership import Event, Membership, MembershipConfig
 from shoal.swarm.penalty import Penalties
 from shoal.swarm.rpc import BadRequest, RpcError, RpcServer, call
 
+if TYPE_CHECKING:
+    from shoal.node.run_runtime import RunConfig, RunRuntime
+
 log = logging.getLogger(__name__)
 MAX_MEMBERS_REPLY = 1024
 
@@ -40,6 +43,7 @@ class NodeConfig:
     announce_interval_s: float = 15.0
     rpc_timeout_s: float = 5.0
     membership: MembershipConfig = field(default_factory=MembershipConfig)
+    run: RunConfig | None = None  # train in this run (None: a plain swarm member)
 
     def __post_init__(self) -> None:
         if not 0.1 <= self.status_interval_s <= 60:
@@ -63,6 +67,9 @@ class Node:
         self._seq = 0
         self._announcement: bytes = b""
         self.events: list[tuple[float, Event]] = []
+        self.rpc: RpcServer | None = None
+        self.runtime: RunRuntime | None = None
+        self.extra_ingest: list = []  # more consumers of verified records (the run client)
         self._stop = trio.Event()
 
     @property
@@ -75,6 +82,11 @@ class Node:
         assert self.membership is not None
         for ev in self.membership.observe(signed, age_s=age_s):
             self._event(ev)
+        for consumer in self.extra_ingest:
+            try:
+                consumer(signed)
+            except Exception as e:  # noqa: BLE001 - a consumer's bug must not stop record intake
+                log.warning("record consumer failed: %s: %s", type(e).__name__, e)
 
     def _event(self, ev: Event) -> None:
         log.info("peer %s: %s %s", ev.peer_id, ev.kind, ev.detail)
@@ -82,8 +94,11 @@ class Node:
 
     def status_record(self) -> StatusRecord:
         self._seq = max(self._seq + 1, int(time.time() * 1000))  # increasing across restarts too
-        return StatusRecord(peer_id=self.peer_id, seq=self._seq, time=time.time(), role=self.role, state=self.state,
-                            peers_seen=len(self.membership.live_peers()) if self.membership else 0)
+        fields: dict[str, Any] = {"role": self.role, "state": self.state}
+        if self.runtime is not None and self.state not in ("starting", "leaving"):
+            fields.update(self.runtime.status_fields())
+        return StatusRecord(peer_id=self.peer_id, seq=self._seq, time=time.time(),
+                            peers_seen=len(self.membership.live_peers()) if self.membership else 0, **fields)
 
     def members_snapshot(self) -> list[list[Any]]:
         """[announcement envelope, status envelope, age in seconds] for every live peer, this one included."""
@@ -119,7 +134,7 @@ class Node:
     async def _rpc_announce(self, caller: str, body: Any) -> Any:
         return self._announcement
 
-    async def _publish(self, envelope: bytes) -> None:
+    async def publish(self, envelope: bytes) -> None:
         assert self.gossip is not None
         try:
             await self.gossip.publish(envelope)
@@ -129,7 +144,7 @@ class Node:
     async def _status_loop(self) -> None:
         while True:
             self._last_status = seal(self.status_record(), self.key)
-            await self._publish(self._last_status)
+            await self.publish(self._last_status)
             for ev in self.membership.sweep():
                 self._event(ev)
             self.write_status_file()
@@ -138,7 +153,7 @@ class Node:
     async def _announce_loop(self) -> None:
         while True:
             await trio.sleep(self.config.announce_interval_s)
-            await self._publish(self._announcement)
+            await self.publish(self._announcement)
 
     async def sync_from(self, peer_id: str) -> int:
         try:
@@ -158,6 +173,9 @@ class Node:
             "peers": [e.peer_id for e in live], "pid": os.getpid(), "time": time.time(),
             "version": shoal_version(),
         }
+        if self.runtime is not None:
+            doc.update(self.runtime.status_fields())
+            doc["refetches"] = self.runtime.refetches
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, path)
@@ -170,7 +188,7 @@ class Node:
             self.sh = sh
             self.membership = Membership(sh.peer_id, self.config.membership)
             self.gossip = RecordGossip(sh, self.penalties, self.ingest)
-            rpc = RpcServer(sh, self.penalties)
+            rpc = self.rpc = RpcServer(sh, self.penalties)
             rpc.register("members", self._rpc_members)
             rpc.register("announce", self._rpc_announce)
             self._announcement = seal(Announcement(
@@ -189,14 +207,32 @@ class Node:
                 except Exception as e:  # noqa: BLE001 - the DHT copy is a convenience, gossip carries it too
                     log.info("announcement not stored in the DHT: %s", e)
                 self.state = "ready"
-                await self._publish(self._announcement)
+                await self.publish(self._announcement)
                 async with trio.open_nursery() as periodic:
                     periodic.start_soon(self._status_loop)
                     periodic.start_soon(self._announce_loop)
+                    if self.config.run is not None:
+                        from shoal.node.run_runtime import RunRuntime
+
+                        self.runtime = RunRuntime(self, self.config.run, self.hardware)
+                        await periodic.start(self._run_training, joined)
                     task_status.started(self)
                     await self._stop.wait()
+                    if self.runtime is not None:
+                        await self.runtime.leave()
                     periodic.cancel_scope.cancel()  # no status may follow the leave notice
                 await self.leave(nursery)
+
+    async def _run_training(self, joined: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The run's part of the node; a failure there is reported in the status, and the node leaves."""
+        try:
+            await self.runtime.run(joined, task_status=task_status)
+        except Exception as e:
+            log.exception("training stopped")
+            self.runtime.error = f"{type(e).__name__}: {e}"
+            self._last_status = seal(self.status_record(), self.key)
+            await self.publish(self._last_status)
+            raise
 
     async def leave(self, nursery: trio.Nursery, reason: str = "shutdown") -> None:
         """Publish a leave notice, give it a moment to spread, then close everything."""
@@ -204,7 +240,7 @@ class Node:
         self.write_status_file()
         notice = seal(LeaveNotice(peer_id=self.peer_id, time=time.time(), reason=reason), self.key)
         with trio.move_on_after(2.0):
-            await self._publish(notice)
+            await self.publish(notice)
             await trio.sleep(0.3)
         nursery.cancel_scope.cancel()
 

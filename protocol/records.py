@@ -12,7 +12,7 @@ MULTIADDR = Str(256, allow_empty=False)
 TIME_S = Float(0.0, 1e11)  # unix seconds
 DEVICE_KINDS = frozenset({"cpu", "cuda", "mps", "xpu"})
 ROLES = frozenset({"idle", "active", "backup", "broker", "observer"})
-STATES = frozenset({"starting", "ready", "joining", "training", "syncing", "draining", "leaving"})
+STATES = frozenset({"starting", "ready", "joining", "training", "syncing", "done", "draining", "leaving"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

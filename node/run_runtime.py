@@ -1,0 +1,408 @@
+"""A node's part in a training run: admission, the trainer in a worker thread, group synchronization, hand-over.
+
+Group changes take effect at the step the broker names in the table (`switch_steps`), so every member changes its
+group at the same round boundary. A node that enters a group at step R first pulls the state at exactly revision R
+(taken by the existing members at the start of step R, with any in-flight round applied), then trains step R with
+them. Replicas compare state hashes after every round and a minority replica re-fetches from the majority.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from shoal.protocol.assignment import AssignmentTable
+from shoal.protocol.envelope import Signed
+from shoal.protocol.manifest import RunManifest
+from shoal.protocol.records import HardwareProfile
+from shoal.swarm.broker import Broker, BrokerConfig, RunContext
+from shoal.swarm.collective import Collective
+from shoal.swarm.group import Group
+from shoal.swarm.rpc import RpcError
+from shoal.swarm.run_client import RunClient, RunClientConfig, fetch_table
+from shoal.swarm.state_transfer import Snapshot, StateServer, StateTransferError, pull_state
+
+log = logging.getLogger(__name__)
+MAX_TABLES = 64
+MAX_SNAPSHOTS = 4
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    manifest: RunManifest | None = None  # None: fetched from the joined peers by `run_id`
+    run_id: str | None = None
+    secret: str | None = None
+    device: str = "cpu"
+    threads: int | None = None  # torch threads for the trainer (None: torch's default)
+    max_steps: int | None = None  # stop training after this many steps (None: the manifest's total)
+    switch_lead_s: float = 3.0  # group changes take effect this far ahead (time for the table to reach everyone)
+    switch_lead_min_steps: int = 3
+    backup_refresh_s: float = 30.0  # backups refresh their warm copy this often
+    round_timeout_s: float = 20.0
+    state_pull_timeout_s: float = 120.0
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    client: RunClientConfig = field(default_factory=RunClientConfig)
+
+    def __post_init__(self) -> None:
+        if (self.manifest is None) == (self.run_id is None):
+            raise ValueError("give either a manifest or a run id")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ValueError("max_steps must be >= 0")
+        if self.switch_lead_s < 0 or self.switch_lead_min_steps < 1:
+            raise ValueError("switch lead must be >= 0 s and >= 1 step")
+
+
+class RunRuntime:
+    """Owned by a Node: `await nursery.start(runtime.run, joined_peers)`; read `status_fields()` for the status."""
+
+    def __init__(self, node, config: RunConfig, hardware: HardwareProfile):
+        self.node = node
+        self.config = config
+        self.manifest: RunManifest | None = config.manifest
+        self.hardware = hardware
+        self.client: RunClient | None = None
+        self.broker: Broker | None = None
+        self.trainer = None
+        self.sync = None
+        self.tables: list[AssignmentTable] = []
+        self.snapshots: dict[int, Snapshot] = {}
+        self.latest: Snapshot | None = None
+        self.warm: Snapshot | None = None  # a backup's recent copy of the run's state
+        self.snapshot_steps: set[int] = set()
+        self.my_hashes: dict[int, str] = {}
+        self.state = "joining"
+        self.last = None
+        self.error: str | None = None
+        self.finished = trio.Event()
+        self.refetches = 0
+        self._refetch_at: int | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+
+    # -- what the node publishes ---------------------------------------------------------------------------
+    def status_fields(self) -> dict[str, Any]:
+        c, t, s = self.client, self.trainer, self.sync
+        if self.manifest is None:
+            return {"state": "joining"}
+        fields: dict[str, Any] = {"run_id": self.manifest.run_id, "state": self.state}
+        if c is not None:
+            fields["role"] = "broker" if c.is_broker() and c.slot() is None else c.role()
+            fields["slot"] = c.slot_name()
+        if t is not None:
+            fields["step"] = t.step_count
+            if self.last is not None:
+                fields["loss"] = self.last.loss if math.isfinite(self.last.loss) else None
+                fields["tokens_per_s"] = round(self.last.tokens_per_s, 1)
+            fields["eval_loss"] = t.last_eval_loss
+        if s is not None and hasattr(s, "bytes_sent"):
+            fields.update(bytes_sent=s.bytes_sent, bytes_recv=s.bytes_recv,
+                          compression_ratio=round(s.compression_ratio, 2), state_hash=s.state_hash() or None)
+        if self.error:
+            fields["error"] = self.error[:200]
+        return fields
+
+    # -- groups by step ------------------------------------------------------------------------------------
+    def _on_table(self, table: AssignmentTable) -> None:
+        if self.tables and not table.newer_than(self.tables[-1]):
+            return
+        self.tables = (self.tables + [table])[-MAX_TABLES:]
+        for s in range(table.stages):
+            if table.switch_step(s) > 0:
+                self.snapshot_steps.add(table.switch_step(s))
+
+    def table_at(self, step: int) -> AssignmentTable | None:
+        """The newest table whose group has taken effect by `step`."""
+        for t in reversed(self.tables):
+            if t.switch_step(0) <= step:
+                return t
+        return None
+
+    def group_at(self, step: int) -> Group | None:
+        t = self.table_at(step)
+        me = self.node.peer_id
+        if t is None or t.slot_of(me) is None:
+            return None
+        stage = t.slot_of(me)[0]
+        return Group(run_id=t.run_id, stage=stage, epoch=t.epochs[stage], members=t.members(stage), me=me)
+
+    def _group_now(self) -> Group:
+        g = self.group_at(self.trainer.step_count)
+        if g is None:  # the loop only steps while in a group; a table can only add later switches
+            raise RuntimeError("no group at this step")
+        return g
+
+    def _known_steps(self) -> list[tuple[int, float]]:
+        """(step, tokens/s) of this node and of the run's peers, from their status records."""
+        out = [(self.trainer.step_count if self.trainer else 0, 0.0)]
+        for e in self.node.membership.live_peers():
+            st = e.status_record
+            if st is not None and st.run_id == self.manifest.run_id:
+                out.append((st.step, st.tokens_per_s))
+        return out
+
+    def switch_step(self, stage: int) -> int:
+        """Where a group change can take effect: the furthest step anyone reports, plus ~switch_lead_s of steps."""
+        steps = self._known_steps()
+        top = max(s for s, _ in steps)
+        if top == 0:
+            return 0  # nothing trained yet: the change can apply from the start
+        tps = max((r for _, r in steps), default=0.0)
+        per_step = self.manifest.batch.batch_size * self.manifest.batch.seq_len
+        rate = tps / per_step if tps > 0 else 1.0
+        return top + max(self.config.switch_lead_min_steps, math.ceil(self.config.switch_lead_s * rate))
+
+    # -- snapshots -----------------------------------------------------------------------------------------
+    def _before_step(self, trainer) -> None:
+        """Trainer thread: take a snapshot at the steps where someone enters the group or asked for one."""
+        step = trainer.step_count
+        if step in self.snapshot_steps or self.latest is None or step % 50 == 0:
+            close = getattr(self.sync, "close", None)
+            if close is not None:
+                close(trainer.model)  # apply the in-flight round: the snapshot is the state at this round boundary
+            snap = Snapshot.of(trainer.state_dict(), revision=step)
+            self.latest = snap
+            if step in self.snapshot_steps:
+                self.snapshots[step] = snap
+                for old in sorted(self.snapshots)[:-MAX_SNAPSHOTS]:
+                    del self.snapshots[old]
+
+    def _snapshot_at(self, revision: int) -> Snapshot | None:
+        return self.snapshots.get(revision) or (self.latest if self.latest and self.latest.revision == revision
+                                                else None)
+
+    async def _rpc_snapshot_at(self, caller: str, body: Any) -> Any:
+        if not isinstance(body, int) or isinstance(body, bool) or body < 0:
+            raise ValueError("snapshot_at takes a step number")
+        self.snapshot_steps.add(body)
+        return {"ok": True, "step": self.trainer.step_count if self.trainer else 0}
+
+    async def pull_revision(self, revision: int, peers: list[str]) -> Snapshot:
+        """Pull exactly `revision` from one of `peers`, waiting while they have not reached it yet."""
+        deadline = trio.current_time() + self.config.state_pull_timeout_s
+        last = None
+        while trio.current_time() < deadline:
+            for p in peers:
+                try:
+                    return await pull_state(self.node.sh, p, revision=revision)
+                except StateTransferError as e:
+                    last = e
+            await trio.sleep(0.2)
+        raise StateTransferError(f"no peer served revision {revision} within {self.config.state_pull_timeout_s} s: "
+                                 f"{last}")
+
+    async def _load(self, snap: Snapshot) -> None:
+        state = snap.state()
+        await trio.to_thread.run_sync(self.trainer.load_state_dict, state)
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    async def _build_trainer(self, replica: int) -> None:
+        def build():
+            import torch
+
+            from shoal.node.sync_base import SyncConfig
+            from shoal.node.sync_factory import make_synchronizer
+            from shoal.node.trainer import Trainer
+
+            if self.config.threads:
+                torch.set_num_threads(self.config.threads)
+            sync = make_synchronizer(
+                self.manifest, collective=self.collective, group_fn=self._group_now, trio_token=self._token,
+                penalties=self.node.penalties, config=SyncConfig(round_timeout_s=self.config.round_timeout_s),
+                on_missing=self._on_missing, on_offender=self._on_offender)
+            trainer = Trainer(self.manifest, device=self.config.device, replica=replica, synchronizer=sync)
+            trainer.before_step_hooks.append(self._before_step)
+            return trainer, sync
+
+        self.trainer, self.sync = await trio.to_thread.run_sync(build)
+
+    def _on_missing(self, peers: list[str]) -> None:
+        """Trainer thread: members missed a round's deadline; tell the broker (it checks and replaces them)."""
+        g = self.group_at(self.trainer.step_count)
+        if g is not None and self.client is not None:
+            trio.from_thread.run_sync(self._nursery.start_soon,
+                                      functools.partial(self.client.report_missing, peers, epoch=g.epoch),
+                                      trio_token=self._token)
+
+    def _on_offender(self, peer: str, reason: str) -> None:
+        self.error = f"excluded {peer[-8:]}: {reason}"[:200]
+
+    def _entry(self) -> tuple[int, int] | None:
+        """(step, replica) at which this node's newest slot takes effect, or None when no table gives it one."""
+        t = self.tables[-1] if self.tables else None
+        slot = t.slot_of(self.node.peer_id) if t is not None else None
+        return (t.switch_step(slot[0]), slot[1]) if slot is not None else None
+
+    async def _enter(self, step: int, replica: int) -> None:
+        """Take a place in the group from `step`: build the trainer, and unless the run starts here, load the
+        state of exactly `step` from a replica that was in the group before."""
+        self.state = "joining"
+        if self.trainer is None:
+            await self._build_trainer(replica)
+        if step == 0 and self.trainer.step_count == 0:
+            return
+        prev = self.group_at(step - 1) if step > 0 else None
+        peers = [m for m in (prev.members if prev else ()) if m != self.node.peer_id]
+        if not peers:
+            t = self.table_at(step)
+            peers = [m for m in (t.members(0) if t else ()) if m != self.node.peer_id]
+        t0 = time.monotonic()
+        snap = await self.pull_revision(step, peers)
+        await self._load(snap)
+        log.info("entered the group at step %d with state from a replica (%.2f s)", step, time.monotonic() - t0)
+
+    def _hash_majority_disagrees(self) -> str | None:
+        """A peer of the group whose hash at a step we share differs from ours while most agree with it."""
+        g = self.group_at(self.trainer.step_count)
+        if g is None or g.size < 3:
+            return None
+        by_step: dict[int, dict[str, str]] = {}
+        for e in self.node.membership.live_peers():
+            st = e.status_record
+            if st is not None and e.peer_id in g.members and st.state_hash and st.step in self.my_hashes:
+                by_step.setdefault(st.step, {})[e.peer_id] = st.state_hash
+        for step, hashes in sorted(by_step.items(), reverse=True):
+            mine = self.my_hashes[step]
+            counts: dict[str, int] = {}
+            for h in [*hashes.values(), mine]:
+                counts[h] = counts.get(h, 0) + 1
+            top, n = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+            if top != mine and n > g.size // 2:
+                return next(p for p, h in hashes.items() if h == top)
+            return None
+        return None
+
+    async def _train(self) -> None:
+        limit = self.config.max_steps if self.config.max_steps is not None else self.manifest.optim.total_steps
+        while True:
+            t = self.trainer
+            step = t.step_count if t is not None else 0
+            if t is not None and step >= limit:
+                close = getattr(self.sync, "close", None)
+                if close is not None:
+                    await trio.to_thread.run_sync(close, t.model)
+                t.last_eval_loss = await trio.to_thread.run_sync(t.evaluate)
+                self.state = "done"
+                self.finished.set()
+                await trio.sleep_forever()
+            g = self.group_at(step) if t is not None else None
+            if g is None:
+                entry = self._entry()
+                if entry is not None and (t is None or entry[0] > step):
+                    await self._enter(*entry)
+                    continue
+                self.state = "ready"  # a backup, or waiting for the step at which our slot takes effect
+                with trio.move_on_after(1.0):
+                    await self.client.wait_changed()
+                continue
+            if self._refetch_at is not None and step >= self._refetch_at:
+                src = self._hash_majority_disagrees()
+                if src is not None:
+                    self.state = "syncing"
+                    snap = await self.pull_revision(step, [src])
+                    await self._load(snap)
+                    self.refetches += 1
+                    log.warning("state hash disagreed with the majority: re-fetched step %d from %s", step, src)
+                self._refetch_at = None
+            self.state = "training"
+            self.last = await trio.to_thread.run_sync(t.step)
+            self.my_hashes[t.step_count] = self.sync.state_hash() if hasattr(self.sync, "state_hash") else ""
+            for old in sorted(self.my_hashes)[:-64]:
+                del self.my_hashes[old]
+            if self._refetch_at is None:
+                src = self._hash_majority_disagrees()
+                if src is not None:  # ask the majority peer for a snapshot a few steps ahead, then load it there
+                    target = t.step_count + self.config.switch_lead_min_steps
+                    try:
+                        await self.node_call(src, "run.snapshot_at", target)
+                        self._refetch_at = target
+                    except RpcError as e:
+                        log.info("snapshot request to %s failed: %s", src, e)
+
+    async def node_call(self, peer: str, method: str, body: Any) -> Any:
+        from shoal.swarm.rpc import call
+
+        return await call(self.node.sh, peer, method, body, timeout_s=self.config.client.rpc_timeout_s)
+
+    async def _keep_warm(self) -> None:
+        """While a backup: refresh a copy of the run's state so a promotion is a short catch-up."""
+        while True:
+            t = self.client.table
+            if self.client.role() == "backup" and t is not None and t.members(0):
+                for peer in t.members(0):
+                    try:
+                        self.warm = await pull_state(self.node.sh, peer)
+                        break
+                    except StateTransferError as e:
+                        log.info("warm copy from %s failed: %s", peer, e)
+            await trio.sleep(self.config.backup_refresh_s)
+
+    async def _rpc_manifest(self, caller: str, body: Any) -> Any:
+        if body != self.manifest.run_id:
+            raise ValueError("this node trains another run")
+        return self.manifest.to_bytes()
+
+    async def fetch_manifest(self, run_id: str, peers: list[str]) -> RunManifest:
+        """The signed manifest of `run_id` from one of `peers`, verified and checked against the id."""
+        for p in peers:
+            try:
+                raw = await self.node_call(p, "run.manifest", run_id)
+                m = RunManifest.from_bytes(raw)
+                m.verify()
+                if m.run_id != run_id:
+                    raise ValueError("the manifest does not hash to the run id")
+                return m
+            except (RpcError, ValueError, TypeError) as e:
+                log.info("manifest from %s: %s", p, e)
+        raise ConnectionError(f"no joined peer gave the manifest of run {run_id[:16]}…")
+
+    async def run(self, joined: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        node = self.node
+        self._token = trio.lowlevel.current_trio_token()
+        if self.manifest is None:
+            self.manifest = await self.fetch_manifest(self.config.run_id, joined)
+        node.rpc.register("run.manifest", self._rpc_manifest)
+        ctx = RunContext(sh=node.sh, manifest=self.manifest, register=node.rpc.register, publish=node.publish,
+                         membership=node.membership, penalties=node.penalties, switch_step=self.switch_step)
+        self.collective = Collective(node.sh, node.penalties)
+        StateServer(node.sh, lambda: self.latest, penalties=node.penalties, by_revision=self._snapshot_at)
+        node.rpc.register("run.snapshot_at", self._rpc_snapshot_at)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if not joined:  # the node started with the manifest hosts the broker
+                self.broker = Broker(ctx, self.config.broker)
+                await nursery.start(self.broker.run)
+                broker_id = node.peer_id
+            else:
+                broker_id = None
+                for p in joined:
+                    try:
+                        broker_id = (await fetch_table(node.sh, p, self.manifest.run_id)).record.peer_id
+                        break
+                    except (RpcError, Exception) as e:  # noqa: BLE001 - try the next joined peer
+                        log.info("no run table from %s: %s", p, e)
+                if broker_id is None:
+                    raise ConnectionError(f"none of the joined peers knows run {self.manifest.run_id[:16]}…")
+            self.client = RunClient(ctx, self.hardware, broker_id=broker_id, secret=self.config.secret,
+                                    config=self.config.client, local_broker=self.broker)
+            self.client.on_change.append(self._on_table)
+            node.extra_ingest.append(self.client.on_record)
+            await nursery.start(self.client.run)
+            if self.client.table is not None:
+                self._on_table(self.client.table)
+            task_status.started(self)
+            nursery.start_soon(self._keep_warm)
+            await self._train()
+
+    async def leave(self) -> None:
+        if self.client is not None:
+            with trio.move_on_after(3):
+                try:
+                    await self.client.leave()
+                except (RpcError, Exception) as e:  # noqa: BLE001 - leaving anyway
+                    log.info("leave notice to the broker failed: %s", e)
