@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+RUN_FIELDS = ("run_id", "slot", "step", "loss", "eval_loss", "tokens_per_s", "bytes_sent", "bytes_recv",
+              "compression_ratio", "state_hash", "refetches", "error")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,7 +95,7 @@ class LocalSwarm:
         deadline = time.monotonic() + self.config.start_timeout_s
         while time.monotonic() < deadline:
             st = node.status()
-            if st and st.get("state") == "ready" and st.get("addrs"):
+            if st and st.get("state") not in (None, "starting") and st.get("addrs"):
                 return st
             if not node.alive:
                 raise RuntimeError(f"node {node.index} exited with {node.proc.returncode}; log: {node.log_file}\n"
@@ -148,10 +150,12 @@ class LocalSwarm:
         rows = []
         for n in self.nodes:
             st = n.status() or {}
-            rows.append({"index": n.index, "peer_id": st.get("peer_id"), "pid": n.proc.pid,
-                         "alive": n.alive, "state": st.get("state") if n.alive else "stopped",
-                         "role": st.get("role"), "peers_seen": len(st.get("peers", [])), "peers": st.get("peers", []),
-                         "addrs": st.get("addrs", []), "log": str(n.log_file)})
+            row = {k: st.get(k) for k in RUN_FIELDS if k in st}
+            row.update({"index": n.index, "peer_id": st.get("peer_id"), "pid": n.proc.pid,
+                        "alive": n.alive, "state": st.get("state") if n.alive else "stopped",
+                        "role": st.get("role"), "peers_seen": len(st.get("peers", [])), "peers": st.get("peers", []),
+                        "addrs": st.get("addrs", []), "log": str(n.log_file)})
+            rows.append(row)
         return rows
 
     def stop(self, timeout_s: float = 15.0) -> dict[int, int | None]:
