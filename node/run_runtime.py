@@ -41,7 +41,8 @@ class RunConfig:
     device: str = "cpu"
     threads: int | None = None  # torch threads for the trainer (None: torch's default)
     max_steps: int | None = None  # stop training after this many steps (None: the manifest's total)
-    switch_lead_s: float = 3.0  # group changes take effect this far ahead (time for the table to reach everyone)
+    switch_lead_s: float = 2.0  # group changes take effect this far ahead (time for the table to reach everyone)
+    start_wait_s: float = 60.0  # a new run waits this long for its group to fill before step 0
     switch_lead_min_steps: int = 3
     backup_refresh_s: float = 30.0  # backups refresh their warm copy this often
     round_timeout_s: float = 20.0
@@ -82,6 +83,7 @@ class RunRuntime:
         self.finished = trio.Event()
         self.refetches = 0
         self._refetch_at: int | None = None
+        self._start_deadline = time.monotonic() + config.start_wait_s
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
 
@@ -256,6 +258,10 @@ class RunRuntime:
         await self._load(snap)
         log.info("entered the group at step %d with state from a replica (%.2f s)", step, time.monotonic() - t0)
 
+    def _group_full(self) -> bool:
+        t = self.tables[-1] if self.tables else None
+        return t is not None and len(t.members(0)) >= self.manifest.plan.replicas
+
     def _hash_majority_disagrees(self) -> str | None:
         """A peer of the group whose hash at a step we share differs from ours while most agree with it."""
         g = self.group_at(self.trainer.step_count)
@@ -291,6 +297,11 @@ class RunRuntime:
                 self.finished.set()
                 await trio.sleep_forever()
             g = self.group_at(step) if t is not None else None
+            if step == 0 and not self._group_full() and time.monotonic() < self._start_deadline:
+                self.state = "ready"  # a new run: wait for the group to fill, so every replica starts at step 0
+                with trio.move_on_after(0.5):
+                    await self.client.wait_changed()
+                continue
             if g is None:
                 entry = self._entry()
                 if entry is not None and (t is None or entry[0] > step):
