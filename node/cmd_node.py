@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--round-timeout", type=float, default=20.0, metavar="SECONDS",
                    help="a replica not heard within this long is dropped from a synchronization round (default: 20)")
     t.add_argument("--fail-after", type=float, default=30.0, metavar="SECONDS",
-                   help="the broker replaces an active node silent this long (default: 30)")
+                   help="an active node (or the broker) silent this long is replaced (default: 30)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -131,7 +131,8 @@ def run_config(args: argparse.Namespace):
         raise ValueError(f"--run {args.run}: no such manifest file (a run id needs --join)")
     else:
         run_id = args.run
-    broker = BrokerConfig(fail_after_s=args.fail_after, heartbeat_s=min(5.0, args.fail_after / 3))
+    broker = BrokerConfig(fail_after_s=args.fail_after, heartbeat_s=min(5.0, args.fail_after / 3),
+                          lease_timeout_s=args.fail_after, lease_renew_s=min(3.0, args.fail_after / 4))
     return RunConfig(manifest=manifest, run_id=run_id, secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"),
                      device="cpu" if args.device == "auto" else args.device, threads=args.threads,
                      max_steps=args.steps, round_timeout_s=args.round_timeout, broker=broker,

@@ -185,15 +185,22 @@ class RunRuntime:
         return {"ok": True, "step": self.trainer.step_count if self.trainer else 0}
 
     async def pull_revision(self, revision: int, peers: list[str]) -> Snapshot:
-        """Pull exactly `revision` from one of `peers`, waiting while they have not reached it yet."""
+        """Pull exactly `revision` from one of `peers` (live ones first), waiting while none has reached it."""
+        from shoal.swarm.state_transfer import StateTransferConfig
+
         deadline = trio.current_time() + self.config.state_pull_timeout_s
+        attempt = StateTransferConfig(timeout_s=min(30.0, self.config.state_pull_timeout_s))
         last = None
         while trio.current_time() < deadline:
-            for p in peers:
+            live = {e.peer_id for e in self.node.membership.live_peers()}
+            for p in sorted(peers, key=lambda p: p not in live):
+                if p not in live and last is not None:
+                    continue  # a silent peer gets one try, then only live ones
                 try:
-                    return await pull_state(self.node.sh, p, revision=revision)
+                    return await pull_state(self.node.sh, p, revision=revision, config=attempt)
                 except StateTransferError as e:
                     last = e
+                    log.debug("revision %d from %s: %s", revision, p, e)
             await trio.sleep(0.2)
         raise StateTransferError(f"no peer served revision {revision} within {self.config.state_pull_timeout_s} s: "
                                  f"{last}")
@@ -254,6 +261,7 @@ class RunRuntime:
             t = self.table_at(step)
             peers = [m for m in (t.members(0) if t else ()) if m != self.node.peer_id]
         t0 = time.monotonic()
+        log.info("entering the group at step %d: pulling that revision from %s", step, [p[-8:] for p in peers])
         snap = await self.pull_revision(step, peers)
         await self._load(snap)
         log.info("entered the group at step %d with state from a replica (%.2f s)", step, time.monotonic() - t0)
