@@ -46,7 +46,7 @@ def context(node, m: RunManifest) -> RunContext:
     rpc = RpcServer(node.sh, node.penalties)  # the test's server replaces the daemon's; keep its methods
     rpc.register("members", node._rpc_members)
     rpc.register("announce", node._rpc_announce)
-    return RunContext(sh=node.sh, manifest=m, register=rpc.register, publish=node._publish,
+    return RunContext(sh=node.sh, manifest=m, register=rpc.register, publish=node.publish,
                       membership=node.membership, penalties=node.penalties)
 
 
