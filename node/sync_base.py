@@ -240,7 +240,9 @@ class GroupSync(Synchronizer):
             if m in parts:
                 total += parts[m]
         mean = codec.encode(total / len(parts))
-        got = self.exchange(group.tag(round_, f"{phase}/ag"), {m: mean for m in group.members}, members, f"{phase}/ag")
+        # a member not heard in the first phase is not waited for again (a dead member costs one deadline, not two)
+        got = self.exchange(group.tag(round_, f"{phase}/ag"), {m: mean for m in group.members}, members - missing,
+                            f"{phase}/ag")
         missing |= members - got.keys()
         out = torch.zeros_like(flat, dtype=torch.float32)
         chunks = {}

@@ -112,7 +112,8 @@ class CocktailSync(GroupSync):
         accepted = self.accept(got, dec_up, self.config.norm_factor)
         payloads = [enc[id(got[m])] for m in group.members if m in accepted]
         s_hat = comp.server_aggregate(payloads, self.e[lo:hi], step)
-        down = self.exchange(group.tag(step, "down"), {m: s_hat for m in members}, members, "down",
+        # a member not heard in the up phase is not waited for again (a dead member costs one deadline, not two)
+        down = self.exchange(group.tag(step, "down"), {m: s_hat for m in members}, members - missing, "down",
                              dense_numel=hi - lo)
         missing |= members - down.keys()
         received, dense = {}, {}
