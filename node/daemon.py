@@ -68,6 +68,7 @@ class Node:
         self._announcement: bytes = b""
         self.events: list[tuple[float, Event]] = []
         self.rpc: RpcServer | None = None
+        self._last_fields: dict[str, Any] = {}
         self.runtime: RunRuntime | None = None
         self.extra_ingest: list = []  # more consumers of verified records (the run client)
         self._stop = trio.Event()
@@ -97,6 +98,7 @@ class Node:
         fields: dict[str, Any] = {"role": self.role, "state": self.state}
         if self.runtime is not None and self.state not in ("starting", "leaving"):
             fields.update(self.runtime.status_fields())
+        self._last_fields = fields
         return StatusRecord(peer_id=self.peer_id, seq=self._seq, time=time.time(),
                             peers_seen=len(self.membership.live_peers()) if self.membership else 0, **fields)
 
@@ -174,7 +176,7 @@ class Node:
             "version": shoal_version(),
         }
         if self.runtime is not None:
-            doc.update(self.runtime.status_fields())
+            doc.update(self._last_fields)  # what the last status record said
             doc["refetches"] = self.runtime.refetches
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(doc, indent=1))

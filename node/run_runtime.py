@@ -84,6 +84,8 @@ class RunRuntime:
         self.refetches = 0
         self._refetch_at: int | None = None
         self._start_deadline = time.monotonic() + config.start_wait_s
+        self._rate_sample: tuple[float, int, int] | None = None
+        self._up = self._down = 0.0
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
 
@@ -94,7 +96,7 @@ class RunRuntime:
             return {"state": "joining"}
         fields: dict[str, Any] = {"run_id": self.manifest.run_id, "state": self.state}
         if c is not None:
-            fields["role"] = "broker" if c.is_broker() and c.slot() is None else c.role()
+            fields["role"] = "broker" if c.is_broker() else c.role()  # the broker may hold a slot too
             fields["slot"] = c.slot_name()
         if t is not None:
             fields["step"] = t.step_count
@@ -103,11 +105,23 @@ class RunRuntime:
                 fields["tokens_per_s"] = round(self.last.tokens_per_s, 1)
             fields["eval_loss"] = t.last_eval_loss
         if s is not None and hasattr(s, "bytes_sent"):
-            fields.update(bytes_sent=s.bytes_sent, bytes_recv=s.bytes_recv,
+            up, down = self._rates(s.bytes_sent, s.bytes_recv)
+            fields.update(bytes_sent=s.bytes_sent, bytes_recv=s.bytes_recv, up_bytes_per_s=up, down_bytes_per_s=down,
                           compression_ratio=round(s.compression_ratio, 2), state_hash=s.state_hash() or None)
         if self.error:
             fields["error"] = self.error[:200]
         return fields
+
+    def _rates(self, sent: int, recv: int) -> tuple[float, float]:
+        """Bytes per second sent and received since the previous status (smoothed)."""
+        now = time.monotonic()
+        t0, s0, r0 = self._rate_sample or (now, sent, recv)
+        self._rate_sample = (now, sent, recv)
+        if now - t0 > 0:
+            a = 0.5
+            self._up = a * (sent - s0) / (now - t0) + (1 - a) * self._up
+            self._down = a * (recv - r0) / (now - t0) + (1 - a) * self._down
+        return round(self._up, 1), round(self._down, 1)
 
     # -- groups by step ------------------------------------------------------------------------------------
     def _on_table(self, table: AssignmentTable) -> None:
