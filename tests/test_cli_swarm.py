@@ -98,7 +98,7 @@ def test_peers_command_lists_the_swarm_as_json(swarm, tmp_path):
 
 
 def test_swarm_up_end_to_end(tmp_path):
-    out = subprocess.run([*SHOAL, "swarm", "up", "--nodes", "3", "--duration", "3", "--json",
+    out = subprocess.run([*SHOAL, "swarm", "up", "--no-train", "--nodes", "3", "--duration", "3", "--json",
                           "--dir", str(tmp_path / "w")], capture_output=True, text=True, timeout=180,
                          env=env_for(tmp_path / "home"))
     assert out.returncode == 0, out.stderr
@@ -113,7 +113,7 @@ def test_swarm_up_end_to_end(tmp_path):
 
 
 def test_swarm_up_ctrl_c_stops_everything(tmp_path):
-    proc = subprocess.Popen([*SHOAL, "swarm", "up", "--nodes", "2", "--dir", str(tmp_path / "w")],
+    proc = subprocess.Popen([*SHOAL, "swarm", "up", "--no-train", "--nodes", "2", "--dir", str(tmp_path / "w")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for(tmp_path / "home"))
     try:
         wait(lambda: (tmp_path / "home" / "local-swarm.json").exists(), 90, "the swarm to start")
@@ -151,3 +151,18 @@ def test_version_and_help_everywhere():
         assert r.returncode == 0 and "usage: shoal " + name in r.stdout, (name, r.stderr)
     r = subprocess.run([*SHOAL, "swarm", "up", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--nodes" in r.stdout
+
+
+def test_swarm_up_trains_by_default_and_reports_per_node(tmp_path):
+    out = subprocess.run([*SHOAL, "swarm", "up", "--nodes", "3", "--steps", "25", "--json", "--dir",
+                          str(tmp_path / "w")], capture_output=True, text=True, timeout=400,
+                         env=env_for(tmp_path / "home"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    nodes = json.loads(out.stdout)["nodes"]
+    active = [n for n in nodes if n.get("slot")]
+    assert len(active) == 2 and [n["role"] for n in nodes].count("backup") == 1
+    for n in active:
+        assert n["step"] == 25 and n["state"] == "done"
+        assert n["loss"] < 5.0 and n["eval_loss"] is not None and n["bytes_sent"] > 0 and n["bytes_recv"] > 0
+    assert len({n["state_hash"] for n in active}) == 1
+    assert all(n["exit_code"] == 0 for n in nodes)
