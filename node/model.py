@@ -159,10 +159,15 @@ def stage_ranges(n_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """Contiguous, balanced [first, last) layer ranges, earlier stages taking the remainder."""
     if not 1 <= num_stages <= n_layers:
         raise ValueError(f"cannot cut {n_layers} layers into {num_stages} stages")
-    base, extra = divmod(n_layers, num_stages)
+    return even_split(n_layers, num_stages)
+
+
+def even_split(n: int, parts: int) -> list[tuple[int, int]]:
+    """[0, n) cut into `parts` contiguous [start, end) ranges whose sizes differ by at most one, earlier ones larger."""
+    base, extra = divmod(n, parts)
     out, start = [], 0
-    for s in range(num_stages):
-        end = start + base + (1 if s < extra else 0)
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
         out.append((start, end))
         start = end
     return out

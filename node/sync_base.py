@@ -14,6 +14,7 @@ import trio
 
 from shoal.kernels.codec import Codec, Encoded, tensor_from_buffer
 from shoal.kernels.topk import decode_topk
+from shoal.node.model import even_split
 from shoal.node.trainer import Synchronizer
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.frames import decode_frame, encode_frame, make_header
@@ -44,13 +45,7 @@ class Rejected(ProtocolError):
 
 def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     """Cut [0, n) into `parts` near-equal contiguous chunks; member i of the group owns chunk i."""
-    base, extra = divmod(n, parts)
-    out, a = [], 0
-    for i in range(parts):
-        b = a + base + (1 if i < extra else 0)
-        out.append((a, b))
-        a = b
-    return out
+    return even_split(n, parts)
 
 
 def encode_tensor(e: Encoded) -> bytes:

@@ -9,7 +9,7 @@ import trio
 
 from shoal.protocol.errors import DecodeError, ProtocolError
 from shoal.protocol.wire import expect_map, get_field, pack, unpack
-from shoal.swarm.framing import StreamClosed, read_frame, write_frame
+from shoal.swarm.framing import StreamClosed, close_quietly, read_frame, write_frame
 from shoal.swarm.host import SwarmHost
 from shoal.swarm.penalty import Penalties
 
@@ -86,7 +86,7 @@ class Collective:
         except StreamClosed as e:
             log.debug("collective stream from %s closed early: %s", peer, e)
             return
-        await _close(stream)
+        await close_quietly(stream)
         self._deliver(tag, peer, payload, wire=4 + len(raw) + 4 + n)
 
     def _deliver(self, tag: str, peer: str, payload: bytes, wire: int) -> None:
@@ -141,7 +141,7 @@ class Collective:
                     await write_frame(stream, header)
                     await write_frame(stream, payload)
                 finally:
-                    await _close(stream)
+                    await close_quietly(stream)
         except (Exception, trio.TooSlowError) as e:  # a peer's failure is data: the round goes on without it
             log.info("collective send %s to %s failed: %s: %s", tag, peer, type(e).__name__, e)
             return
@@ -179,13 +179,6 @@ class Collective:
         if self.me in sends:
             box[self.me] = sends[self.me]  # short-circuited: never counted as network bytes
         return {p: b for p, b in box.items() if p in expect}
-
-
-async def _close(stream) -> None:
-    try:
-        await stream.close()
-    except Exception:  # noqa: BLE001 - closing a half-gone stream
-        pass
 
 
 async def _reset(stream) -> None:

@@ -38,3 +38,11 @@ async def read_frame(stream, max_bytes: int) -> bytes:
 
 async def write_frame(stream, payload: bytes) -> None:
     await stream.write(_LEN.pack(len(payload)) + payload)
+
+
+async def close_quietly(stream) -> None:
+    """Close a stream whose peer may already be gone (py-libp2p raises on closing a reset stream)."""
+    try:
+        await stream.close()
+    except Exception:  # noqa: BLE001 - nothing to do about a half-gone stream
+        pass

@@ -10,7 +10,7 @@ import trio
 
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.wire import pack, unpack
-from shoal.swarm.framing import StreamClosed, read_frame, write_frame
+from shoal.swarm.framing import StreamClosed, close_quietly, read_frame, write_frame
 from shoal.swarm.host import SwarmHost
 from shoal.swarm.penalty import Penalties
 
@@ -86,10 +86,7 @@ async def call(sh: SwarmHost, peer_id: str, method: str, body: Any = None, *, ti
                 await write_frame(stream, pack({"m": method, "b": body}))
                 resp = unpack(await read_frame(stream, max_response_bytes), max_bytes=max_response_bytes)
             finally:
-                try:
-                    await stream.close()
-                except Exception:  # noqa: BLE001
-                    pass
+                await close_quietly(stream)
     except trio.TooSlowError:
         raise RpcError(f"{method} on {peer_id[:16]}…: no answer within {timeout_s} s") from None
     except (ProtocolError, StreamClosed) as e:

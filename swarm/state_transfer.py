@@ -15,7 +15,7 @@ import trio
 
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.wire import pack, unpack
-from shoal.swarm.framing import StreamClosed, read_exactly, read_frame, write_frame
+from shoal.swarm.framing import StreamClosed, close_quietly, read_exactly, read_frame, write_frame
 from shoal.swarm.host import SwarmHost
 from shoal.swarm.penalty import Penalties
 
@@ -272,10 +272,7 @@ async def pull_state(sh: SwarmHost, peer_id: str, *, config: StateTransferConfig
                     buf = bytearray(await read_exactly(stream, nbytes))
                     tensors[name] = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
             finally:
-                try:
-                    await stream.close()
-                except Exception:  # noqa: BLE001
-                    pass
+                await close_quietly(stream)
     except trio.TooSlowError:
         raise StateTransferError(f"state from {peer_id[:16]}… not received within {config.timeout_s} s") from None
     except (ProtocolError, StreamClosed) as e:
