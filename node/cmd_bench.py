@@ -149,7 +149,7 @@ def run_hivemind(py: str, x, repeats: int) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# shoal bench codecs", "", f"Command: `{result['command']}`", "",
+    lines = ["# shoal bench codecs", "", f"Command: `{result['command']}`", "",
              f"Input: {result['numel']:,} float32 values, Student-t (3 d.o.f.), seed {result['seed']}; "
              f"{result['threads']} torch threads on {result['machine']}; median of {result['repeats']} runs "
              "of compress+decompress. GB/s counts fp32 input bytes. CocktailSGD error is over the whole tensor "

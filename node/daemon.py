@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,22 +14,20 @@ import trio
 
 from shoal.node.cli import shoal_version
 from shoal.protocol import PROTOCOL_VERSION
-from shoal.protocol.envelope import Signed, open_envelope, seal
-from shoal.protocol.errors import ProtocolError
-from shoal.protocol.records import RECORD_TYPES, Announcement, HardwareProfile, LeaveNotice, StatusRecord
+from shoal.protocol.envelope import Signed, seal
+from shoal.protocol.records import Announcement, HardwareProfile, LeaveNotice, StatusRecord
 from shoal.swarm.dht_records import announcement_key
 from shoal.swarm.gossip import RecordGossip
 from shoal.swarm.host import HostConfig, SwarmHost, open_host
 from shoal.swarm.identity import load_or_create_identity
-from shoal.swarm.membership import Event, Membership, MembershipConfig
+from shoal.swarm.membership import Event, MAX_MEMBERS_ROWS, Membership, MembershipConfig, verified_members
 from shoal.swarm.penalty import Penalties
-from shoal.swarm.rpc import BadRequest, RpcError, RpcServer, call
+from shoal.swarm.rpc import RpcError, RpcServer, call
 
 if TYPE_CHECKING:
     from shoal.node.run_runtime import RunConfig, RunRuntime
 
 log = logging.getLogger(__name__)
-MAX_MEMBERS_REPLY = 1024
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,28 +104,17 @@ class Node:
         """[announcement envelope, status envelope, age in seconds] for every live peer, this one included."""
         assert self.membership is not None
         rows: list[list[Any]] = [[self._announcement, self._last_status, 0.0]]
-        for e in self.membership.live_peers()[: MAX_MEMBERS_REPLY - 1]:
+        for e in self.membership.live_peers()[: MAX_MEMBERS_ROWS - 1]:
             rows.append([e.announcement.raw if e.announcement else None, e.status.raw if e.status else None,
                          round(self.membership.age_s(e), 3)])
         return rows
 
     def ingest_snapshot(self, rows: Any, source: str) -> int:
-        """Verify and ingest a members snapshot from `source`; a malformed one penalizes the source."""
-        if not isinstance(rows, list) or len(rows) > MAX_MEMBERS_REPLY:
-            self.penalties.penalize(source, "members reply is not a bounded list")
-            return 0
-        n = 0
-        for row in rows:
-            try:
-                if not isinstance(row, list) or len(row) != 3 or not isinstance(row[2], (int, float)):
-                    raise BadRequest("members row must be [announcement, status, age_s]")
-                for raw in row[:2]:
-                    if raw is not None:
-                        self.ingest(open_envelope(raw, RECORD_TYPES), age_s=min(max(float(row[2]), 0.0), 3600.0))
-                n += 1
-            except ProtocolError as e:
-                self.penalties.penalize(source, f"bad members row: {e}")
-        return n
+        """Verify and ingest a members snapshot from `source`; anything malformed penalizes the source."""
+        records = verified_members(rows, lambda why: self.penalties.penalize(source, why))
+        for signed, age in records:
+            self.ingest(signed, age_s=age)
+        return len(records)
 
     # -- tasks ---------------------------------------------------------------------------------------------
     async def _rpc_members(self, caller: str, body: Any) -> Any:
@@ -245,7 +232,3 @@ class Node:
             await self.publish(notice)
             await trio.sleep(0.3)
         nursery.cancel_scope.cancel()
-
-
-def node_config_with_join(config: NodeConfig, join: list[str]) -> NodeConfig:
-    return replace(config, host=replace(config.host, join=tuple(join)))

@@ -18,7 +18,6 @@ from typing import Any
 import trio
 
 from shoal.protocol.assignment import AssignmentTable
-from shoal.protocol.envelope import Signed
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HardwareProfile
 from shoal.swarm.broker import Broker, BrokerConfig, RunContext
@@ -26,7 +25,7 @@ from shoal.swarm.collective import Collective
 from shoal.swarm.group import Group
 from shoal.swarm.rpc import RpcError
 from shoal.swarm.run_client import RunClient, RunClientConfig, fetch_table
-from shoal.swarm.state_transfer import Snapshot, StateServer, StateTransferError, pull_state
+from shoal.swarm.state_transfer import Snapshot, StateServer, StateTransferError, keep_warm, pull_state
 
 log = logging.getLogger(__name__)
 MAX_TABLES = 64
@@ -362,19 +361,6 @@ class RunRuntime:
 
         return await call(self.node.sh, peer, method, body, timeout_s=self.config.client.rpc_timeout_s)
 
-    async def _keep_warm(self) -> None:
-        """While a backup: refresh a copy of the run's state so a promotion is a short catch-up."""
-        while True:
-            t = self.client.table
-            if self.client.role() == "backup" and t is not None and t.members(0):
-                for peer in t.members(0):
-                    try:
-                        self.warm = await pull_state(self.node.sh, peer)
-                        break
-                    except StateTransferError as e:
-                        log.info("warm copy from %s failed: %s", peer, e)
-            await trio.sleep(self.config.backup_refresh_s)
-
     async def _rpc_manifest(self, caller: str, body: Any) -> Any:
         if body != self.manifest.run_id:
             raise ValueError("this node trains another run")
@@ -429,7 +415,9 @@ class RunRuntime:
             if self.client.table is not None:
                 self._on_table(self.client.table)
             task_status.started(self)
-            nursery.start_soon(self._keep_warm)
+            nursery.start_soon(functools.partial(  # backups refresh a copy so a promotion is a short catch-up
+                keep_warm, node.sh, self.client, lambda snap: setattr(self, "warm", snap),
+                every_s=self.config.backup_refresh_s))
             await self._train()
 
     async def leave(self) -> None:

@@ -6,10 +6,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shoal.protocol.envelope import Signed
-from shoal.protocol.records import Announcement, LeaveNotice, StatusRecord
+from shoal.protocol.envelope import Signed, open_envelope
+from shoal.protocol.errors import ProtocolError
+from shoal.protocol.records import RECORD_TYPES, Announcement, LeaveNotice, StatusRecord
 
 ALIVE, SUSPECT, GONE, LEFT = "alive", "suspect", "gone", "left"
+MAX_MEMBERS_ROWS = 1024
+MAX_RELAYED_AGE_S = 3600.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,3 +122,27 @@ class Membership:
 
     def age_s(self, e: PeerEntry) -> float:
         return max(0.0, self.clock() - e.last_seen)
+
+
+def verified_members(rows: object, penalize: Callable[[str], object]) -> list[tuple[Signed, float]]:
+    """The verified (record, age_s) pairs of a `members` reply: rows of [announcement, status, age_s].
+
+    A reply that is not a bounded list, and every malformed row or record, calls `penalize(reason)`."""
+    if not isinstance(rows, list) or len(rows) > MAX_MEMBERS_ROWS:
+        penalize("members reply is not a bounded list")
+        return []
+    out = []
+    for row in rows:
+        if not isinstance(row, list) or len(row) != 3 or isinstance(row[2], bool) \
+                or not isinstance(row[2], (int, float)):
+            penalize("members row must be [announcement, status, age_s]")
+            continue
+        age = min(max(float(row[2]), 0.0), MAX_RELAYED_AGE_S)
+        for raw in row[:2]:
+            if raw is None:
+                continue
+            try:
+                out.append((open_envelope(raw, RECORD_TYPES), age))
+            except ProtocolError as e:
+                penalize(f"bad members row: {e}")
+    return out

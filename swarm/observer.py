@@ -12,13 +12,11 @@ from pathlib import Path
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.protocol.envelope import Signed, open_envelope
-from shoal.protocol.errors import ProtocolError
-from shoal.protocol.records import RECORD_TYPES
+from shoal.protocol.envelope import Signed
 from shoal.protocol.schema import WireRecord
 from shoal.swarm.gossip import RecordGossip
 from shoal.swarm.host import HostConfig, SwarmHost, open_host
-from shoal.swarm.membership import Membership, MembershipConfig
+from shoal.swarm.membership import Membership, MembershipConfig, verified_members
 from shoal.swarm.penalty import Penalties
 from shoal.swarm.rpc import RpcError, call
 
@@ -46,7 +44,7 @@ class Observer:
             self.on_signed(signed)
 
     async def refresh(self) -> int:
-        """Pull a members snapshot from every peer we are connected to; returns the rows accepted."""
+        """Pull a members snapshot from every peer we are connected to; returns the records accepted."""
         n = 0
         for pid in self.sh.connected_peers():
             try:
@@ -54,21 +52,9 @@ class Observer:
             except RpcError as e:
                 log.info("members from %s: %s", pid, e)
                 continue
-            if not isinstance(rows, list):
-                self.penalties.penalize(pid, "members reply is not a list")
-                continue
-            for row in rows[:1024]:
-                if not isinstance(row, list) or len(row) != 3 or not isinstance(row[2], (int, float)):
-                    self.penalties.penalize(pid, "malformed members row")
-                    continue
-                for raw in row[:2]:
-                    if raw is None:
-                        continue
-                    try:
-                        self._ingest(open_envelope(raw, RECORD_TYPES), age_s=min(max(float(row[2]), 0.0), 3600.0))
-                        n += 1
-                    except ProtocolError as e:
-                        self.penalties.penalize(pid, f"bad members row: {e}")
+            for signed, age in verified_members(rows, lambda why, pid=pid: self.penalties.penalize(pid, why)):
+                self._ingest(signed, age_s=age)
+                n += 1
         return n
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED, refresh_every_s: float = 10.0) -> None:

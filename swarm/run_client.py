@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from shoal.protocol.assignment import (
-    ACTIVE, BACKUP, GONE, RUN_RECORD_TYPES, AdmitRequest, AdmitResponse, AssignmentTable, BrokerLease,
+    BACKUP, GONE, RUN_RECORD_TYPES, AdmitRequest, AdmitResponse, AssignmentTable, BrokerLease,
     MissingReport, slot_name)
 from shoal.protocol.envelope import Signed, open_envelope
 from shoal.protocol.errors import ProtocolError
