@@ -73,13 +73,17 @@ class CocktailCompressor:
     # --- server side (the worker serving this chunk) ------------------------------------------------
     def server_aggregate(self, payloads: list[Encoded], server_error: torch.Tensor, step: int) -> Encoded:
         """s = mean_i C^(delta_i) + e[mask]; s_hat = C(s); e[mask] = s - s_hat. Returns s_hat to broadcast."""
-        if not payloads:
+        return self.server_aggregate_values([self.decompress(p) for p in payloads], server_error, step)
+
+    def server_aggregate_values(self, values: list[torch.Tensor], server_error: torch.Tensor, step: int) -> Encoded:
+        """`server_aggregate` on already decoded C^(delta_i) (dense over the mask; the caller may have clipped them)."""
+        if not values:
             raise ValueError("no payloads to aggregate")
         m = self.mask(step)
         s = m.gather(server_error).float()
-        inv = 1.0 / len(payloads)
-        for p in payloads:  # one loop per worker, not per element
-            s.add_(self.decompress(p), alpha=inv)
+        inv = 1.0 / len(values)
+        for v in values:  # one loop per worker, not per element
+            s.add_(v, alpha=inv)
         e = self.compress(s)
         m.copy_(server_error, (s - self.decompress(e)).to(server_error.dtype))
         return e

@@ -81,7 +81,9 @@ class RunRuntime:
         self.error: str | None = None
         self.finished = trio.Event()
         self.refetches = 0
-        self._refetch_at: int | None = None
+        self.votes = 0  # hash votes held after a peer's published hash differed from ours
+        self._refetch: tuple[int, str] | None = None  # (step, majority peer): load that peer's state at that step
+        self._vote_after = 0  # no new vote before this step
         self._start_deadline = time.monotonic() + config.start_wait_s
         self._rate_sample: tuple[float, int, int] | None = None
         self._up = self._down = 0.0
@@ -99,6 +101,8 @@ class RunRuntime:
             fields["slot"] = c.slot_name()
         if t is not None:
             fields["step"] = t.step_count
+            if self.my_hashes:  # the hash this loop recorded with its step, never a pair torn by a running step
+                fields["step"] = max(self.my_hashes)
             if self.last is not None:
                 fields["loss"] = self.last.loss if math.isfinite(self.last.loss) else None
                 fields["tokens_per_s"] = round(self.last.tokens_per_s, 1)
@@ -106,7 +110,8 @@ class RunRuntime:
         if s is not None and hasattr(s, "bytes_sent"):
             up, down = self._rates(s.bytes_sent, s.bytes_recv)
             fields.update(bytes_sent=s.bytes_sent, bytes_recv=s.bytes_recv, up_bytes_per_s=up, down_bytes_per_s=down,
-                          compression_ratio=round(s.compression_ratio, 2), state_hash=s.state_hash() or None)
+                          compression_ratio=round(s.compression_ratio, 2),
+                          state_hash=(self.my_hashes[max(self.my_hashes)] if self.my_hashes else s.state_hash()) or None)
         if self.error:
             fields["error"] = self.error[:200]
         return fields
@@ -244,15 +249,20 @@ class RunRuntime:
         self.trainer, self.sync = await trio.to_thread.run_sync(build)
 
     def _on_missing(self, peers: list[str]) -> None:
-        """Trainer thread: members missed a round's deadline; tell the broker (it checks and replaces them)."""
-        g = self.group_at(self.trainer.step_count)
-        if g is not None and self.client is not None:
-            trio.from_thread.run_sync(self._nursery.start_soon,
-                                      functools.partial(self.client.report_missing, peers, epoch=g.epoch),
-                                      trio_token=self._token)
+        """Trainer thread: members missed a round's deadline; tell the broker (it checks them)."""
+        self._report(missing=peers)
 
     def _on_offender(self, peer: str, reason: str) -> None:
+        """Trainer thread: a member's update was rejected; tell the broker (most members' reports evict it)."""
         self.error = f"excluded {peer[-8:]}: {reason}"[:200]
+        self._report(offenders=[peer])
+
+    def _report(self, *, missing: list[str] = (), offenders: list[str] = ()) -> None:
+        g = self.group_at(self.trainer.step_count)
+        if g is not None and self.client is not None:
+            report = functools.partial(self.client.report_missing, list(missing), epoch=g.epoch, stage=g.stage,
+                                       offenders=list(offenders))
+            trio.from_thread.run_sync(self._nursery.start_soon, report, trio_token=self._token)
 
     def _entry(self) -> tuple[int, int] | None:
         """(step, replica) at which this node's newest slot takes effect, or None when no table gives it one."""
@@ -283,26 +293,59 @@ class RunRuntime:
         t = self.tables[-1] if self.tables else None
         return t is not None and len(t.members(0)) >= self.manifest.plan.replicas
 
-    def _hash_majority_disagrees(self) -> str | None:
-        """A peer of the group whose hash at a step we share differs from ours while most agree with it."""
+    def _status_disagrees(self) -> bool:
+        """A member of our group published, for a step we still hold, a state hash other than ours."""
         g = self.group_at(self.trainer.step_count)
         if g is None or g.size < 3:
-            return None
-        by_step: dict[int, dict[str, str]] = {}
+            return False  # two replicas that differ have no majority to follow
         for e in self.node.membership.live_peers():
             st = e.status_record
-            if st is not None and e.peer_id in g.members and st.state_hash and st.step in self.my_hashes:
-                by_step.setdefault(st.step, {})[e.peer_id] = st.state_hash
-        for step, hashes in sorted(by_step.items(), reverse=True):
-            mine = self.my_hashes[step]
-            counts: dict[str, int] = {}
-            for h in [*hashes.values(), mine]:
-                counts[h] = counts.get(h, 0) + 1
-            top, n = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
-            if top != mine and n > g.size // 2:
-                return next(p for p, h in hashes.items() if h == top)
+            if (st is not None and e.peer_id in g.members and st.run_id == self.manifest.run_id and st.state_hash
+                    and st.step in self.my_hashes and st.state_hash != self.my_hashes[st.step]):
+                return True
+        return False
+
+    async def _hash_vote(self) -> str | None:
+        """Ask every other member for its hash at one recent step we all hold (members run in lockstep, within a
+        step of each other). Returns a peer holding the hash a strict majority of the group holds, if ours is not
+        that hash; None when we are with the majority or there is none."""
+        g = self.group_at(self.trainer.step_count)
+        if g is None or g.size < 3 or not self.my_hashes:
             return None
-        return None
+        step = max(self.my_hashes) - 2
+        if step not in self.my_hashes:
+            return None
+        votes = {self.node.peer_id: self.my_hashes[step]}
+
+        async def ask(peer: str) -> None:
+            try:
+                ans = await self.node_call(peer, "run.hash_at", step)
+            except RpcError as e:
+                log.info("hash vote: %s did not answer: %s", peer, e)
+                return
+            h = ans.get("hash") if isinstance(ans, dict) else None
+            if isinstance(h, str) and 0 < len(h) <= 64:
+                votes[peer] = h
+
+        async with trio.open_nursery() as n:
+            for peer in g.members:
+                if peer != self.node.peer_id:
+                    n.start_soon(ask, peer)
+        self.votes += 1
+        counts: dict[str, int] = {}
+        for h in votes.values():
+            counts[h] = counts.get(h, 0) + 1
+        top, n_top = max(counts.items(), key=lambda kv: kv[1])
+        mine = votes[self.node.peer_id]
+        log.info("hash vote at step %d: %d of %d members hold %s (ours %s)", step, n_top, g.size, top[:12], mine[:12])
+        if top == mine or n_top <= g.size // 2:
+            return None
+        return next(p for p, h in sorted(votes.items()) if h == top)
+
+    async def _rpc_hash_at(self, caller: str, body: Any) -> Any:
+        if not isinstance(body, int) or isinstance(body, bool) or body < 0:
+            raise ValueError("hash_at takes a step number")
+        return {"hash": self.my_hashes.get(body)}
 
     async def _train(self) -> None:
         limit = self.config.max_steps if self.config.max_steps is not None else self.manifest.optim.total_steps
@@ -332,27 +375,26 @@ class RunRuntime:
                 with trio.move_on_after(1.0):
                     await self.client.wait_changed()
                 continue
-            if self._refetch_at is not None and step >= self._refetch_at:
-                src = self._hash_majority_disagrees()
-                if src is not None:
-                    self.state = "syncing"
-                    snap = await self.pull_revision(step, [src])
-                    await self._load(snap)
-                    self.refetches += 1
-                    log.warning("state hash disagreed with the majority: re-fetched step %d from %s", step, src)
-                self._refetch_at = None
+            if self._refetch is not None and step >= self._refetch[0]:
+                src, self._refetch = self._refetch[1], None
+                self.state = "syncing"
+                snap = await self.pull_revision(step, [src])
+                await self._load(snap)
+                self.refetches += 1
+                log.warning("state hash disagreed with the majority: re-fetched step %d from %s", step, src)
             self.state = "training"
             self.last = await trio.to_thread.run_sync(t.step)
             self.my_hashes[t.step_count] = self.sync.state_hash() if hasattr(self.sync, "state_hash") else ""
             for old in sorted(self.my_hashes)[:-64]:
                 del self.my_hashes[old]
-            if self._refetch_at is None:
-                src = self._hash_majority_disagrees()
+            if self._refetch is None and t.step_count >= self._vote_after and self._status_disagrees():
+                self._vote_after = t.step_count + self.config.switch_lead_min_steps + 2
+                src = await self._hash_vote()
                 if src is not None:  # ask the majority peer for a snapshot a few steps ahead, then load it there
                     target = t.step_count + self.config.switch_lead_min_steps
                     try:
                         await self.node_call(src, "run.snapshot_at", target)
-                        self._refetch_at = target
+                        self._refetch = (target, src)
                     except RpcError as e:
                         log.info("snapshot request to %s failed: %s", src, e)
 
@@ -391,6 +433,7 @@ class RunRuntime:
         self.collective = Collective(node.sh, node.penalties)
         StateServer(node.sh, lambda: self.latest, penalties=node.penalties, by_revision=self._snapshot_at)
         node.rpc.register("run.snapshot_at", self._rpc_snapshot_at)
+        node.rpc.register("run.hash_at", self._rpc_hash_at)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             if not joined:  # the node started with the manifest hosts the broker

@@ -24,19 +24,23 @@ from shoal.swarm.penalty import Penalties
 
 log = logging.getLogger(__name__)
 
-#: a hook for fault-injection tests: (phase, outgoing Encoded) -> what is really sent to other members
-Fault = Callable[[str, Encoded], Encoded]
+#: a hook for fault-injection tests: (phase, recipient peer id, outgoing Encoded) -> what is really sent to that
+#: member, or None to send it nothing
+Fault = Callable[[str, str, Encoded], Encoded | None]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SyncConfig:
-    round_timeout_s: float = 30.0  # one exchange phase; a member not heard by then is dropped from the round
-    norm_factor: float = 10.0  # a contribution whose norm exceeds this x the group's (low) median is rejected
-    broadcast_norm_factor: float = 1000.0  # the same for owners' broadcasts (RMS against the median over chunks)
+    round_timeout_s: float = 30.0  # one exchange phase; a member not heard by then is skipped for the rest of the epoch
+    # A contribution is compared, by RMS, with the larger of the group's (low) median and this replica's own:
+    clip_factor: float = 4.0  # above this multiple it is scaled down to it (an honest spike; no penalty)
+    reject_factor: float = 1000.0  # above this multiple it is rejected and its sender penalized
+    broadcast_norm_factor: float = 1000.0  # owners' broadcasts: RMS against the median over chunks, reject above
 
     def __post_init__(self) -> None:
-        if self.round_timeout_s <= 0 or self.norm_factor <= 1 or self.broadcast_norm_factor <= 1:
-            raise ValueError("round_timeout_s must be positive and the norm factors > 1")
+        if self.round_timeout_s <= 0 or not 1 < self.clip_factor <= self.reject_factor or self.broadcast_norm_factor <= 1:
+            raise ValueError("round_timeout_s must be positive, 1 < clip_factor <= reject_factor, "
+                             "broadcast_norm_factor > 1")
 
 
 class Rejected(ProtocolError):
@@ -114,9 +118,12 @@ def write_flat_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
 class GroupSync(Synchronizer):
     """Base of the network synchronizers; the trainer thread reaches the trio loop through `trio_token`.
 
-    Callbacks: `on_missing(peer_ids)` when members miss a round's deadline (they are left out of the rest of the
-    group epoch: their chunks are re-owned by `Group.without`), `on_offender(peer_id, reason)` when a member's
-    update is rejected (excluded for the epoch, penalized; `penalties` bans it with backoff).
+    Chunk ownership comes from the broker's group and never changes within a group epoch, so every member derives
+    the same owners without talking. What a replica decides alone only narrows whom it exchanges with: a member
+    that missed a deadline or whose update was rejected is skipped (not waited for, not sent to, not used) for the
+    rest of the epoch, and a chunk whose owner is skipped stays as it is on this replica. The broker hears of it
+    (`on_missing(peer_ids)`, `on_offender(peer_id, reason)`) and re-forms the group at an agreed step, which is
+    where chunks change owners; replicas that saw a round differently meet again through the state-hash vote.
     """
 
     def __init__(self, *, collective: Collective, group_fn: Callable[[], Group], trio_token: trio.lowlevel.TrioToken,
@@ -137,7 +144,7 @@ class GroupSync(Synchronizer):
         self.last_hash = ""
         self.fault: Fault | None = None
         self._epoch: tuple[str, int] | None = None
-        self._excluded: set[str] = set()
+        self._skipped: set[str] = set()
 
     # -- what the daemon reads
     def state_hash(self) -> str:
@@ -150,22 +157,26 @@ class GroupSync(Synchronizer):
 
     # -- group and faults
     def group(self) -> Group:
-        """This round's group: the broker's group minus members dropped or rejected earlier in this epoch."""
+        """This round's group: the broker's, unchanged within its epoch (skips reset when the epoch changes)."""
         g = self.group_fn()
         if self._epoch != (g.run_id, g.epoch):
-            self._epoch, self._excluded = (g.run_id, g.epoch), set()
-        drop = {m for m in g.members if m != g.me and (m in self._excluded or self.penalties.is_banned(m))}
-        return g.without(drop) if drop else g
+            self._epoch, self._skipped = (g.run_id, g.epoch), set()
+        return g
+
+    def live(self, g: Group) -> set[str]:
+        """The members this replica exchanges with this round: itself and those neither skipped nor banned."""
+        return {m for m in g.members
+                if m == g.me or (m not in self._skipped and not self.penalties.is_banned(m))}
 
     def _missing(self, peers: set[str]) -> None:
         if peers:
-            self._excluded |= peers
-            log.warning("members missed the round deadline, dropped for this epoch: %s", sorted(peers))
+            self._skipped |= peers
+            log.warning("members missed the round deadline, skipped for this epoch: %s", sorted(peers))
             if self.on_missing:
                 self.on_missing(sorted(peers))
 
     def _offend(self, peer: str, reason: str) -> None:
-        self._excluded.add(peer)
+        self._skipped.add(peer)
         self.penalties.penalize(peer, f"sync: {reason}")
         log.warning("update from %s rejected: %s", peer, reason)
         if self.on_offender:
@@ -183,7 +194,9 @@ class GroupSync(Synchronizer):
         wire: dict[str, bytes] = {}
         for p, e in sends.items():
             if p != self.collective.me and self.fault is not None:
-                e = self.fault(phase, e)
+                e = self.fault(phase, p, e)
+                if e is None:
+                    continue
             wire[p] = encode_tensor(e)
             if p != self.collective.me:
                 self.bytes_sent += len(wire[p])
@@ -193,9 +206,10 @@ class GroupSync(Synchronizer):
         self.bytes_recv += sum(len(b) for p, b in got.items() if p != self.collective.me)
         return got
 
-    def accept(self, got: dict[str, bytes], decode: Callable[[bytes], torch.Tensor],
-               norm_factor: float | None) -> dict[str, torch.Tensor]:
-        """Decode and validate contributions; reject bad frames, non-finite values and norms far above the median."""
+    def accept(self, got: dict[str, bytes], decode: Callable[[bytes], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Decode and validate contributions: bad frames and non-finite values are rejected; by RMS against the
+        larger of the (low) median and this replica's own, a spike is scaled down to `clip_factor` times it and
+        anything past `reject_factor` times it is rejected. Rejections penalize the sender."""
         out: dict[str, torch.Tensor] = {}
         for p, b in got.items():
             try:
@@ -204,41 +218,49 @@ class GroupSync(Synchronizer):
                 if p == self.collective.me:
                     raise
                 self._offend(p, str(e))
-        if norm_factor and len(out) >= 2:
-            norms = {p: float(x.norm()) / math.sqrt(max(x.numel(), 1)) for p, x in out.items()}
-            ref = statistics.median_low(sorted(norms.values()))
-            for p, v in norms.items():
-                if p != self.collective.me and v > norm_factor * ref + 1e-12:
-                    self._offend(p, f"update RMS {v:.3g} > {norm_factor:g} x median {ref:.3g}")
-                    del out[p]
+        me = self.collective.me
+        if len(out) < 2:
+            return out
+        rms = {p: float(x.norm()) / math.sqrt(max(x.numel(), 1)) for p, x in out.items()}
+        ref = max(statistics.median_low(sorted(rms.values())), rms.get(me, 0.0))
+        if ref <= 0.0:
+            return out  # nothing to measure against (an all-zero majority): only the frame and finiteness checks
+        for p, v in rms.items():
+            if p == me:
+                continue
+            if v > self.config.reject_factor * ref:
+                self._offend(p, f"update RMS {v:.3g} > {self.config.reject_factor:g} x reference {ref:.3g}")
+                del out[p]
+            elif v > self.config.clip_factor * ref:
+                log.info("update from %s clipped: RMS %.3g > %g x reference %.3g", p, v, self.config.clip_factor, ref)
+                out[p] = out[p] * (self.config.clip_factor * ref / v)
         return out
 
     def allreduce_mean(self, flat: torch.Tensor, codec: Codec, group: Group, round_: int, phase: str) -> torch.Tensor:
         """Mean of `flat` over the group: reduce-scatter to chunk owners, the owner encodes once (and keeps the
-        decoded value itself, so all replicas hold identical bits), all-gather. A chunk whose owner is not heard
-        from is zero on every replica that missed it."""
+        decoded value itself, so all replicas hold identical bits), all-gather. A chunk whose owner is skipped or
+        not heard from is zero on this replica."""
         if group.size == 1:
             return codec.decode(codec.encode(flat)).float()
         bounds = chunk_bounds(flat.numel(), group.size)
         a, b = bounds[group.rank]
-        members = set(group.members)
-        sends = {m: codec.encode(flat[lo:hi].contiguous()) for m, (lo, hi) in zip(group.members, bounds)}
-        got = self.exchange(group.tag(round_, f"{phase}/rs"), sends, members, f"{phase}/rs")
-        missing = members - got.keys()
+        live = self.live(group)
+        sends = {m: codec.encode(flat[lo:hi].contiguous()) for m, (lo, hi) in zip(group.members, bounds) if m in live}
+        got = self.exchange(group.tag(round_, f"{phase}/rs"), sends, live, f"{phase}/rs")
 
         def dec(n):
             return lambda buf: decode_values(decode_tensor(buf, codec=codec.name, dtype="float32", numel=n), codec)
 
-        parts = self.accept(got, dec(b - a), self.config.norm_factor)
+        parts = self.accept(got, dec(b - a))
         total = torch.zeros(b - a)
         for m in group.members:  # a fixed order: the owner's sum is deterministic
             if m in parts:
                 total += parts[m]
         mean = codec.encode(total / len(parts))
-        # a member not heard in the first phase is not waited for again (a dead member costs one deadline, not two)
-        got = self.exchange(group.tag(round_, f"{phase}/ag"), {m: mean for m in group.members}, members - missing,
-                            f"{phase}/ag")
-        missing |= members - got.keys()
+        # a member not heard (or rejected) in the first phase is not waited for again: a dead member costs one
+        # deadline, not two
+        heard = set(got) & self.live(group)
+        got = self.exchange(group.tag(round_, f"{phase}/ag"), {m: mean for m in heard}, heard, f"{phase}/ag")
         out = torch.zeros_like(flat, dtype=torch.float32)
         chunks = {}
         for m, (lo, hi) in zip(group.members, bounds):
@@ -251,7 +273,7 @@ class GroupSync(Synchronizer):
         for m, (lo, hi) in zip(group.members, bounds):
             if m in chunks:
                 out[lo:hi] = chunks[m]
-        self._missing(missing)
+        self._missing(live - got.keys())
         return out
 
     def accept_broadcasts(self, chunks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

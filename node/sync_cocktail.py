@@ -89,33 +89,24 @@ class CocktailSync(GroupSync):
 
     # -- one round (background thread; touches only its snapshot x, g and e) ---------------------------
     def _round(self, x: torch.Tensor, group: Group, step: int) -> torch.Tensor:
-        members = set(group.members)
         bounds = chunk_bounds(x.numel(), group.size)
         comps = [CocktailCompressor(hi - lo, self.cfg) for lo, hi in bounds]
-        xs, up = [], {}
-        for m, (lo, hi), comp in zip(group.members, bounds, comps):
-            xc = x[lo:hi].clone()
-            up[m] = comp.worker_compress(xc, self.g[lo:hi], step)
-            xs.append(xc)
+        live = self.live(group)
+        xs, up = {}, {}
+        for c, (m, (lo, hi)) in enumerate(zip(group.members, bounds)):
+            if m in live:  # a skipped owner's chunk stays as it is: its delta waits in x - g for a later epoch
+                xs[c] = x[lo:hi].clone()
+                up[m] = comps[c].worker_compress(xs[c], self.g[lo:hi], step)
         lo, hi = bounds[group.rank]
-        got = self.exchange(group.tag(step, "up"), up, members, "up", dense_numel=hi - lo)
-        missing = members - got.keys()
+        got = self.exchange(group.tag(step, "up"), up, live, "up", dense_numel=hi - lo)
         # server: aggregate the chunk this replica owns
         comp = comps[group.rank]
-        enc = {}
-
-        def dec_up(buf):
-            e = self._decode(buf, comp, "float16")
-            enc[id(buf)] = e
-            return decode_values(e, None)
-
-        accepted = self.accept(got, dec_up, self.config.norm_factor)
-        payloads = [enc[id(got[m])] for m in group.members if m in accepted]
-        s_hat = comp.server_aggregate(payloads, self.e[lo:hi], step)
-        # a member not heard in the up phase is not waited for again (a dead member costs one deadline, not two)
-        down = self.exchange(group.tag(step, "down"), {m: s_hat for m in members}, members - missing, "down",
-                             dense_numel=hi - lo)
-        missing |= members - down.keys()
+        values = self.accept(got, lambda buf: decode_values(self._decode(buf, comp, "float16"), None))
+        s_hat = comp.server_aggregate_values([values[m] for m in group.members if m in values], self.e[lo:hi], step)
+        # a member not heard (or rejected) in the up phase is not waited for again: a dead member costs one
+        # deadline, not two
+        heard = set(got) & self.live(group)
+        down = self.exchange(group.tag(step, "down"), {m: s_hat for m in heard}, heard, "down", dense_numel=hi - lo)
         received, dense = {}, {}
         for c, m in enumerate(group.members):
             if m in down:
@@ -129,7 +120,7 @@ class CocktailSync(GroupSync):
             if m in dense:
                 comps[c].worker_apply(xs[c], self.g[lo:hi], step, received[m])
                 x[lo:hi] = xs[c]
-        self._missing(missing)
+        self._missing(live - down.keys())
         return x
 
     def _decode(self, buf: bytes, comp: CocktailCompressor, dtype: str):

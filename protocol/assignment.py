@@ -147,12 +147,14 @@ class AdmitResponse(WireRecord):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MissingReport(WireRecord):
-    """Body of `run.report_missing`: members of a round at `epoch` that missed its deadline."""
+    """Body of `run.report_missing`: members of a round at `epoch` that missed its deadline, and members whose
+    updates the reporter rejected (bad frames, non-finite or absurd values)."""
 
     run_id: str = spec(RUN_ID)
     stage: int = spec(Int(0, MAX_STAGES - 1), default=0)
     epoch: int = spec(Int(0, 2**62))
     missing: tuple[str, ...] = spec(Seq(PEER_ID, MAX_REPLICAS))
+    offenders: tuple[str, ...] = spec(Seq(PEER_ID, MAX_REPLICAS), default=())
 
 
 RUN_RECORD_TYPES: dict[str, type[WireRecord]] = {cls.KIND: cls for cls in (BrokerLease, AssignmentTable)}

@@ -112,6 +112,9 @@ class Broker:
         self.deposed = False  # a newer broker took over: stop publishing
         self.on_change: list[Callable[[AssignmentTable, bytes], None]] = []
         self.promotions: list[tuple[float, str, str, str]] = []  # (unix time, slot, failed peer, promoted peer)
+        self.reforms = 0  # groups re-formed (same members, next epoch) after a member missed a round but answered
+        self._offences: dict[tuple[int, int, str], set[str]] = {}  # (stage, epoch, offender) -> reporters
+        self._checking: set[tuple[int, int, str]] = set()  # (stage, epoch, peer) reported missing, being pinged
         self._dirty = trio.Event()
         self._rebuild()
 
@@ -327,23 +330,60 @@ class Broker:
         rep = MissingReport.from_wire(body)
         if rep.run_id != self.ctx.run_id or caller not in self.table.members(rep.stage):
             return {"accepted": False}
-        if rep.epoch != self.epochs[rep.stage]:
-            return {"accepted": False, "epoch": self.epochs[rep.stage]}  # stale: the group already changed
-        missing = [pid for pid in set(rep.missing) if pid in self.table.members(rep.stage) and pid != caller]
+        if rep.epoch > self.epochs[rep.stage]:
+            return {"accepted": False, "epoch": self.epochs[rep.stage]}
+        members = self.table.members(rep.stage)
+        current = rep.epoch == self.epochs[rep.stage]
+        if current:  # offences count within one epoch; a silent peer is checked anyway
+            for pid in set(rep.offenders):
+                if pid in members and pid != caller:
+                    self._offence(rep.stage, rep.epoch, pid, caller)
+        missing = [pid for pid in set(rep.missing) if pid in members and pid != caller]
         async with trio.open_nursery() as n:
             for pid in missing:
-                n.start_soon(self._check_missing, pid, caller)
-        return {"accepted": True, "epoch": self.epochs[rep.stage]}
+                n.start_soon(self._check_missing, pid, caller, rep.stage, rep.epoch)
+        return {"accepted": current, "epoch": self.epochs[rep.stage]}
 
-    async def _check_missing(self, peer_id: str, reporter: str) -> None:
-        if peer_id == self.ctx.me:
-            return
+    def _offence(self, stage: int, epoch: int, offender: str, reporter: str) -> None:
+        """A member rejected `offender`'s update. Once most of the other members have, it leaves the group and is
+        banned (one report could be a lie; most of the group saw it)."""
+        for key in [k for k in self._offences if k[:2] != (stage, epoch)]:
+            del self._offences[key]  # reports count within one group epoch
+        reporters = self._offences.setdefault((stage, epoch, offender), set())
+        reporters.add(reporter)
+        others = len(self.table.members(stage)) - 1
+        if len(reporters) >= others // 2 + 1 and offender != self.ctx.me:
+            why = f"updates rejected by {len(reporters)} of the {others} other members"
+            if self.ctx.penalties is not None:
+                self.ctx.penalties.ban(offender, why)
+            self.mark_failed(offender, why)
+
+    async def _check_missing(self, peer_id: str, reporter: str, stage: int, epoch: int) -> None:
+        """Ping a member reported missing: a silent one is replaced; one that answers makes the broker re-form the
+        group (same members, next epoch), so every member stops skipping it at the same step."""
+        key = (stage, epoch, peer_id)
+        if key in self._checking:
+            return  # another member's report of the same miss is being checked
+        self._checking.add(key)
         try:
-            await call(self.ctx.sh, peer_id, "run.ping", {"run_id": self.ctx.run_id},
-                       timeout_s=self.config.ping_timeout_s)
-            self.touch(peer_id)
+            if peer_id != self.ctx.me:
+                await call(self.ctx.sh, peer_id, "run.ping", {"run_id": self.ctx.run_id},
+                           timeout_s=self.config.ping_timeout_s)
+                self.touch(peer_id)
         except RpcError as e:
             self.mark_failed(peer_id, f"reported missing by {reporter[:16]}… and did not answer: {e}")
+            return
+        finally:
+            self._checking.discard(key)
+        if self.epochs[stage] == epoch:
+            self.reform(stage, f"{peer_id[:16]}… missed a round (reported by {reporter[:16]}…) but answers")
+
+    def reform(self, stage: int, reason: str) -> None:
+        """The same members under the next epoch, from a step every member can still reach."""
+        self.epochs[stage] += 1
+        self.reforms += 1
+        log.info("re-forming the group of stage %d (epoch %d): %s", stage, self.epochs[stage], reason)
+        self._rebuild()
 
     # -- tasks ---------------------------------------------------------------------------------------------
     def stand_down(self, reason: str) -> None:

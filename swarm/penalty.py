@@ -57,6 +57,16 @@ class Penalties:
             return True
         return False
 
+    def ban(self, peer_id: str, reason: str) -> None:
+        """Ban now, whatever the strike count (the next ban of the same peer lasts twice as long, up to the cap)."""
+        r = self._peers.setdefault(peer_id, _Record())
+        now = self.clock()
+        duration = min(self.config.ban_base_s * 2**r.bans, self.config.ban_max_s)
+        r.bans, r.strikes, r.last_violation = r.bans + 1, 0, now
+        r.banned_until = max(r.banned_until, now + duration)
+        r.reasons = (r.reasons + [reason])[-5:]
+        log.warning("peer %s banned for %.0f s (ban #%d): %s", peer_id, duration, r.bans, reason)
+
     def is_banned(self, peer_id: str) -> bool:
         r = self._peers.get(peer_id)
         return r is not None and self.clock() < r.banned_until

@@ -202,9 +202,13 @@ class RunClient:
         log.info("admitted to run %s as %s", self.ctx.run_id[:16], resp.slot or resp.state)
         return resp
 
-    async def report_missing(self, missing: list[str], *, epoch: int, stage: int = 0) -> bool:
-        """Tell the broker that `missing` members missed a round's deadline; it checks them and may replace them."""
-        rep = MissingReport(run_id=self.ctx.run_id, stage=stage, epoch=epoch, missing=tuple(missing))
+    async def report_missing(self, missing: list[str], *, epoch: int, stage: int = 0,
+                             offenders: list[str] = ()) -> bool:
+        """Tell the broker that `missing` members missed a round's deadline (it checks them: a silent one is
+        replaced, one that answers makes it re-form the group) or that `offenders` sent updates we rejected
+        (evicted once most members say so)."""
+        rep = MissingReport(run_id=self.ctx.run_id, stage=stage, epoch=epoch, missing=tuple(missing),
+                            offenders=tuple(offenders))
         try:
             ans = await self._ask("run.report_missing", rep.to_wire())
         except RpcError as e:

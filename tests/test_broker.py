@@ -207,3 +207,34 @@ async def test_standby_takes_over_when_the_broker_dies():
         e = await start(n, m, a.node.sh.addrs, broker_id=a.node.peer_id)
         assert e.client.role() == "backup" and e.client.table.peer_id == a.node.peer_id
         n.cancel_scope.cancel()
+
+
+async def test_a_majority_of_offence_reports_evicts_and_a_live_missing_member_reforms_the_group():
+    slow = BrokerConfig(heartbeat_s=0.25, fail_after_s=60.0, lease_renew_s=0.5, lease_timeout_s=2.5,
+                        ping_timeout_s=1.0, dht_timeout_s=1.0)
+    m = manifest(replicas=3)
+    async with trio.open_nursery() as n:
+        b = await start(n, m, broker=True, bcfg=slow)
+        addrs, bid = b.node.sh.addrs, b.node.peer_id
+        a = await start(n, m, addrs, broker_id=bid)
+        c = await start(n, m, addrs, broker_id=bid)
+        d = await start(n, m, addrs, broker_id=bid)  # the backup
+        for mem in (a, c):
+            await wait_for(lambda mem=mem: mem.client.table.version == b.broker.table.version, 5, "convergence")
+        # a member that missed a round but answers its ping: same members, next epoch (everyone's skips reset)
+        epoch = b.broker.epochs[0]
+        members = b.broker.table.members(0)
+        assert await a.client.report_missing([c.node.peer_id], epoch=epoch)
+        assert b.broker.epochs[0] == epoch + 1 and b.broker.table.members(0) == members
+        assert b.broker.reforms == 1 and b.broker.table.switch_step(0) >= 0
+        assert not await c.client.report_missing([a.node.peer_id], epoch=epoch)  # stale: already re-formed
+        assert b.broker.reforms == 1
+        # one member's offence report is not enough (it could be the liar); most of the others' is
+        epoch += 1
+        assert await a.client.report_missing([], epoch=epoch, offenders=[c.node.peer_id])
+        assert b.broker.table.slot_of(c.node.peer_id) is not None
+        assert await b.client.report_missing([], epoch=epoch, offenders=[c.node.peer_id])
+        t = b.broker.table
+        assert t.provider_state(c.node.peer_id) == GONE and t.slot_of(d.node.peer_id) is not None
+        assert b.node.penalties.is_banned(c.node.peer_id)  # and it cannot come straight back
+        n.cancel_scope.cancel()

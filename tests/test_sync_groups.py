@@ -55,7 +55,7 @@ def run_manifest(method: str, steps: int, replicas: int = 3, **sync) -> RunManif
 def poison(how: str):
     """A Fault: NaN or 1e4x values in every outgoing update (scales for quantized payloads, values for raw fp32)."""
 
-    def fault(phase: str, e: Encoded) -> Encoded:
+    def fault(phase: str, peer: str, e: Encoded) -> Encoded:
         p = e.payload.clone()
         if e.codec == "none":
             v = p.view(torch.float32)
@@ -232,3 +232,72 @@ async def test_silent_member_misses_the_deadline_and_the_round_completes_without
         assert ids[0] in r.missing and not r.offenders
     assert_learns_and_agrees(alive, steps)
     assert trio.current_time() - t0 < 30
+
+
+def contribution(phase: str) -> bool:
+    """Phases that carry a member's own contribution to an owner (not an owner's broadcast)."""
+    return phase == "up" or phase.endswith("/rs")
+
+
+def spike(factor: float):
+    """A Fault: every contribution `factor` x larger (an honest gradient spike, not poison)."""
+
+    def fault(phase: str, peer: str, e: Encoded) -> Encoded:
+        if not contribution(phase):
+            return e
+        p = e.payload.clone()
+        if e.codec == "none":
+            p.view(torch.float32).mul_(factor)
+        else:  # quantized: scale the fp16 bucket scales
+            nscales = -(-(e.count if e.codec == "topk" else e.numel) // e.bucket)
+            p[p.numel() - 2 * nscales:].view(torch.float16).mul_(factor)
+        return Encoded(e.codec, e.dtype, e.shape, e.bits, e.bucket, e.count, p)
+
+    return fault
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+async def test_an_honest_spike_is_clipped_not_punished(method):
+    """30x the others' size sits between the clip (4x) and reject (1000x) factors: scaled down, nobody penalized."""
+    steps = 8
+    reps, ids = await run_group(method_manifest(method, steps), steps, timeout_s=5.0, faults={0: spike(30.0)})
+    for r in reps:
+        assert not r.offenders and not r.missing
+        assert not any(r.pen.is_banned(p) for p in ids)
+    assert_learns_and_agrees(reps, steps)
+
+
+def drop_first(phase_wanted):
+    """A Fault: the first contribution of a matching phase to one peer is never sent (lost on one link only)."""
+    dropped = []
+
+    def fault(phase: str, peer: str, e: Encoded) -> Encoded | None:
+        if not dropped and phase_wanted(phase):
+            dropped.append(peer)
+            return None
+        return e
+
+    fault.dropped = dropped
+    return fault
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+async def test_a_message_lost_on_one_link_costs_one_deadline_and_nothing_else(method):
+    """The receiver skips the sender for the epoch, the sender then skips the receiver; chunk owners do not change
+    within the epoch, so nobody else notices and nobody is treated as an offender (no cascade, no hang)."""
+    steps = 8
+    fault = drop_first(lambda ph: contribution(ph) and ph != "warm/rs")
+    t0 = trio.current_time()
+    reps, ids = await run_group(method_manifest(method, steps), steps, timeout_s=4.0, faults={0: fault})
+    assert trio.current_time() - t0 < 90
+    lost_to = fault.dropped[0]
+    for r, me in zip(reps, ids):
+        assert len(r.losses) == steps and all(math.isfinite(x) for x in r.losses)
+        assert not r.offenders
+        assert not any(r.pen.is_banned(p) for p in ids)
+        if me == lost_to:
+            assert r.missing == [ids[0]]
+        elif me == ids[0]:
+            assert r.missing == [lost_to]
+        else:
+            assert not r.missing

@@ -1,0 +1,100 @@
+"""A node's run runtime on real in-process nodes (127.0.0.1, one trio loop, a real broker): a replica whose state
+hash leaves the majority re-fetches the majority's state, and a node that joins a running run enters at an agreed
+step with exactly the group's state."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import trio
+
+from shoal.node.run_runtime import RunConfig
+from shoal.protocol import manifest as mf
+from shoal.swarm.broker import BrokerConfig
+from shoal.swarm.run_client import RunClientConfig
+from tests.swarm_helpers import FAST, running_node, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def manifest(sync: str, replicas: int = 3) -> mf.RunManifest:
+    return mf.RunManifest(
+        seed=3, model=mf.ModelSpec(size="custom", n_layers=1, d_model=32, n_heads=4),
+        batch=mf.BatchSpec(batch_size=4, micro_batch_size=4, seq_len=32),
+        optim=mf.OptimSpec(lr=3e-3, warmup_steps=2, total_steps=1000), eval=mf.EvalSpec(every_steps=0, batches=2),
+        plan=mf.ParallelPlan(replicas=replicas, sync=mf.SyncSpec(method=sync, cocktail=mf.CocktailSpec(warmup_steps=0))))
+
+
+def node_config(m: mf.RunManifest, steps: int, **run):
+    b = BrokerConfig(heartbeat_s=0.5, fail_after_s=8.0, lease_renew_s=1.0, lease_timeout_s=8.0, republish_s=1.0,
+                     ping_timeout_s=1.0, dht_timeout_s=1.0)
+    rc = RunConfig(manifest=m, threads=1, max_steps=steps, round_timeout_s=5.0, switch_lead_s=0.5, broker=b,
+                   client=replace(RunClientConfig(), poll_s=0.5, broker=b), **run)
+    return replace(FAST, run=rc)
+
+
+def hashes(nodes) -> set[str]:
+    return {n.runtime.sync.state_hash() for n in nodes}
+
+
+def finished(nodes) -> bool:
+    return all(n.runtime is not None and n.runtime.finished.is_set() for n in nodes)
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "cocktail"])
+async def test_a_replica_off_the_majority_hash_refetches_and_rejoins_it(sync):
+    steps = 60
+    cfg = node_config(manifest(sync), steps)
+    async with running_node((), cfg) as first:
+        addrs = first.sh.addrs
+        async with running_node(addrs, cfg) as second, running_node(addrs, cfg) as victim:
+            nodes = [first, second, victim]
+            await wait_for(lambda: victim.runtime.trainer is not None and victim.runtime.trainer.step_count >= 5,
+                           60, "training to get going")
+            corrupted = []
+
+            def corrupt(trainer) -> None:  # trainer thread, before a step, with no round in flight
+                if corrupted:
+                    return
+                sync_ = victim.runtime.sync
+                sync_.close(trainer.model)
+                with torch.no_grad():
+                    if sync == "cocktail":
+                        sync_.g[:256] += 0.01  # the synchronized copy itself (what cocktail's hash covers)
+                    else:
+                        next(trainer.model.parameters()).add_(1e-3)
+                corrupted.append(trainer.step_count)
+
+            victim.runtime.trainer.before_step_hooks.append(corrupt)
+            await wait_for(lambda: corrupted, 30, "the corruption")
+            await wait_for(lambda: victim.runtime.refetches >= 1, 60, "the victim to re-fetch")
+            await wait_for(lambda: finished(nodes), 120, "the run to finish")
+            assert len(hashes(nodes)) == 1
+            assert first.runtime.refetches == second.runtime.refetches == 0
+            assert all(n.runtime.trainer.step_count == steps for n in nodes)
+
+
+async def test_a_late_joiner_enters_at_an_agreed_step_with_the_groups_state():
+    steps = 50
+    m = manifest("cocktail")
+    cfg = node_config(m, steps, start_wait_s=1.0)  # two nodes start the run without waiting for the third slot
+    async with running_node((), cfg) as first:
+        async with running_node(first.sh.addrs, cfg) as second:
+            await wait_for(lambda: all(n.runtime.trainer is not None and n.runtime.trainer.step_count >= 10
+                                       for n in (first, second)), 60, "two replicas to train")
+            async with running_node(first.sh.addrs, cfg) as late:
+                await wait_for(lambda: finished([first, second, late]), 120, "the run to finish with three")
+                table = late.runtime.tables[-1]
+                assert len(table.members(0)) == 3 and table.switch_step(0) > 10  # entered mid-run, not at step 0
+                assert len(hashes([first, second, late])) == 1
+                assert late.runtime.trainer.step_count == steps
