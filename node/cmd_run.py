@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: --batch)")
     c.add_argument("--steps", type=int, default=2000, help="total optimizer steps (the schedule's length)")
     c.add_argument("--lr", type=float, default=3e-3)
+    c.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="the inner (local) optimizer")
     c.add_argument("--warmup", type=int, default=50, help="learning-rate warm-up steps")
     c.add_argument("--weight-decay", type=float, default=0.1)
     c.add_argument("--grad-clip", type=float, default=1.0)
@@ -48,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--diloco-h", type=int, default=100, help="inner steps between outer steps")
     c.add_argument("--diloco-fragments", type=int, default=1)
     c.add_argument("--diloco-e3m0", action="store_true", help="4-bit outer gradients")
+    c.add_argument("--diloco-overlap", type=int, default=0, metavar="TAU",
+                   help="Streaming DiLoCo: inner steps trained while a fragment's outer gradient is on the wire "
+                        "(< H / fragments)")
+    c.add_argument("--diloco-alpha", type=float, default=0.0,
+                   help="after an outer step keep this share of the local parameters (Streaming DiLoCo uses 0.5)")
     c.add_argument("--pipeline-compression", choices=("none", "aqsgd"), default="aqsgd")
     c.add_argument("--fwd-bits", type=int, default=4)
     c.add_argument("--bwd-bits", type=int, default=8)
@@ -88,13 +94,14 @@ def build_manifest(args: argparse.Namespace):
             sync=mf.SyncSpec(
                 method=sync_method,
                 cocktail=mf.CocktailSpec(p=args.cocktail_p, r=args.cocktail_r, bits=args.cocktail_bits, warmup_steps=args.cocktail_warmup),
-                diloco=mf.DilocoSpec(inner_steps=args.diloco_h, fragments=args.diloco_fragments, e3m0=args.diloco_e3m0),
+                diloco=mf.DilocoSpec(inner_steps=args.diloco_h, fragments=args.diloco_fragments, e3m0=args.diloco_e3m0,
+                                     overlap_steps=args.diloco_overlap, merge_alpha=args.diloco_alpha),
             ),
             pipeline=mf.PipelineSpec(compression=args.pipeline_compression, fwd_bits=args.fwd_bits, bwd_bits=args.bwd_bits),
         ),
         optim=mf.OptimSpec(
             lr=args.lr, warmup_steps=min(args.warmup, args.steps), total_steps=args.steps,
-            weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+            weight_decay=args.weight_decay, grad_clip=args.grad_clip, optimizer=args.optimizer,
         ),
         batch=mf.BatchSpec(batch_size=args.batch, micro_batch_size=args.micro_batch or args.batch, seq_len=seq),
         eval=mf.EvalSpec(every_steps=args.eval_every),

@@ -44,5 +44,6 @@ def make_synchronizer(
     if spec.method == "diloco":
         d = spec.diloco
         return DilocoSync(inner_steps=d.inner_steps, outer_lr=d.outer_lr, outer_momentum=d.outer_momentum,
-                          fragments=d.fragments, e3m0=d.e3m0, **kw)
+                          fragments=d.fragments, e3m0=d.e3m0, overlap_steps=d.overlap_steps,
+                          merge_alpha=d.merge_alpha, **kw)
     raise ValueError(f"unknown sync method {spec.method!r}")

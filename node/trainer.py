@@ -1,4 +1,4 @@
-"""The step loop of one replica: micro-batch accumulation, AdamW, warm-up + cosine, clipping, eval, hooks, a synchronizer slot.
+"""The step loop of one replica: micro-batches, AdamW or SGD, warm-up + cosine, clipping, eval, hooks, a synchronizer slot.
 
 `Trainer.step()` is synchronous and self-contained so the daemon can run it in `trio.to_thread.run_sync`.
 """
@@ -123,12 +123,11 @@ class Trainer:
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         o = manifest.optim
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr_at(o, 0),
-            betas=(o.beta1, o.beta2),
-            eps=o.eps,
-        )
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if o.optimizer == "sgd":
+            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(groups, lr=lr_at(o, 0))
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=lr_at(o, 0), betas=(o.beta1, o.beta2), eps=o.eps)
         self.autocast_dtype: torch.dtype | None = None
         self.scaler: torch.amp.GradScaler | None = None
         if self.device.type == "cuda":

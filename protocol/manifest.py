@@ -143,12 +143,19 @@ class DilocoSpec(_Record):
     outer_momentum: float = 0.9
     fragments: int = 1
     e3m0: bool = False  # 4-bit (e3m0) outer gradients
+    overlap_steps: int = 0  # tau: inner steps trained while a fragment's all-reduce is on the wire
+    merge_alpha: float = 0.0  # after an outer step: x = alpha*x + (1 - alpha)*theta (0: take theta)
 
     def __post_init__(self) -> None:
         check_int("inner_steps", self.inner_steps, 1, 1 << 30)
         _set(self, "outer_lr", check_float("outer_lr", self.outer_lr, 0.0, 100.0))
         _set(self, "outer_momentum", check_float("outer_momentum", self.outer_momentum, 0.0, 1.0))
         check_int("fragments", self.fragments, 1, 1024)
+        check_int("overlap_steps", self.overlap_steps, 0, 1 << 30)
+        if self.overlap_steps and self.overlap_steps * self.fragments >= self.inner_steps:
+            raise FieldError("overlap_steps", f"must be < inner_steps / fragments "
+                                              f"({self.inner_steps} / {self.fragments}): one fragment on the wire")
+        _set(self, "merge_alpha", check_float("merge_alpha", self.merge_alpha, 0.0, 0.999))
         if not isinstance(self.e3m0, bool):
             raise FieldError("e3m0", f"expected bool, got {type(self.e3m0).__name__}")
 
@@ -208,8 +215,9 @@ class ParallelPlan(_Record):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimSpec(_Record):
-    """AdamW with linear warm-up then cosine decay to min_lr_ratio * lr at total_steps."""
+    """AdamW (or plain SGD) with linear warm-up then cosine decay to min_lr_ratio * lr at total_steps."""
 
+    optimizer: str = "adamw"  # "adamw", or "sgd" (no momentum; weight decay as L2)
     lr: float = 3e-3
     beta1: float = 0.9
     beta2: float = 0.95
@@ -221,6 +229,7 @@ class OptimSpec(_Record):
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
 
     def __post_init__(self) -> None:
+        check_choice("optimizer", self.optimizer, ("adamw", "sgd"))
         _set(self, "lr", check_float("lr", self.lr, 0.0, 10.0))
         _set(self, "beta1", check_float("beta1", self.beta1, 0.0, 0.999999))
         _set(self, "beta2", check_float("beta2", self.beta2, 0.0, 0.999999))

@@ -301,3 +301,52 @@ async def test_a_message_lost_on_one_link_costs_one_deadline_and_nothing_else(me
             assert r.missing == [lost_to]
         else:
             assert not r.missing
+
+
+# -- DiLoCo's defining equivalences (algorithms.md §5) ----------------------------------------------------
+
+def sgd_manifest(method: str, steps: int, replicas: int, **sync) -> RunManifest:
+    """Plain SGD, no clipping (DiLoCo clips each replica's own gradient, data parallelism the mean)."""
+    m = run_manifest(method, steps, replicas, **sync)
+    return RunManifest(**{**{f: getattr(m, f) for f in ("seed", "model", "batch", "eval", "plan")},
+                          "optim": OptimSpec(optimizer="sgd", lr=0.5, warmup_steps=1, total_steps=steps,
+                                             weight_decay=0.0, grad_clip=0.0)})
+
+
+async def test_diloco_with_h1_and_outer_sgd_lr1_is_synchronous_data_parallel_sgd():
+    steps = 6
+    outer = DilocoSpec(inner_steps=1, outer_lr=1.0, outer_momentum=0.0)
+    dp, _ = await run_group(sgd_manifest("allreduce", steps, 3), steps)
+    dl, _ = await run_group(sgd_manifest("diloco", steps, 3, diloco=outer), steps)
+    for a, b in zip(dp, dl):
+        torch.testing.assert_close(flat(b.trainer.model), flat(a.trainer.model), rtol=1e-5, atol=1e-6)
+    assert flat(dp[0].trainer.model).sub(flat(Trainer(sgd_manifest("allreduce", steps, 3), corpus=corpus()).model))\
+        .abs().max() > 1e-3  # it did train
+
+
+async def test_diloco_with_one_replica_is_its_inner_optimizer():
+    steps = 9
+    outer = DilocoSpec(inner_steps=3, outer_lr=1.0, outer_momentum=0.0)
+    dl, _ = await run_group(sgd_manifest("diloco", steps, 1, diloco=outer), steps, n=1)
+    alone = Trainer(sgd_manifest("none", steps, 1), corpus=corpus())
+    for _ in range(steps):
+        alone.step()
+    torch.testing.assert_close(flat(dl[0].trainer.model), flat(alone.model), rtol=1e-5, atol=1e-6)
+
+
+async def test_streaming_diloco_overlaps_the_outer_step_and_merges():
+    """tau = 2 of H/P = 3: each fragment's outer update lands 2 steps after its all-reduce started, merged half
+    and half into parameters that went on training; theta stays bit-identical, every fragment syncs once per H."""
+    steps, h, frags, tau = 12, 6, 2, 2
+    spec = DilocoSpec(inner_steps=h, fragments=frags, overlap_steps=tau, merge_alpha=0.5, e3m0=True)
+    reps, _ = await run_group(run_manifest("diloco", steps, diloco=spec), steps)
+    assert_learns_and_agrees(reps, steps)
+    for r in reps:
+        assert r.sync.rounds == steps // h * frags
+        # the last fragment started at step 12 lands only at close(): the hash recorded at step 12 predates it
+        assert r.sync.state_hash() != r.hashes[-1]
+        assert not torch.equal(flat(r.trainer.model), r.sync.theta)  # merged, not replaced
+    # an update lands tau steps after its fragment's all-reduce started: the hash changes at those steps only
+    landed = [k + 1 for k in range(1, steps) if reps[0].hashes[k] != reps[0].hashes[k - 1]]
+    started = [s + 1 for s in range(steps) if reps[0].sync.fragment_due(s)]
+    assert landed == [s + tau for s in started if s + tau <= steps]
