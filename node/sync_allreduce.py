@@ -30,7 +30,7 @@ class AllReduceSync(GroupSync):
 
     def before_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
         group = self.group()
-        mean = self.allreduce_mean(flat_grads(model), self.codec, group, step, "grad")
+        mean, _ = self.allreduce_mean(flat_grads(model), self.codec, group, step, "grad")
         write_flat_grads(model, mean)
         self.rounds += 1
         return True

@@ -6,6 +6,7 @@ import hashlib
 import logging
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -186,11 +187,16 @@ class GroupSync(Synchronizer):
     def close(self, model: torch.nn.Module) -> None:
         """Finish whatever round is still in flight and apply it (call before a checkpoint or at the end)."""
 
-    def exchange(self, tag: str, sends: dict[str, Encoded], expect: set[str], phase: str,
-                 dense_numel: int | None = None) -> dict[str, bytes]:
+    def exchange(self, tag: str, sends: dict[str, Encoded], expect: set[str], phase: str, *, round_start: float,
+                 phase_no: int, dense_numel: int | None = None) -> dict[str, bytes]:
         """Frame and send `sends`, wait for `expect` (from the trainer's worker thread); counts bytes.
 
+        Phase `phase_no` (1, 2) of a round that began at `round_start` (time.monotonic) waits until round_start +
+        phase_no x round_timeout_s: a member held up by a full deadline in an earlier phase (someone else's lost
+        message) still arrives in time, so one failure costs every member one deadline and is seen by one member.
         `dense_numel`: the coordinates one message stands for, if not its own size (fp32-equivalent accounting)."""
+        timeout = self.config.round_timeout_s
+        timeout_s = max(round_start + phase_no * timeout - time.monotonic(), 0.1 * timeout)
         wire: dict[str, bytes] = {}
         for p, e in sends.items():
             if p != self.collective.me and self.fault is not None:
@@ -201,8 +207,7 @@ class GroupSync(Synchronizer):
             if p != self.collective.me:
                 self.bytes_sent += len(wire[p])
                 self.fp32_bytes += 4 * (dense_numel if dense_numel is not None else e.numel)
-        got = trio.from_thread.run(self.collective.exchange, tag, wire, expect, self.config.round_timeout_s,
-                                   trio_token=self.trio_token)
+        got = trio.from_thread.run(self.collective.exchange, tag, wire, expect, timeout_s, trio_token=self.trio_token)
         self.bytes_recv += sum(len(b) for p, b in got.items() if p != self.collective.me)
         return got
 
@@ -236,17 +241,19 @@ class GroupSync(Synchronizer):
                 out[p] = out[p] * (self.config.clip_factor * ref / v)
         return out
 
-    def allreduce_mean(self, flat: torch.Tensor, codec: Codec, group: Group, round_: int, phase: str) -> torch.Tensor:
+    def allreduce_mean(self, flat: torch.Tensor, codec: Codec, group: Group, round_: int,
+                       phase: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean of `flat` over the group: reduce-scatter to chunk owners, the owner encodes once (and keeps the
-        decoded value itself, so all replicas hold identical bits), all-gather. A chunk whose owner is skipped or
-        not heard from is zero on this replica."""
+        decoded value itself, so all replicas hold identical bits), all-gather. Returns (mean, covered): a chunk
+        whose owner is skipped or not heard from is zero in the mean and False in `covered`."""
         if group.size == 1:
-            return codec.decode(codec.encode(flat)).float()
+            return codec.decode(codec.encode(flat)).float(), torch.ones(flat.numel(), dtype=torch.bool)
         bounds = chunk_bounds(flat.numel(), group.size)
         a, b = bounds[group.rank]
         live = self.live(group)
         sends = {m: codec.encode(flat[lo:hi].contiguous()) for m, (lo, hi) in zip(group.members, bounds) if m in live}
-        got = self.exchange(group.tag(round_, f"{phase}/rs"), sends, live, f"{phase}/rs")
+        t0 = time.monotonic()
+        got = self.exchange(group.tag(round_, f"{phase}/rs"), sends, live, f"{phase}/rs", round_start=t0, phase_no=1)
 
         def dec(n):
             return lambda buf: decode_values(decode_tensor(buf, codec=codec.name, dtype="float32", numel=n), codec)
@@ -260,7 +267,8 @@ class GroupSync(Synchronizer):
         # a member not heard (or rejected) in the first phase is not waited for again: a dead member costs one
         # deadline, not two
         heard = set(got) & self.live(group)
-        got = self.exchange(group.tag(round_, f"{phase}/ag"), {m: mean for m in heard}, heard, f"{phase}/ag")
+        got = self.exchange(group.tag(round_, f"{phase}/ag"), {m: mean for m in heard}, heard, f"{phase}/ag",
+                            round_start=t0, phase_no=2)
         out = torch.zeros_like(flat, dtype=torch.float32)
         chunks = {}
         for m, (lo, hi) in zip(group.members, bounds):
@@ -270,11 +278,13 @@ class GroupSync(Synchronizer):
                 except ProtocolError as e:
                     self._offend(m, str(e))
         chunks = self.accept_broadcasts(chunks)
+        covered = torch.zeros(flat.numel(), dtype=torch.bool)
         for m, (lo, hi) in zip(group.members, bounds):
             if m in chunks:
                 out[lo:hi] = chunks[m]
+                covered[lo:hi] = True
         self._missing(live - got.keys())
-        return out
+        return out, covered
 
     def accept_broadcasts(self, chunks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Owners' broadcasts are compared by RMS with the median over chunks (a loose bound: chunks differ)."""

@@ -18,6 +18,7 @@ During the first `warmup_steps` steps gradients are all-reduced uncompressed and
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -58,7 +59,7 @@ class CocktailSync(GroupSync):
         self._ensure(model)
         self._join(model)
         if step < self.warmup_steps:
-            mean = self.allreduce_mean(flat_grads(model), self.codec, self.group(), step, "warm")
+            mean, _ = self.allreduce_mean(flat_grads(model), self.codec, self.group(), step, "warm")
             write_flat_grads(model, mean)
         return True
 
@@ -98,7 +99,8 @@ class CocktailSync(GroupSync):
                 xs[c] = x[lo:hi].clone()
                 up[m] = comps[c].worker_compress(xs[c], self.g[lo:hi], step)
         lo, hi = bounds[group.rank]
-        got = self.exchange(group.tag(step, "up"), up, live, "up", dense_numel=hi - lo)
+        t0 = time.monotonic()
+        got = self.exchange(group.tag(step, "up"), up, live, "up", round_start=t0, phase_no=1, dense_numel=hi - lo)
         # server: aggregate the chunk this replica owns
         comp = comps[group.rank]
         values = self.accept(got, lambda buf: decode_values(self._decode(buf, comp, "float16"), None))
@@ -106,7 +108,8 @@ class CocktailSync(GroupSync):
         # a member not heard (or rejected) in the up phase is not waited for again: a dead member costs one
         # deadline, not two
         heard = set(got) & self.live(group)
-        down = self.exchange(group.tag(step, "down"), {m: s_hat for m in heard}, heard, "down", dense_numel=hi - lo)
+        down = self.exchange(group.tag(step, "down"), {m: s_hat for m in heard}, heard, "down", round_start=t0,
+                             phase_no=2, dense_numel=hi - lo)
         received, dense = {}, {}
         for c, m in enumerate(group.members):
             if m in down:

@@ -29,9 +29,9 @@ from shoal.node.sync_base import GroupSync, flat_params, hash_tensor, write_flat
 class _InFlight:
     fragment: int
     apply_after: int  # the optimizer step after which the outer update is applied
-    result: Future | torch.Tensor  # the mean outer gradient of the fragment (a Future while on the wire)
+    result: Future | tuple[torch.Tensor, torch.Tensor]  # (mean outer gradient, covered); a Future while on the wire
 
-    def mean(self) -> torch.Tensor:
+    def mean(self) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(self.result, Future):
             self.result = self.result.result()
         return self.result
@@ -108,10 +108,13 @@ class DilocoSync(GroupSync):
             self._inflight = _InFlight(frag, step + self.overlap_steps, self._pool.submit(self.allreduce_mean, *args))
 
     def _apply(self, model: torch.nn.Module) -> None:
-        """The outer Nesterov step on theta's fragment, then the merge of the local parameters with it."""
+        """The outer Nesterov step on theta's fragment, then the merge of the local parameters with it. Coordinates
+        whose chunk owner was not heard keep theta, momentum and the local progress (it stays in theta - x)."""
         job, self._inflight = self._inflight, None
-        mean = job.mean()
+        mean, covered = job.mean()
         idx = self._frag_idx[job.fragment]
+        if not bool(covered.all()):
+            mean, idx = mean[covered], idx[covered]
         m = self.momentum[idx].mul_(self.outer_momentum).add_(mean)
         self.momentum[idx] = m
         self.theta[idx] = self.theta[idx] - self.outer_lr * (mean + self.outer_momentum * m)
@@ -127,12 +130,14 @@ class DilocoSync(GroupSync):
         return {"theta": None if self.theta is None else self.theta.clone(),
                 "momentum": None if self.momentum is None else self.momentum.clone(), "rounds": self.rounds,
                 "inflight": None if job is None else
-                {"fragment": job.fragment, "apply_after": job.apply_after, "mean": job.mean().clone()}}
+                {"fragment": job.fragment, "apply_after": job.apply_after, "mean": job.mean()[0].clone(),
+                 "covered": job.mean()[1].clone()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.theta, self.momentum = state.get("theta"), state.get("momentum")
         self.rounds = int(state.get("rounds", 0))
         job = state.get("inflight")
-        self._inflight = None if job is None else _InFlight(int(job["fragment"]), int(job["apply_after"]), job["mean"])
+        self._inflight = None if job is None else _InFlight(int(job["fragment"]), int(job["apply_after"]),
+                                                            (job["mean"], job["covered"]))
         if self.theta is not None:
             self.last_hash = hash_tensor(self.theta)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from shoal.kernels.cocktail import CocktailCompressor, CocktailConfig
 from shoal.kernels.mask import RollingMask
 from shoal.kernels.quant import NonFiniteError
-from shoal.kernels.topk import decode_topk, decode_topk_parts, encode_topk, topk_count, topk_sizes
+from shoal.kernels.topk import decode_topk_parts, encode_topk, topk_count, topk_sizes
 
 
 def digest(t: torch.Tensor) -> str:

@@ -1,6 +1,6 @@
 """A node's run runtime on real in-process nodes (127.0.0.1, one trio loop, a real broker): a replica whose state
-hash leaves the majority re-fetches the majority's state, and a node that joins a running run enters at an agreed
-step with exactly the group's state."""
+hash leaves the majority re-fetches the majority's state, a node that joins a running run enters at an agreed
+step with exactly the group's state, and a member sending poisoned updates is evicted for the backup."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-import trio
 
 from shoal.node.run_runtime import RunConfig
+from shoal.protocol.assignment import GONE
 from shoal.protocol import manifest as mf
 from shoal.swarm.broker import BrokerConfig
 from shoal.swarm.run_client import RunClientConfig
+from tests.faults import poison
 from tests.swarm_helpers import FAST, running_node, wait_for
 
 pytestmark = pytest.mark.slow
@@ -98,3 +99,27 @@ async def test_a_late_joiner_enters_at_an_agreed_step_with_the_groups_state():
                 assert len(table.members(0)) == 3 and table.switch_step(0) > 10  # entered mid-run, not at step 0
                 assert len(hashes([first, second, late])) == 1
                 assert late.runtime.trainer.step_count == steps
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "cocktail"])
+async def test_a_poisoning_member_is_evicted_and_the_backup_takes_its_slot(sync):
+    """NaN updates from one member: the others reject and report them, the broker evicts it on most members'
+    word and bans it, the backup is promoted with the group's state, and the run ends bit-identical."""
+    steps = 60
+    cfg = node_config(manifest(sync), steps)
+    async with running_node((), cfg) as first:
+        addrs = first.sh.addrs
+        async with running_node(addrs, cfg) as second, running_node(addrs, cfg) as bad, \
+                running_node(addrs, cfg) as backup:
+            await wait_for(lambda: all(n.runtime.trainer is not None and n.runtime.trainer.step_count >= 5
+                                       for n in (first, second, bad)), 60, "three replicas to train")
+            assert backup.runtime.client.role() == "backup"
+            bad.runtime.sync.fault = poison("nan")
+            broker = first.runtime.broker
+            await wait_for(lambda: broker.table.provider_state(bad.peer_id) == GONE, 60, "the eviction")
+            assert first.penalties.is_banned(bad.peer_id)
+            assert broker.table.slot_of(backup.peer_id) is not None
+            group = [first, second, backup]
+            await wait_for(lambda: finished(group), 120, "the run to finish without the poisoner")
+            assert len(hashes(group)) == 1
+            assert all(n.runtime.trainer.step_count == steps for n in group)

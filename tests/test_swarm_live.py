@@ -18,7 +18,6 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from shoal.protocol.envelope import seal
 from shoal.protocol.records import StatusRecord
 from shoal.protocol.wire import pack
-from shoal.swarm.framing import write_frame
 from shoal.swarm.gossip import RECORDS_TOPIC
 from shoal.swarm.identity import libp2p_key_pair, peer_id_of
 from shoal.swarm.penalty import Penalties, PenaltyConfig

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import io
 
-import pytest
 
 from rich.console import Console
 from textual.widgets import Static
