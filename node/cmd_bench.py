@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 BASELINE_SCRIPT = REPO / "bench" / "hivemind_codecs.py"
 #: the baseline venv: torch pinned (only this build is served locally); hivemind 1.1.12 needs numpy<2 to decode
 BASELINE_REQUIREMENTS = ["torch==2.13.0", "hivemind==1.1.12", "numpy<2"]
+REGIMES = ("scratch", "continued")  # shoal.node.sync_bench.REGIMES (imported lazily: it needs torch)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,20 +31,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--threads", type=int, default=1, help="torch threads for both sides (1: stable on a shared machine)")
     c.add_argument("--hivemind-python", default=None, help="python of a venv with hivemind (default: .venv-bench-hivemind)")
     c.add_argument("--no-hivemind", action="store_true", help="skip the hivemind baseline")
-    v = sub.add_parser("convergence", help="D replicas on loopback under allreduce, cocktail and diloco variants")
-    v.add_argument("--steps", type=int, default=300, help="optimizer steps per variant")
+    v = sub.add_parser("convergence", help="D replicas on loopback under allreduce, cocktail and diloco variants",
+                       description="The synchronizers side by side at equal steps: held-out loss and bytes per node, "
+                                   "from scratch and continuing from a common pretrained model, with two controls "
+                                   "(one replica alone; uncompressed model averaging every step).")
+    v.add_argument("--steps", type=int, default=1000, help="optimizer steps per variant")
+    v.add_argument("--init-steps", type=int, default=2000,
+                   help="the continued regime's pretraining: steps of one replica alone")
+    v.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=REGIMES)
     v.add_argument("--replicas", type=int, default=4)
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--d-model", type=int, default=64)
     v.add_argument("--layers", type=int, default=2)
+    v.add_argument("--batch", type=int, default=8, help="sequences per replica per step")
+    v.add_argument("--lr", type=float, default=3e-3)
     v.add_argument("--inner-steps", type=int, default=50, help="DiLoCo H for the fp32 variant")
     v.add_argument("--inner-steps-e3m0", type=int, default=100, help="DiLoCo H for the E3M0 variants")
     v.add_argument("--fragments", type=int, default=2, help="Streaming DiLoCo fragments")
+    v.add_argument("--overlap", type=int, default=5, help="Streaming DiLoCo tau (inner steps during the all-reduce)")
+    v.add_argument("--alpha", type=float, default=0.5, help="Streaming DiLoCo merge of local parameters")
     v.add_argument("--timeout", type=float, default=60.0, help="round deadline in seconds")
-    v.add_argument("--only", nargs="*", default=None, help="run only variants whose label contains one of these")
+    v.add_argument("--only", nargs="*", default=(), help="run only variants whose label contains one of these "
+                                                         "(all-reduce, the baseline, always runs)")
     v.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     v.add_argument("--name", default="convergence", help="basename of the result files")
-
 
 def heavy_tailed(numel: int, seed: int):
     """Student-t (3 degrees of freedom) float32 values, deterministic from the seed."""
@@ -226,15 +237,20 @@ def convergence(args: argparse.Namespace) -> int:
 
     from shoal.node import sync_bench
 
-    rows = sync_bench.run_all(steps=args.steps, replicas=args.replicas, seed=args.seed, d_model=args.d_model,
-                              layers=args.layers, h=args.inner_steps, h_e3m0=args.inner_steps_e3m0,
-                              fragments=args.fragments, timeout_s=args.timeout, only=args.only)
+    try:
+        config = sync_bench.BenchConfig(
+            steps=args.steps, init_steps=args.init_steps, regimes=tuple(args.regimes), replicas=args.replicas,
+            seed=args.seed, d_model=args.d_model, layers=args.layers, batch=args.batch, lr=args.lr,
+            h=args.inner_steps, h_e3m0=args.inner_steps_e3m0, fragments=args.fragments, overlap=args.overlap,
+            alpha=args.alpha, timeout_s=args.timeout, only=tuple(args.only))
+    except ValueError as e:
+        print(f"shoal bench convergence: {e}", file=sys.stderr)
+        return 2
+    rows = sync_bench.run_all(config)
     result = {
         "command": "shoal " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("shoal")
         else " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "config": {"steps": args.steps, "replicas": args.replicas, "seed": args.seed, "d_model": args.d_model,
-                   "layers": args.layers, "inner_steps": args.inner_steps, "inner_steps_e3m0": args.inner_steps_e3m0,
-                   "fragments": args.fragments},
+        "config": sync_bench.config_dict(config),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, 1 torch thread per replica",
         "rows": rows, "targets": sync_bench.targets(rows),
     }
