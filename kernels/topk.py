@@ -19,6 +19,19 @@ def topk_count(n: int, ratio: float, multiple: int = 128) -> int:
     return int(ratio * n + 1e-9) // multiple * multiple
 
 
+def topk_mask(a: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest of `a` as a bool mask, ties at the k-th value broken by the lower index: the same selection on
+    every device (torch.topk breaks ties one way on a CPU and another on CUDA)."""
+    sel = torch.zeros(a.numel(), dtype=torch.bool, device=a.device)
+    if k == 0:
+        return sel
+    kth = torch.topk(a, k, sorted=False).values.min()
+    sel = a > kth
+    ties = (a == kth).nonzero().flatten()[: k - int(sel.sum())]
+    sel[ties] = True
+    return sel
+
+
 def topk_sizes(n: int, k: int, bits: int, bucket: int) -> list[int]:
     """Payload layout: bitmap, packed value codes, fp16 value scales."""
     return [packed_nbytes(n, 1), packed_nbytes(k, bits), 2 * (-(-k // bucket))]
@@ -34,10 +47,7 @@ def encode_topk(delta: torch.Tensor, ratio: float, bits: int = 4, bucket: int = 
     x = delta if delta.dtype == torch.float32 else delta.float()
     if n and not math.isfinite(float(x.sum())):  # one pass: NaN/Inf (or overflow) anywhere propagate
         raise NonFiniteError("delta holds NaN or Inf")
-    sel = torch.zeros(n, dtype=torch.bool, device=x.device)
-    if k:
-        idx = torch.topk(x.abs(), k, sorted=False).indices
-        sel[idx] = True
+    sel = topk_mask(x.abs(), k)
     values = x[sel]  # selected values in ascending index order: what the bitmap tells the receiver
     q = quantize_bucketed(values, bits, bucket)
     payload = torch.cat([pack_bits(sel.view(torch.uint8), 1), q.codes, as_bytes(q.scales)])

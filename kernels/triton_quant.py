@@ -35,6 +35,7 @@ def _quantize_pack_kernel(x_ptr, codes_ptr, scales_ptr, n, BUCKET: tl.constexpr,
     r = tl.floor(v + 0.5)  # round half to even, as torch.round does
     r = tl.where(((r - v) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0), r - 1.0, r)
     q = (tl.minimum(tl.maximum(r, -L), L - 1) + L).to(tl.int32)
+    q = tl.where(offs < n, q, 0)  # padding past the end packs as zero bits, as the reference's bit packing does
     shifts = cols * BITS
     packed = tl.sum(q << shifts[None, :], axis=1).to(tl.uint8)
     out = pid * (BUCKET // PER) + rows

@@ -212,8 +212,8 @@ def main(args: argparse.Namespace) -> int:
                        f"{'met' if ratio >= 1 else 'NOT met'}")
     else:
         targets.append("hivemind Uniform8Bit not measured: throughput target not checked")
-    targets.append("GPU fast path vs device copy: not measured (no GPU in this run)" if not torch.cuda.is_available()
-                   else "GPU: see the gpu benchmark")
+    targets.append("GPU fast path vs device copy: measured on a GPU by bench/bench_gpu_kernels.py "
+                   "(bench/results/gpu_kernels.md)")
     result = {
         "command": "shoal " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("shoal")
         else " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),

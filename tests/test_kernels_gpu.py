@@ -34,3 +34,17 @@ def test_fast_path_reason_is_reported():
 
     assert fastpath.FAST_PATH_REASON
     assert fastpath.fast_path_active() == (fastpath._FAST is not None)
+
+
+@needs_cuda
+@pytest.mark.parametrize("n", [1000, (1 << 16) + 3])
+def test_cocktail_payload_is_the_same_bytes_on_gpu_and_cpu(n):
+    """A GPU node and a CPU node put the same bytes on the wire for the same delta (top-k bitmap, Q4, scales)."""
+    from shoal.kernels.topk import encode_topk
+
+    g = torch.Generator().manual_seed(n)
+    delta = (torch.randn(n, generator=g) * 1e-3).to(torch.float16)
+    cpu = encode_topk(delta, 0.2, 4, 128)
+    gpu = encode_topk(delta.cuda(), 0.2, 4, 128)
+    assert gpu.count == cpu.count
+    assert torch.equal(gpu.payload.cpu(), cpu.payload)
