@@ -38,6 +38,9 @@ class BrokerConfig:
     lease_timeout_s: float = 15.0  # a lease not renewed for this long lets the standby take over
     republish_s: float = 10.0  # the table is re-gossiped this often even when nothing changed
     ping_timeout_s: float = 2.0  # checking a member reported missing
+    straggler_misses: int = 3  # a member that misses rounds (yet answers) this often within the window ...
+    straggler_window_s: float = 600.0
+    demote_hold_s: float = 300.0  # ... is moved to the backup pool, and not promoted again for this long
     dht_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -47,6 +50,8 @@ class BrokerConfig:
             raise ValueError("need 0 < lease_renew_s < lease_timeout_s")
         if self.suspect_after_beats < 1 or min(self.republish_s, self.ping_timeout_s, self.dht_timeout_s) <= 0:
             raise ValueError("suspect_after_beats >= 1 and positive intervals are required")
+        if self.straggler_misses < 1 or self.straggler_window_s <= 0 or self.demote_hold_s < 0:
+            raise ValueError("straggler_misses >= 1, straggler_window_s > 0 and demote_hold_s >= 0 are required")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,6 +88,8 @@ class Provider:
     suspect: bool = False
     gone_at: float = 0.0
     admitted_unix: float = field(default_factory=time.time)
+    hold_until: float = 0.0  # monotonic: not promoted before (a straggler moved to the pool)
+    misses: list[float] = field(default_factory=list)  # monotonic times it missed rounds while answering
 
 
 class AdmissionError(RuntimeError):
@@ -171,6 +178,10 @@ class Broker:
     def _backups(self) -> list[Provider]:
         return sorted((p for p in self.providers.values() if p.state == BACKUP), key=lambda p: (p.score, p.order))
 
+    def _promotable(self) -> list[Provider]:
+        now = time.monotonic()
+        return [b for b in self._backups() if not b.suspect and b.hold_until <= now]
+
     def _free_slot(self, stage: int = 0) -> tuple[int, int] | None:
         for r in range(self.replicas):
             if (stage, r) not in self.slots:
@@ -244,7 +255,8 @@ class Broker:
         p = self.providers.get(peer_id)
         if p is None or p.state in (GONE,) or (p.state == DRAINING and state == DRAINING):
             return False
-        log.warning("provider %s %s: %s", peer_id, "draining" if state == DRAINING else "failed", reason)
+        log.warning("provider %s %s: %s", peer_id, {DRAINING: "draining", BACKUP: "moved to the backup pool"}.get(
+            state, "failed"), reason)
         p.state = state
         p.gone_at = time.monotonic() if state == GONE else 0.0
         for key, pid in list(self.slots.items()):
@@ -259,18 +271,19 @@ class Broker:
         return True
 
     def _promote_into(self, key: tuple[int, int], failed: str) -> None:
-        for b in self._backups():
-            if not b.suspect:
-                self.slots[key] = b.peer_id
-                b.state = ACTIVE
-                self.promotions.append((time.time(), slot_name(*key), failed, b.peer_id))
-                log.info("promoted backup %s into %s (was %s)", b.peer_id, slot_name(*key), failed)
-                return
-        log.warning("no backup to fill %s; the group shrinks", slot_name(*key))
+        ready = self._promotable()
+        if not ready:
+            log.warning("no backup to fill %s; the group shrinks", slot_name(*key))
+            return
+        b = ready[0]
+        self.slots[key] = b.peer_id
+        b.state = ACTIVE
+        self.promotions.append((time.time(), slot_name(*key), failed, b.peer_id))
+        log.info("promoted backup %s into %s (was %s)", b.peer_id, slot_name(*key), failed)
 
     def _fill_free_slots(self) -> bool:
         changed = False
-        while (key := self._free_slot(0)) is not None and any(not b.suspect for b in self._backups()):
+        while (key := self._free_slot(0)) is not None and self._promotable():
             self._promote_into(key, "")
             self.epochs[0] += 1
             changed = True
@@ -375,8 +388,22 @@ class Broker:
             return
         finally:
             self._checking.discard(key)
-        if self.epochs[stage] == epoch:
-            self.reform(stage, f"{peer_id[:16]}… missed a round (reported by {reporter[:16]}…) but answers")
+        if self.epochs[stage] != epoch:
+            return  # the group changed meanwhile: every member's skips are reset already
+        why = f"{peer_id[:16]}… missed a round (reported by {reporter[:16]}…) but answers"
+        p = self.providers.get(peer_id)
+        if p is not None and self._straggler(p) and self._promotable():
+            p.hold_until = time.monotonic() + self.config.demote_hold_s
+            self.mark_failed(peer_id, f"{why}: {len(p.misses)} times in {self.config.straggler_window_s:.0f} s",
+                             state=BACKUP)
+        else:
+            self.reform(stage, why)
+
+    def _straggler(self, p: Provider) -> bool:
+        """Count one more missed round; True once it has missed `straggler_misses` within the window."""
+        now = time.monotonic()
+        p.misses = [t for t in p.misses if now - t <= self.config.straggler_window_s] + [now]
+        return len(p.misses) >= self.config.straggler_misses
 
     def reform(self, stage: int, reason: str) -> None:
         """The same members under the next epoch, from a step every member can still reach."""

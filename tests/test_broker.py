@@ -238,3 +238,25 @@ async def test_a_majority_of_offence_reports_evicts_and_a_live_missing_member_re
         assert t.provider_state(c.node.peer_id) == GONE and t.slot_of(d.node.peer_id) is not None
         assert b.node.penalties.is_banned(c.node.peer_id)  # and it cannot come straight back
         n.cancel_scope.cancel()
+
+
+async def test_a_member_that_keeps_missing_rounds_is_moved_to_the_backup_pool():
+    cfg = BrokerConfig(heartbeat_s=0.25, fail_after_s=60.0, lease_renew_s=0.5, lease_timeout_s=2.5, ping_timeout_s=1.0,
+                       dht_timeout_s=1.0, straggler_misses=3, straggler_window_s=60.0, demote_hold_s=60.0)
+    m = manifest(replicas=2)
+    async with trio.open_nursery() as n:
+        b = await start(n, m, broker=True, bcfg=cfg)
+        addrs, bid = b.node.sh.addrs, b.node.peer_id
+        slow = await start(n, m, addrs, broker_id=bid)
+        spare = await start(n, m, addrs, broker_id=bid)  # the backup
+        for _ in range(2):  # it answers its ping: the first misses re-form the group around it
+            assert await b.client.report_missing([slow.node.peer_id], epoch=b.broker.epochs[0])
+            assert b.broker.table.slot_of(slow.node.peer_id) is not None
+        assert b.broker.reforms == 2
+        assert await b.client.report_missing([slow.node.peer_id], epoch=b.broker.epochs[0])
+        t = b.broker.table
+        assert t.slot_of(slow.node.peer_id) is None and t.provider_state(slow.node.peer_id) == BACKUP
+        assert t.slot_of(spare.node.peer_id) == (0, 1) and b.broker.reforms == 2
+        b.broker.mark_failed(spare.node.peer_id, "test: the slot frees again")  # held: not promoted straight back
+        assert b.broker.table.slot_of(slow.node.peer_id) is None
+        n.cancel_scope.cancel()
