@@ -16,6 +16,17 @@ settings.register_profile("dev", deadline=None, max_examples=100)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Torch on one thread for the test (several replicas train at once on a 2-core machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for d in os.listdir("/proc"):

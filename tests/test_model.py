@@ -8,13 +8,7 @@ import torch
 from shoal.node.model import GPTConfig, build_model, build_stage, lm_loss, stage_ranges
 from shoal.protocol.manifest import MODEL_PRESETS, ModelSpec
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def cfg(**kw) -> GPTConfig:

@@ -17,15 +17,7 @@ from shoal.swarm.run_client import RunClientConfig
 from tests.faults import poison
 from tests.swarm_helpers import FAST, running_node, wait_for
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def manifest(sync: str, replicas: int = 3) -> mf.RunManifest:

@@ -23,7 +23,7 @@ from shoal.swarm.penalty import Penalties, PenaltyConfig
 from faults import contribution, drop_first, poison, spike
 from swarm_helpers import bare_host
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 _CORPUS = []
 
 
@@ -31,14 +31,6 @@ def corpus():
     if not _CORPUS:
         _CORPUS.append(load_corpus("stdlib", 20))
     return _CORPUS[0]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def run_manifest(method: str, steps: int, replicas: int = 3, **sync) -> RunManifest:

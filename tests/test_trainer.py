@@ -11,13 +11,7 @@ import trio
 from shoal.node.trainer import NoSync, Synchronizer, Trainer, lr_at
 from shoal.protocol.manifest import BatchSpec, CheckpointSpec, EvalSpec, ModelSpec, OptimSpec, RunManifest
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def small_run(**kw) -> RunManifest:
