@@ -165,6 +165,7 @@ class Node:
         if self.runtime is not None:
             doc.update(self._last_fields)  # what the last status record said
             doc["refetches"] = self.runtime.refetches
+            doc["entries"] = self.runtime.entries[-4:]
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, path)

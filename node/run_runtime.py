@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,8 @@ from shoal.swarm.collective import Collective
 from shoal.swarm.group import Group
 from shoal.swarm.rpc import RpcError
 from shoal.swarm.run_client import RunClient, RunClientConfig, fetch_table
-from shoal.swarm.state_transfer import Snapshot, StateServer, StateTransferError, keep_warm, pull_state
+from shoal.swarm.state_transfer import (MAX_PREFIXES, Snapshot, StateServer, StateTransferError, keep_warm,
+                                        pull_state)
 
 log = logging.getLogger(__name__)
 MAX_TABLES = 64
@@ -74,6 +76,8 @@ class RunRuntime:
         self.snapshots: dict[int, Snapshot] = {}
         self.latest: Snapshot | None = None
         self.warm: Snapshot | None = None  # a backup's recent copy of the run's state
+        self.entries: list[dict[str, Any]] = []  # each time this node entered a group: step, bytes, seconds
+        self._step_done: deque[float] = deque(maxlen=32)  # monotonic times at which recent steps finished
         self.snapshot_steps: set[int] = set()
         self.my_hashes: dict[int, str] = {}
         self.state = "joining"
@@ -105,7 +109,7 @@ class RunRuntime:
                 fields["step"] = max(self.my_hashes)
             if self.last is not None:
                 fields["loss"] = self.last.loss if math.isfinite(self.last.loss) else None
-                fields["tokens_per_s"] = round(self.last.tokens_per_s, 1)
+                fields["tokens_per_s"] = round(self.tokens_per_s(), 1)
             fields["eval_loss"] = t.last_eval_loss
         if s is not None and hasattr(s, "bytes_sent"):
             up, down = self._rates(s.bytes_sent, s.bytes_recv)
@@ -115,6 +119,14 @@ class RunRuntime:
         if self.error:
             fields["error"] = self.error[:200]
         return fields
+
+    def tokens_per_s(self) -> float:
+        """Training progress by the wall clock over the last steps: waits for the group, the synchronizer and
+        everything else between steps included (what the run really gets; one step's own figure counts compute)."""
+        t = self._step_done
+        if len(t) >= 2 and t[-1] > t[0]:
+            return self.trainer.tokens_per_step * (len(t) - 1) / (t[-1] - t[0])
+        return self.last.tokens_per_s if self.last is not None else 0.0
 
     def _rates(self, sent: int, recv: int) -> tuple[float, float]:
         """Bytes per second sent and received since the previous status (smoothed)."""
@@ -181,7 +193,8 @@ class RunRuntime:
     def _before_step(self, trainer) -> None:
         """Trainer thread: take a snapshot at the steps where someone enters the group or asked for one."""
         step = trainer.step_count
-        if step in self.snapshot_steps or self.latest is None or step % 50 == 0:
+        # also after step 1: the first snapshot with optimizer and synchronizer state, for backups' warm copies
+        if step in self.snapshot_steps or self.latest is None or step % 50 == 0 or step == 1:
             close = getattr(self.sync, "close", None)
             if close is not None:
                 close(trainer.model)  # apply the in-flight round: the snapshot is the state at this round boundary
@@ -202,8 +215,9 @@ class RunRuntime:
         self.snapshot_steps.add(body)
         return {"ok": True, "step": self.trainer.step_count if self.trainer else 0}
 
-    async def pull_revision(self, revision: int, peers: list[str]) -> Snapshot:
-        """Pull exactly `revision` from one of `peers` (live ones first), waiting while none has reached it."""
+    async def pull_revision(self, revision: int, peers: list[str], *, only: tuple[str, ...] | None = None) -> Snapshot:
+        """Pull exactly `revision` (or, with `only`, those tensors of it) from one of `peers` (live ones first),
+        waiting while none has reached it."""
         from shoal.swarm.state_transfer import StateTransferConfig
 
         deadline = trio.current_time() + self.config.state_pull_timeout_s
@@ -215,7 +229,7 @@ class RunRuntime:
                 if p not in live and last is not None:
                     continue  # a silent peer gets one try, then only live ones
                 try:
-                    return await pull_state(self.node.sh, p, revision=revision, config=attempt)
+                    return await pull_state(self.node.sh, p, revision=revision, config=attempt, only=only)
                 except StateTransferError as e:
                     last = e
                     log.debug("revision %d from %s: %s", revision, p, e)
@@ -223,9 +237,37 @@ class RunRuntime:
         raise StateTransferError(f"no peer served revision {revision} within {self.config.state_pull_timeout_s} s: "
                                  f"{last}")
 
+    async def _pull_group_state(self, revision: int, peers: list[str]) -> tuple[Snapshot, int]:
+        """The state to load at `revision`, and the bytes pulled for it. A backup with a warm copy pulls only what
+        the synchronizer keeps bit-identical across the group, plus whatever the copy lacks (a copy taken before
+        the first step has no optimizer state), and takes the rest from the copy: a short catch-up. Otherwise the
+        whole state."""
+        keys = getattr(self.sync, "group_state", None)
+        if keys is not None and self.warm is not None:
+            part = await self.pull_revision(revision, peers, only=keys)
+            pulled, extra = part.nbytes, []
+            missing = part.missing(self.warm)
+            ask = tuple(sorted(missing)) if len(missing) <= MAX_PREFIXES else \
+                tuple(sorted({"/" + name.split("/")[1] + "/" for name in missing}))  # a name is its own prefix
+            if missing and len(ask) <= MAX_PREFIXES:
+                extra.append(await self.pull_revision(revision, peers, only=ask))
+                pulled += extra[0].nbytes
+            try:
+                return part.merged(self.warm, *extra), pulled
+            except StateTransferError as e:
+                log.info("the warm copy does not complete revision %d (%s): pulling all of it", revision, e)
+        snap = await self.pull_revision(revision, peers)
+        return snap, snap.nbytes
+
     async def _load(self, snap: Snapshot) -> None:
+        """Load the group's state, then let the synchronizer restart local state from the synchronized one."""
         state = snap.state()
-        await trio.to_thread.run_sync(self.trainer.load_state_dict, state)
+
+        def load() -> None:
+            self.trainer.load_state_dict(state)
+            self.sync.enter(self.trainer.model)
+
+        await trio.to_thread.run_sync(load)
 
     # -- the loop ------------------------------------------------------------------------------------------
     async def _build_trainer(self, replica: int) -> None:
@@ -285,9 +327,12 @@ class RunRuntime:
             peers = [m for m in (t.members(0) if t else ()) if m != self.node.peer_id]
         t0 = time.monotonic()
         log.info("entering the group at step %d: pulling that revision from %s", step, [p[-8:] for p in peers])
-        snap = await self.pull_revision(step, peers)
+        snap, pulled = await self._pull_group_state(step, peers)
         await self._load(snap)
-        log.info("entered the group at step %d with state from a replica (%.2f s)", step, time.monotonic() - t0)
+        self.entries.append({"step": step, "bytes_pulled": pulled, "state_bytes": snap.nbytes,
+                             "seconds": round(time.monotonic() - t0, 3)})
+        log.info("entered the group at step %d with state from a replica: %d of %d bytes pulled (%.2f s)", step,
+                 pulled, snap.nbytes, time.monotonic() - t0)
 
     def _group_full(self) -> bool:
         t = self.tables[-1] if self.tables else None
@@ -368,8 +413,8 @@ class RunRuntime:
                 continue
             if g is None:
                 entry = self._entry()
-                if entry is not None and (t is None or entry[0] > step):
-                    await self._enter(*entry)
+                if entry is not None and (t is None or entry[0] > step) and entry[0] < limit:
+                    await self._enter(*entry)  # (a slot from a step past the run's end is never entered)
                     continue
                 self.state = "ready"  # a backup, or waiting for the step at which our slot takes effect
                 with trio.move_on_after(1.0):
@@ -384,6 +429,7 @@ class RunRuntime:
                 log.warning("state hash disagreed with the majority: re-fetched step %d from %s", step, src)
             self.state = "training"
             self.last = await trio.to_thread.run_sync(t.step)
+            self._step_done.append(time.monotonic())
             self.my_hashes[t.step_count] = self.sync.state_hash() if hasattr(self.sync, "state_hash") else ""
             for old in sorted(self.my_hashes)[:-64]:
                 del self.my_hashes[old]

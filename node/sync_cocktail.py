@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 class CocktailSync(GroupSync):
     name = "cocktail"
+    group_state = ("/sync/g",)
 
     def __init__(self, *, cocktail: CocktailConfig = CocktailConfig(), warmup_steps: int = 0,
                  allreduce_dtype: str = "fp32", **kw: Any):
@@ -137,6 +138,15 @@ class CocktailSync(GroupSync):
         self._wait()  # a round in flight finishes first; its parameters are handed over as pending_x
         return {"g": None if self.g is None else self.g.clone(), "e": None if self.e is None else self.e.clone(),
                 "rounds": self.rounds, "pending_x": self._ready_x}
+
+    def enter(self, model: torch.nn.Module) -> None:
+        """x = g and no server error: a copy of another replica's x would count its unsent residual twice in the
+        group's mean, and the server error belonged to the chunk that replica owned."""
+        self._wait()
+        self._ready_x = None
+        if self.g is not None:
+            write_flat_params(model, self.g.float())
+            self.e = torch.zeros_like(self.e) if self.e is not None else None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._wait()

@@ -39,6 +39,7 @@ class _InFlight:
 
 class DilocoSync(GroupSync):
     name = "diloco"
+    group_state = ("/sync/theta", "/sync/momentum", "/sync/inflight")
 
     def __init__(self, *, inner_steps: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  fragments: int = 1, e3m0: bool = False, overlap_steps: int = 0, merge_alpha: float = 0.0, **kw: Any):
@@ -132,6 +133,12 @@ class DilocoSync(GroupSync):
                 "inflight": None if job is None else
                 {"fragment": job.fragment, "apply_after": job.apply_after, "mean": job.mean()[0].clone(),
                  "covered": job.mean()[1].clone()}}
+
+    def enter(self, model: torch.nn.Module) -> None:
+        """x = theta: the inner steps start from the global parameters (another replica's x would count its
+        local progress twice in the next outer gradient)."""
+        if self.theta is not None:
+            write_flat_params(model, self.theta)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.theta, self.momentum = state.get("theta"), state.get("momentum")

@@ -37,6 +37,9 @@ class Synchronizer(ABC):
     """
 
     name: str = "?"
+    #: name prefixes (in the trainer's flattened state) of what must be bit-identical across the group: a replica
+    #: entering it pulls only these at the exact revision and takes the rest from its warm copy; None: everything
+    group_state: tuple[str, ...] | None = None
 
     @abstractmethod
     def before_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool: ...
@@ -49,6 +52,9 @@ class Synchronizer(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def enter(self, model: torch.nn.Module) -> None:
+        """After a replica loads the group's state to enter it: restart local state from the synchronized one."""
 
 
 class NoSync(Synchronizer):

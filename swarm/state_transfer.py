@@ -29,6 +29,7 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_NDIM = 8
 MAX_NAME = 256
+MAX_PREFIXES = 16
 
 
 class StateTransferError(RuntimeError):
@@ -105,6 +106,25 @@ def unflatten_state(tensors: dict[str, torch.Tensor], skeleton: Any) -> Any:
         raise StateTransferError("state nested too deeply") from None
 
 
+def tensor_refs(skeleton: Any) -> set[str]:
+    """The names of the tensors a skeleton refers to."""
+    out: set[str] = set()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            if set(v) == {"__t"} and isinstance(v["__t"], str):
+                out.add(v["__t"])
+            else:
+                for x in v.values():
+                    walk(x)
+
+    walk(skeleton)
+    return out
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
@@ -140,6 +160,28 @@ class Snapshot:
     def state(self) -> Any:
         return unflatten_state(self.tensors, self.skeleton)
 
+    def only(self, prefixes: tuple[str, ...]) -> Snapshot:
+        """The tensors whose names start with one of `prefixes`, with the whole skeleton (a partial snapshot)."""
+        tensors = {k: v for k, v in self.tensors.items() if k.startswith(prefixes)}
+        return Snapshot(tensors=tensors, skeleton=self.skeleton, revision=self.revision,
+                        hash=state_hash(tensors, self.skeleton))
+
+    def missing(self, *bases: Snapshot) -> set[str]:
+        """Tensors the skeleton names that neither this partial snapshot nor `bases` hold."""
+        have = set(self.tensors).union(*(b.tensors for b in bases))
+        return tensor_refs(self.skeleton) - have
+
+    def merged(self, *bases: Snapshot) -> Snapshot:
+        """This partial snapshot completed with `bases`' other tensors (later bases win; a backup's warm copy
+        first); raises StateTransferError when the skeleton names a tensor none of them holds."""
+        tensors: dict[str, torch.Tensor] = {}
+        for b in bases:
+            tensors.update(b.tensors)
+        tensors.update(self.tensors)
+        unflatten_state(tensors, self.skeleton)
+        return Snapshot(tensors=tensors, skeleton=self.skeleton, revision=self.revision,
+                        hash=state_hash(tensors, self.skeleton))
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -170,9 +212,12 @@ class StateServer:
                 req = unpack(await read_frame(stream, 4096), max_bytes=4096)
                 if not isinstance(req, dict) or req.get("want") != "state":
                     raise ProtocolError("state request must be {'want': 'state'}")
-                rev = req.get("revision")
+                rev, only = req.get("revision"), req.get("only")
                 if rev is not None and (not isinstance(rev, int) or isinstance(rev, bool) or rev < 0):
                     raise ProtocolError("revision must be a non-negative int")
+                if only is not None and not (isinstance(only, list) and 0 < len(only) <= MAX_PREFIXES and all(
+                        isinstance(x, str) and 0 < len(x) <= MAX_NAME for x in only)):
+                    raise ProtocolError(f"'only' must be a list of 1..{MAX_PREFIXES} name prefixes")
                 if rev is None:
                     snap = self.provider()
                 else:
@@ -182,6 +227,8 @@ class StateServer:
                     await write_frame(stream, pack({"ok": False, "e": what}))
                     await stream.close()
                     return
+                if only is not None:  # hashing the part takes a while on a big model: not on the event loop
+                    snap = await trio.to_thread.run_sync(snap.only, tuple(only))
                 names = sorted(snap.tensors)
                 entries = [[n, DTYPE_NAMES[snap.tensors[n].dtype], list(snap.tensors[n].shape),
                             snap.tensors[n].numel() * snap.tensors[n].element_size()] for n in names]
@@ -249,15 +296,20 @@ def _check_header(h: Any, config: StateTransferConfig) -> tuple[int, str, Any, l
 
 
 async def pull_state(sh: SwarmHost, peer_id: str, *, config: StateTransferConfig = StateTransferConfig(),
-                     expect_hash: str | None = None, revision: int | None = None) -> Snapshot:
+                     expect_hash: str | None = None, revision: int | None = None,
+                     only: tuple[str, ...] | None = None) -> Snapshot:
     """Fetch `peer_id`'s current Snapshot (or exactly `revision`); verify sizes, dtypes and the hash.
 
-    Raises StateTransferError."""
+    With `only`, just the tensors whose names start with those prefixes come (a partial snapshot: complete it
+    with `Snapshot.merged`; its hash covers what was sent). Raises StateTransferError."""
     try:
         with trio.fail_after(config.timeout_s):
             stream = await sh.open_stream(peer_id, STATE_PROTOCOL)
             try:
-                await write_frame(stream, pack({"want": "state", "revision": revision}))
+                req = {"want": "state", "revision": revision}
+                if only is not None:
+                    req["only"] = list(only)
+                await write_frame(stream, pack(req))
                 header = unpack(await read_frame(stream, config.max_header_bytes), max_bytes=config.max_header_bytes)
                 rev, hsh, skeleton, entries = _check_header(header, config)
                 if revision is not None and rev != revision:
@@ -284,7 +336,10 @@ async def pull_state(sh: SwarmHost, peer_id: str, *, config: StateTransferConfig
     got = state_hash(tensors, skeleton)
     if got != hsh:
         raise StateTransferError(f"state from {peer_id[:16]}… fails its checksum ({got[:12]}… != {hsh[:12]}…)")
-    unflatten_state(tensors, skeleton)  # every tensor reference resolves
+    if only is None:
+        unflatten_state(tensors, skeleton)  # every tensor reference resolves
+    elif any(not k.startswith(only) for k in tensors):
+        raise StateTransferError(f"state from {peer_id[:16]}… holds tensors that were not asked for")
     return Snapshot(tensors=tensors, skeleton=skeleton, revision=rev, hash=hsh)
 
 

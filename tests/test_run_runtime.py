@@ -4,10 +4,12 @@ step with exactly the group's state, and a member sending poisoned updates is ev
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
 import torch
+import trio
 
 from shoal.node.run_runtime import RunConfig
 from shoal.protocol.assignment import GONE
@@ -115,3 +117,41 @@ async def test_a_poisoning_member_is_evicted_and_the_backup_takes_its_slot(sync)
             await wait_for(lambda: finished(group), 120, "the run to finish without the poisoner")
             assert len(hashes(group)) == 1
             assert all(n.runtime.trainer.step_count == steps for n in group)
+
+
+async def _node(cfg, join, *, task_status=trio.TASK_STATUS_IGNORED):
+    """A node that can be killed (its scope cancelled: no leave notice, its host closes)."""
+    with trio.CancelScope() as scope:
+        async with running_node(join, cfg) as node:
+            task_status.started((node, scope))
+            await trio.sleep_forever()
+
+
+@pytest.mark.parametrize("sync", ["cocktail", "diloco"])
+async def test_a_warm_backup_takes_a_dead_members_slot_with_a_short_catch_up(sync):
+    """The backup keeps a warm copy; promoted, it pulls only what the group keeps bit-identical (cocktail's g,
+    DiLoCo's theta and outer momentum) at the exact revision, takes the rest from the copy, and the run ends with
+    every replica's synchronized state equal."""
+    steps = 80
+    m = manifest(sync)
+    if sync == "diloco":
+        m = replace(m, plan=replace(m.plan, sync=replace(m.plan.sync, diloco=mf.DilocoSpec(inner_steps=4))))
+    cfg = node_config(m, steps, backup_refresh_s=1.0)
+    async with trio.open_nursery() as n:
+        first, _ = await n.start(_node, cfg, ())
+        addrs = first.sh.addrs
+        second, _ = await n.start(_node, cfg, addrs)
+        victim, kill = await n.start(_node, cfg, addrs)
+        backup, _ = await n.start(_node, cfg, addrs)
+        await wait_for(lambda: all(x.runtime.trainer is not None for x in (first, second, victim)), 60, "trainers")
+        for x in (first, second, victim):  # a step takes 50 ms, as a real model's would: the run outlasts the swap
+            x.runtime.trainer.before_step_hooks.append(lambda t: time.sleep(0.05))
+        await wait_for(lambda: backup.runtime.warm is not None and victim.runtime.trainer.step_count >= 10, 60,
+                       "a warm copy and training under way")
+        kill.cancel()
+        group = [first, second, backup]
+        await wait_for(lambda: finished(group), 150, "the run to finish with the backup")
+        entry = backup.runtime.entries[-1]
+        assert entry["step"] > 10 and entry["bytes_pulled"] < entry["state_bytes"] / 2.4, entry
+        assert len(hashes(group)) == 1
+        n.cancel_scope.cancel()

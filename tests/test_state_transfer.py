@@ -192,3 +192,23 @@ def test_majority_hash_election():
     assert elect_majority([HashReport("a", 9, "x")], previous_revision=0) is None
     assert elect_majority([], previous_revision=None) is None
     assert elect_majority(r[:3], previous_revision=None).hash == "h1"
+
+
+async def test_a_partial_pull_carries_only_the_asked_tensors_and_completes_from_a_base():
+    """A promoted backup pulls only the group's synchronized tensors and completes them with its warm copy."""
+    fresh = Snapshot.of(trainer_like_state(), revision=9)
+    warm = Snapshot.of({**trainer_like_state(), "step": 3}, revision=3)  # same structure, older values
+    async with bare_host() as server:
+        StateServer(server, lambda: None, by_revision=lambda r: fresh if r == 9 else None)
+        async with bare_host(server.addrs) as client:
+            part = await pull_state(client, server.peer_id, revision=9, only=("/model/0.",))
+            assert set(part.tensors) == {"/model/0.weight", "/model/0.bias"}
+            assert part.nbytes < fresh.nbytes / 4
+            whole = part.merged(warm)
+            assert whole.state()["step"] == 7 and whole.revision == 9  # plain values: the fresh revision's
+            assert torch.equal(whole.tensors["/model/0.weight"], fresh.tensors["/model/0.weight"])
+            assert torch.equal(whole.tensors["/model/2.weight"], warm.tensors["/model/2.weight"])
+            with pytest.raises(StateTransferError, match="did not send"):
+                part.merged(Snapshot.of({"step": 1, "model": {}}, revision=1))  # a base without the other tensors
+            with pytest.raises(StateTransferError):  # a malformed prefix list is refused
+                await pull_state(client, server.peer_id, revision=9, only=("",))
