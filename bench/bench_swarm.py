@@ -24,7 +24,6 @@ from shoal.protocol.envelope import seal
 from shoal.protocol.records import LeaveNotice
 from shoal.swarm.dht_records import announcement_key
 from shoal.swarm.host import HostConfig, open_host
-from shoal.swarm.identity import peer_id_of
 
 
 def rss_kib(pid: int) -> int:
@@ -119,7 +118,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "swarm.json").write_text(json.dumps(result, indent=1) + "\n")
     s, d = result["swarm"], result["dht"]
-    md = [f"# swarm membership (loopback, 2-core machine)\n", f"Command: `{command}`\n",
+    md = ["# swarm membership (loopback, 2-core machine)\n", f"Command: `{command}`\n",
           "| measure | median | min | max | n |", "|---|---|---|---|---|"]
     for name, key in [("5 nodes converge (s, first start to full view)", "converge_5_nodes_s"),
                       ("SIGKILLed node marked gone by all (s)", "notice_sigkill_s"),

@@ -66,7 +66,7 @@ class CocktailCompressor:
     def worker_apply(self, x: torch.Tensor, g: torch.Tensor, step: int, server: Encoded) -> None:
         """x[mask] += s_hat and g[mask] += s_hat (g is fp16 and stays bitwise equal on every worker)."""
         m = self.mask(step)
-        s_hat = self.decompress(server)
+        s_hat = self.decompress(server).to(x.device)  # received on the CPU; the replica's state may be on a GPU
         m.add_(x, s_hat)
         m.copy_(g, (m.gather(g).float() + s_hat).to(g.dtype))
 
@@ -83,7 +83,7 @@ class CocktailCompressor:
         s = m.gather(server_error).float()
         inv = 1.0 / len(values)
         for v in values:  # one loop per worker, not per element
-            s.add_(v, alpha=inv)
+            s.add_(v.to(s.device), alpha=inv)
         e = self.compress(s)
         m.copy_(server_error, (s - self.decompress(e)).to(server_error.dtype))
         return e

@@ -29,6 +29,7 @@ class AllReduceSync(GroupSync):
         self.codec = wire_codec(dtype)
 
     def before_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
+        self.device = next(model.parameters()).device
         group = self.group()
         mean, _ = self.allreduce_mean(flat_grads(model), self.codec, group, step, "grad")
         write_flat_grads(model, mean)

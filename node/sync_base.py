@@ -8,6 +8,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +20,11 @@ from shoal.node.model import even_split
 from shoal.node.trainer import Synchronizer
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.frames import decode_frame, encode_frame, make_header
-from shoal.swarm.collective import Collective
 from shoal.swarm.group import Group
 from shoal.swarm.penalty import Penalties
+
+if TYPE_CHECKING:  # the synchronizers need no libp2p at import: only a collective's exchange
+    from shoal.swarm.collective import Collective
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ def decode_values(e: Encoded, codec: Codec | None) -> torch.Tensor:
 
 
 def hash_tensor(x: torch.Tensor) -> str:
-    return hashlib.sha256(x.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
+    return hashlib.sha256(x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
@@ -143,6 +146,7 @@ class GroupSync(Synchronizer):
         self.fp32_bytes = 0  # what fp32 all-reduce messages for the same coordinates would have carried
         self.rounds = 0
         self.last_hash = ""
+        self.device = torch.device("cpu")  # the model's: state lives there, what arrives is moved there
         self.fault: Fault | None = None
         self._epoch: tuple[str, int] | None = None
         self._skipped: set[str] = set()
@@ -218,7 +222,7 @@ class GroupSync(Synchronizer):
         out: dict[str, torch.Tensor] = {}
         for p, b in got.items():
             try:
-                out[p] = decode(b)
+                out[p] = decode(b).to(self.device)
             except ProtocolError as e:
                 if p == self.collective.me:
                     raise
@@ -247,7 +251,8 @@ class GroupSync(Synchronizer):
         decoded value itself, so all replicas hold identical bits), all-gather. Returns (mean, covered): a chunk
         whose owner is skipped or not heard from is zero in the mean and False in `covered`."""
         if group.size == 1:
-            return codec.decode(codec.encode(flat)).float(), torch.ones(flat.numel(), dtype=torch.bool)
+            return codec.decode(codec.encode(flat)).float().to(flat.device), \
+                torch.ones(flat.numel(), dtype=torch.bool, device=flat.device)
         bounds = chunk_bounds(flat.numel(), group.size)
         a, b = bounds[group.rank]
         live = self.live(group)
@@ -259,7 +264,7 @@ class GroupSync(Synchronizer):
             return lambda buf: decode_values(decode_tensor(buf, codec=codec.name, dtype="float32", numel=n), codec)
 
         parts = self.accept(got, dec(b - a))
-        total = torch.zeros(b - a)
+        total = torch.zeros(b - a, device=flat.device)
         for m in group.members:  # a fixed order: the owner's sum is deterministic
             if m in parts:
                 total += parts[m]
@@ -278,7 +283,7 @@ class GroupSync(Synchronizer):
                 except ProtocolError as e:
                     self._offend(m, str(e))
         chunks = self.accept_broadcasts(chunks)
-        covered = torch.zeros(flat.numel(), dtype=torch.bool)
+        covered = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
         for m, (lo, hi) in zip(group.members, bounds):
             if m in chunks:
                 out[lo:hi] = chunks[m]

@@ -51,10 +51,13 @@ class CocktailSync(GroupSync):
         self._ready_x: torch.Tensor | None = None
 
     def _ensure(self, model: torch.nn.Module) -> None:
+        self.device = next(model.parameters()).device
         if self.g is None:
             x = flat_params(model)
             self.g, self.e = x.half(), torch.zeros_like(x)
             self.last_hash = hash_tensor(self.g)
+        elif self.g.device != self.device:  # loaded from a snapshot (on the CPU)
+            self.g, self.e = self.g.to(self.device), self.e.to(self.device)
 
     def before_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
         self._ensure(model)

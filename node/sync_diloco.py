@@ -60,17 +60,21 @@ class DilocoSync(GroupSync):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-outer") if overlap_steps else None
 
     def _ensure(self, model: torch.nn.Module) -> None:
+        self.device = next(model.parameters()).device
         if not self._frag_idx:
             idx: list[list[torch.Tensor]] = [[] for _ in range(self.fragments)]
             o = 0
             for i, p in enumerate(model.parameters()):
-                idx[i % self.fragments].append(torch.arange(o, o + p.numel()))
+                idx[i % self.fragments].append(torch.arange(o, o + p.numel(), device=self.device))
                 o += p.numel()
-            self._frag_idx = [torch.cat(v) if v else torch.empty(0, dtype=torch.int64) for v in idx]
+            self._frag_idx = [torch.cat(v) if v else torch.empty(0, dtype=torch.int64, device=self.device)
+                              for v in idx]
         if self.theta is None:
             self.theta = flat_params(model)
             self.momentum = torch.zeros_like(self.theta)
             self.last_hash = hash_tensor(self.theta)
+        elif self.theta.device != self.device:  # loaded from a snapshot (on the CPU)
+            self.theta, self.momentum = self.theta.to(self.device), self.momentum.to(self.device)
 
     def fragment_due(self, step: int) -> list[int]:
         """Fragments whose outer gradient is taken after optimizer step `step` (0-based)."""
@@ -113,6 +117,7 @@ class DilocoSync(GroupSync):
         whose chunk owner was not heard keep theta, momentum and the local progress (it stays in theta - x)."""
         job, self._inflight = self._inflight, None
         mean, covered = job.mean()
+        mean, covered = mean.to(self.device), covered.to(self.device)  # a loaded in-flight update is on the CPU
         idx = self._frag_idx[job.fragment]
         if not bool(covered.all()):
             mean, idx = mean[covered], idx[covered]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -13,9 +14,11 @@ from shoal.node.sync_cocktail import CocktailSync
 from shoal.node.sync_diloco import DilocoSync
 from shoal.node.trainer import NoSync, Synchronizer
 from shoal.protocol.manifest import RunManifest
-from shoal.swarm.collective import Collective
 from shoal.swarm.group import Group
 from shoal.swarm.penalty import Penalties
+
+if TYPE_CHECKING:  # the synchronizers need no libp2p at import: only a collective's exchange
+    from shoal.swarm.collective import Collective
 
 
 def make_synchronizer(

@@ -82,7 +82,7 @@ class Table:
 
 
 async def run_group(manifest: RunManifest, steps: int, *, n: int = 3, timeout_s: float = 20.0, faults=None,
-                    stop_after: dict[int, int] | None = None, evict: bool = False):
+                    stop_after: dict[int, int] | None = None, evict: bool = False, device: str = "cpu"):
     faults, stop_after = faults or {}, stop_after or {}
     async with AsyncExitStack() as stack:
         first = await stack.enter_async_context(bare_host())
@@ -109,7 +109,7 @@ async def run_group(manifest: RunManifest, steps: int, *, n: int = 3, timeout_s:
                 trio_token=token, penalties=pen, config=SyncConfig(round_timeout_s=timeout_s),
                 on_missing=rep.missing.extend, on_offender=offender)
             rep.sync.fault = faults.get(i)
-            rep.trainer = Trainer(manifest, replica=i, synchronizer=rep.sync, corpus=corpus())
+            rep.trainer = Trainer(manifest, device=device, replica=i, synchronizer=rep.sync, corpus=corpus())
             reps.append(rep)
 
         def train(i: int) -> None:
@@ -313,3 +313,13 @@ async def test_streaming_diloco_overlaps_the_outer_step_and_merges():
     landed = [k + 1 for k in range(1, steps) if reps[0].hashes[k] != reps[0].hashes[k - 1]]
     started = [s + 1 for s in range(steps) if reps[0].sync.fragment_due(s)]
     assert landed == [s + tau for s in started if s + tau <= steps]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("method", list(METHODS))
+async def test_replicas_on_a_gpu_learn_and_stay_identical(method):
+    """A volunteer's GPU node: the synchronizers' state stays on the device, what arrives is moved there."""
+    steps = 8
+    reps, _ = await run_group(method_manifest(method, steps), steps, device="cuda")
+    assert_learns_and_agrees(reps, steps)
