@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a replica not heard within this long is dropped from a synchronization round (default: 20)")
     t.add_argument("--fail-after", type=float, default=30.0, metavar="SECONDS",
                    help="an active node (or the broker) silent this long is replaced (default: 30)")
+    t.add_argument("--backup-refresh", type=float, default=30.0, metavar="SECONDS",
+                   help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
+                        "the group's synchronized state (default: 30; raise it for big models)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -136,4 +139,5 @@ def run_config(args: argparse.Namespace):
     return RunConfig(manifest=manifest, run_id=run_id, secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"),
                      device="cpu" if args.device == "auto" else args.device, threads=args.threads,
                      max_steps=args.steps, round_timeout_s=args.round_timeout, broker=broker,
+                     backup_refresh_s=args.backup_refresh,
                      client=replace(RunClientConfig(), broker=broker))

@@ -166,6 +166,7 @@ class Node:
             doc.update(self._last_fields)  # what the last status record said
             doc["refetches"] = self.runtime.refetches
             doc["entries"] = self.runtime.entries[-4:]
+            doc["warm_revision"] = self.runtime.warm.revision if self.runtime.warm is not None else None
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, path)

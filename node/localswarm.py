@@ -14,7 +14,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 RUN_FIELDS = ("run_id", "slot", "step", "loss", "eval_loss", "tokens_per_s", "bytes_sent", "bytes_recv",
-              "compression_ratio", "state_hash", "refetches", "entries", "error")
+              "compression_ratio", "state_hash", "refetches", "entries", "warm_revision", "error")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -48,6 +48,7 @@ class RunConfig:
     backup_refresh_s: float = 30.0  # backups refresh their warm copy this often
     round_timeout_s: float = 20.0
     state_pull_timeout_s: float = 120.0
+    final_check_s: float = 60.0  # at the end, how long to wait for the group's final hashes
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     client: RunClientConfig = field(default_factory=RunClientConfig)
 
@@ -58,6 +59,8 @@ class RunConfig:
             raise ValueError("max_steps must be >= 0")
         if self.switch_lead_s < 0 or self.switch_lead_min_steps < 1:
             raise ValueError("switch lead must be >= 0 s and >= 1 step")
+        if self.backup_refresh_s <= 0 or self.round_timeout_s <= 0:
+            raise ValueError("--backup-refresh and --round-timeout must be positive")
 
 
 class RunRuntime:
@@ -103,10 +106,15 @@ class RunRuntime:
         if c is not None:
             fields["role"] = "broker" if c.is_broker() else c.role()  # the broker may hold a slot too
             fields["slot"] = c.slot_name()
+        state_hash = None
         if t is not None:
             fields["step"] = t.step_count
-            if self.my_hashes:  # the hash this loop recorded with its step, never a pair torn by a running step
-                fields["step"] = max(self.my_hashes)
+            if self.my_hashes:  # the hash this loop recorded with the step it publishes, never a pair torn by a
+                if self.state == "done":  # running step; once done, the final state's
+                    state_hash = self.my_hashes[max(self.my_hashes)]
+                else:
+                    fields["step"] = min(max(self.my_hashes), t.step_count)
+                    state_hash = self.my_hashes.get(fields["step"])
             if self.last is not None:
                 fields["loss"] = self.last.loss if math.isfinite(self.last.loss) else None
                 fields["tokens_per_s"] = round(self.tokens_per_s(), 1)
@@ -114,8 +122,7 @@ class RunRuntime:
         if s is not None and hasattr(s, "bytes_sent"):
             up, down = self._rates(s.bytes_sent, s.bytes_recv)
             fields.update(bytes_sent=s.bytes_sent, bytes_recv=s.bytes_recv, up_bytes_per_s=up, down_bytes_per_s=down,
-                          compression_ratio=round(s.compression_ratio, 2),
-                          state_hash=(self.my_hashes[max(self.my_hashes)] if self.my_hashes else s.state_hash()) or None)
+                          compression_ratio=round(s.compression_ratio, 2), state_hash=state_hash or s.state_hash() or None)
         if self.error:
             fields["error"] = self.error[:200]
         return fields
@@ -346,20 +353,12 @@ class RunRuntime:
         for e in self.node.membership.live_peers():
             st = e.status_record
             if (st is not None and e.peer_id in g.members and st.run_id == self.manifest.run_id and st.state_hash
-                    and st.step in self.my_hashes and st.state_hash != self.my_hashes[st.step]):
+                    and st.state != "done" and st.step in self.my_hashes and st.state_hash != self.my_hashes[st.step]):
                 return True
         return False
 
-    async def _hash_vote(self) -> str | None:
-        """Ask every other member for its hash at one recent step we all hold (members run in lockstep, within a
-        step of each other). Returns a peer holding the hash a strict majority of the group holds, if ours is not
-        that hash; None when we are with the majority or there is none."""
-        g = self.group_at(self.trainer.step_count)
-        if g is None or g.size < 3 or not self.my_hashes:
-            return None
-        step = max(self.my_hashes) - 2
-        if step not in self.my_hashes:
-            return None
+    async def _gather_hashes(self, g: Group, step: int) -> dict[str, str]:
+        """Every member's state hash at `step` (ours included; members that do not hold it yet are absent)."""
         votes = {self.node.peer_id: self.my_hashes[step]}
 
         async def ask(peer: str) -> None:
@@ -376,6 +375,10 @@ class RunRuntime:
             for peer in g.members:
                 if peer != self.node.peer_id:
                     n.start_soon(ask, peer)
+        return votes
+
+    def _majority_peer(self, g: Group, step: int, votes: dict[str, str]) -> str | None:
+        """A peer holding the hash a strict majority of the group holds, when ours is not it."""
         self.votes += 1
         counts: dict[str, int] = {}
         for h in votes.values():
@@ -386,6 +389,44 @@ class RunRuntime:
         if top == mine or n_top <= g.size // 2:
             return None
         return next(p for p, h in sorted(votes.items()) if h == top)
+
+    async def _hash_vote(self) -> str | None:
+        """Vote at one recent step every member holds (members run in lockstep, within a step of each other)."""
+        g = self.group_at(self.trainer.step_count)
+        if g is None or g.size < 3 or not self.my_hashes:
+            return None
+        step = max(self.my_hashes) - 2
+        if step not in self.my_hashes:
+            return None
+        return self._majority_peer(g, step, await self._gather_hashes(g, step))
+
+    async def _finish(self, limit: int) -> None:
+        """The end of the run: apply the last round, then make sure this replica ends with the majority's state
+        (a divergence in the last steps would otherwise outlive the run). The final state is revision limit + 1
+        (what step limit + 1 would start from); every replica serves it, and a minority replica pulls it from a
+        majority peer."""
+        t, final_rev = self.trainer, limit + 1
+        close = getattr(self.sync, "close", None)
+        if close is not None:
+            await trio.to_thread.run_sync(close, t.model)
+        final = Snapshot.of(await trio.to_thread.run_sync(t.state_dict), revision=final_rev)
+        self.snapshots[final_rev], self.latest = final, final
+        self.my_hashes[final_rev] = self.sync.state_hash() if hasattr(self.sync, "state_hash") else ""
+        g = self.group_at(limit - 1)
+        if g is not None and g.size >= 3:
+            self.state = "syncing"
+            votes: dict[str, str] = {}
+            with trio.move_on_after(self.config.final_check_s):
+                while len(votes := await self._gather_hashes(g, final_rev)) < g.size:
+                    await trio.sleep(0.5)  # the others are still on their last steps
+            src = self._majority_peer(g, final_rev, votes) if votes else None
+            if src is not None:
+                snap = await self.pull_revision(final_rev, [src])
+                await self._load(snap)
+                self.refetches += 1
+                self.my_hashes[final_rev] = self.sync.state_hash()
+                log.warning("final state hash disagreed with the majority: re-fetched the final state from %s", src)
+        t.last_eval_loss = await trio.to_thread.run_sync(t.evaluate)
 
     async def _rpc_hash_at(self, caller: str, body: Any) -> Any:
         if not isinstance(body, int) or isinstance(body, bool) or body < 0:
@@ -398,10 +439,7 @@ class RunRuntime:
             t = self.trainer
             step = t.step_count if t is not None else 0
             if t is not None and step >= limit:
-                close = getattr(self.sync, "close", None)
-                if close is not None:
-                    await trio.to_thread.run_sync(close, t.model)
-                t.last_eval_loss = await trio.to_thread.run_sync(t.evaluate)
+                await self._finish(limit)
                 self.state = "done"
                 self.finished.set()
                 await trio.sleep_forever()

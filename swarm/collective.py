@@ -38,6 +38,7 @@ class Collective:
         max_buffer_bytes: int = 512 * 1024 * 1024,
         read_timeout_s: float = 60.0,
         send_timeout_s: float = 60.0,
+        open_timeout_s: float = 3.0,
     ):
         self.sh = sh
         self.me = sh.peer_id
@@ -47,6 +48,7 @@ class Collective:
         self.max_buffer_bytes = max_buffer_bytes
         self.read_timeout_s = read_timeout_s
         self.send_timeout_s = send_timeout_s
+        self.open_timeout_s = open_timeout_s  # opening a stream takes milliseconds unless the peer is gone
         self.bytes_sent = 0  # wire bytes of messages written completely (length prefixes and headers included)
         self.bytes_recv = 0  # wire bytes of messages accepted into the inbox
         self.messages_sent = 0
@@ -132,11 +134,12 @@ class Collective:
 
     # -- sending ------------------------------------------------------------------------------------
 
-    async def _send(self, peer: str, tag: str, payload: bytes, sent: set[str]) -> None:
+    async def _send(self, peer: str, tag: str, payload: bytes, sent: set[str], failed: set[str]) -> None:
         header = pack({"tag": tag, "n": len(payload)})
         try:
             with trio.fail_after(self.send_timeout_s):
-                stream = await self.sh.open_stream(peer, COLLECTIVE_PROTOCOL)
+                with trio.fail_after(self.open_timeout_s):  # a dead peer's stale connection hangs here
+                    stream = await self.sh.open_stream(peer, COLLECTIVE_PROTOCOL)
                 try:
                     await write_frame(stream, header)
                     await write_frame(stream, payload)
@@ -144,6 +147,9 @@ class Collective:
                     await close_quietly(stream)
         except (Exception, trio.TooSlowError) as e:  # a peer's failure is data: the round goes on without it
             log.info("collective send %s to %s failed: %s: %s", tag, peer, type(e).__name__, e)
+            failed.add(peer)  # unreachable (a killed process's connections are reset): not waited for either
+            self._changed.set()
+            self._changed = trio.Event()
             return
         self.bytes_sent += 4 + len(header) + 4 + len(payload)
         self.messages_sent += 1
@@ -155,7 +161,8 @@ class Collective:
         """Send `sends[p]` to each p and return {peer: payload} for the peers of `expect` heard by the deadline.
 
         Returns as soon as every expected message has arrived and every send finished (or the deadline passed);
-        missing peers are simply absent. A message to self is handed over without the network.
+        missing peers are simply absent. A peer our own send failed to reach is not waited for (a killed process
+        costs a failed dial, not a deadline). A message to self is handed over without the network.
         """
         if not tag or len(tag) > MAX_TAG_CHARS:
             raise ValueError("tag must be 1..200 characters")
@@ -164,14 +171,15 @@ class Collective:
                 raise ValueError(f"message of {len(b)} bytes for {p} is outside 1..{self.max_frame_bytes}")
         others = expect - {self.me}
         sent: set[str] = set()
+        failed: set[str] = set()
         box: dict[str, bytes] = {}
         try:
             with trio.move_on_after(timeout_s):
                 async with trio.open_nursery() as nursery:
                     for p, b in sends.items():
                         if p != self.me:
-                            nursery.start_soon(self._send, p, tag, b, sent)
-                    while not others <= self._inbox.get(tag, {}).keys():
+                            nursery.start_soon(self._send, p, tag, b, sent, failed)
+                    while not others - failed <= self._inbox.get(tag, {}).keys():
                         await self._changed.wait()
         finally:
             box = self._drop(tag)

@@ -100,7 +100,9 @@ def test_a_killed_active_node_is_replaced_by_the_backup(tmp_path):
 
 
 def test_the_standby_takes_over_when_the_broker_is_killed(tmp_path):
-    s = make_swarm(tmp_path, 4, write_run(tmp_path / "w", replicas=3), 150)
+    # survivors keep training while the lease runs out (--fail-after 4): long enough for the backup to enter after
+    steps = 400
+    s = make_swarm(tmp_path, 4, write_run(tmp_path / "w", replicas=3), steps)
     try:
         s.start()
         wait(lambda: len(active(s)) == 3 and min(r.get("step") or 0 for r in active(s)) >= 15, 120,
@@ -111,7 +113,7 @@ def test_the_standby_takes_over_when_the_broker_is_killed(tmp_path):
                          for r in s.summary()) or len(active(s)) == 3, 60, "a new broker and a full group", s)
         wait(lambda: len(active(s)) == 3 and min(r.get("step") or 0 for r in active(s)) > step_at_kill + 5, 120,
              "training to go on under the new broker", s)
-        wait(lambda: done(s, 150, 3), 240, "the run to finish", s)
+        wait(lambda: done(s, steps, 3), 240, "the run to finish", s)
         assert len({r["state_hash"] for r in active(s)}) == 1
     finally:
         s.stop()
