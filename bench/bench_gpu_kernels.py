@@ -69,7 +69,8 @@ def main() -> int:
         ref = quantize_bucketed_ref(x, bits, 128)
         row(f"torch reference quantize Q{bits}", lambda b=bits: quantize_bucketed_ref(x, b, 128))
         row(f"torch reference dequantize Q{bits}", lambda r=ref: dequantize_bucketed_ref(r))
-        rows[-4]["bit_identical_to_reference"] = bool(torch.equal(q.codes, ref.codes) and torch.equal(q.scales, ref.scales))
+        same = torch.equal(q.codes, ref.codes) and torch.equal(q.scales, ref.scales)
+        rows[-4]["bit_identical_to_reference"] = bool(same)
     comp = CocktailCompressor(n, CocktailConfig(p=0.1, r=0.2, bits=4))
     m = comp.mask(7)
     row("CocktailSGD compress p=0.1 r=0.2 b=4 (mask, top-k, Q4, bitmap)",
@@ -81,7 +82,8 @@ def main() -> int:
     targets = [f"slowest Triton kernel reaches {100 * fast_share:.0f}% of device-copy bandwidth (target >= 30%): "
                f"{'met' if fast_share >= 0.30 else 'NOT met'}"]
     ident = all(r.get("bit_identical_to_reference", True) for r in rows)
-    targets.append(f"Triton codes and scales bit-identical to the torch reference on this input: {'yes' if ident else 'NO'}")
+    targets.append("Triton codes and scales bit-identical to the torch reference on this input: "
+                   f"{'yes' if ident else 'NO'}")
     result = {
         "command": " ".join(shlex.quote(a) for a in ["python", "bench/bench_gpu_kernels.py", *sys.argv[1:]]),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "machine": platform.machine(),

@@ -122,7 +122,8 @@ class RunRuntime:
         if s is not None and hasattr(s, "bytes_sent"):
             up, down = self._rates(s.bytes_sent, s.bytes_recv)
             fields.update(bytes_sent=s.bytes_sent, bytes_recv=s.bytes_recv, up_bytes_per_s=up, down_bytes_per_s=down,
-                          compression_ratio=round(s.compression_ratio, 2), state_hash=state_hash or s.state_hash() or None)
+                          compression_ratio=round(s.compression_ratio, 2),
+                          state_hash=state_hash or s.state_hash() or None)
         if self.error:
             fields["error"] = self.error[:200]
         return fields

@@ -42,7 +42,8 @@ class SyncConfig:
     broadcast_norm_factor: float = 1000.0  # owners' broadcasts: RMS against the median over chunks, reject above
 
     def __post_init__(self) -> None:
-        if self.round_timeout_s <= 0 or not 1 < self.clip_factor <= self.reject_factor or self.broadcast_norm_factor <= 1:
+        if (self.round_timeout_s <= 0 or not 1 < self.clip_factor <= self.reject_factor
+                or self.broadcast_norm_factor <= 1):
             raise ValueError("round_timeout_s must be positive, 1 < clip_factor <= reject_factor, "
                              "broadcast_norm_factor > 1")
 

@@ -27,7 +27,8 @@ def manifest(sync: str, replicas: int = 3) -> mf.RunManifest:
         seed=3, model=mf.ModelSpec(size="custom", n_layers=1, d_model=32, n_heads=4),
         batch=mf.BatchSpec(batch_size=4, micro_batch_size=4, seq_len=32),
         optim=mf.OptimSpec(lr=3e-3, warmup_steps=2, total_steps=1000), eval=mf.EvalSpec(every_steps=0, batches=2),
-        plan=mf.ParallelPlan(replicas=replicas, sync=mf.SyncSpec(method=sync, cocktail=mf.CocktailSpec(warmup_steps=0))))
+        plan=mf.ParallelPlan(replicas=replicas,
+                             sync=mf.SyncSpec(method=sync, cocktail=mf.CocktailSpec(warmup_steps=0))))
 
 
 def node_config(m: mf.RunManifest, steps: int, **run):

@@ -105,7 +105,8 @@ async def run_group(manifest: RunManifest, steps: int, *, n: int = 3, timeout_s:
                 table.report(me, p)
 
             rep.sync = make_synchronizer(
-                manifest, collective=coll, group_fn=lambda me=h.peer_id, rep=rep: table.group(me, rep.trainer.step_count),
+                manifest, collective=coll,
+                group_fn=lambda me=h.peer_id, rep=rep: table.group(me, rep.trainer.step_count),
                 trio_token=token, penalties=pen, config=SyncConfig(round_timeout_s=timeout_s),
                 on_missing=rep.missing.extend, on_offender=offender)
             rep.sync.fault = faults.get(i)

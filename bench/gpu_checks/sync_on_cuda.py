@@ -1,6 +1,7 @@
 """Device check (not a test: run by hand on a GPU machine without libp2p): the synchronizers with trainers on CUDA,
 over an in-memory exchange; replicas must agree bit for bit, learn, and a replica loaded from a CPU snapshot must
-rejoin. The same code path over real hosts is tests/test_sync_groups.py::test_replicas_on_a_gpu_learn_and_stay_identical.
+rejoin. The same code path over real hosts:
+tests/test_sync_groups.py::test_replicas_on_a_gpu_learn_and_stay_identical.
 
     python bench/gpu_checks/sync_on_cuda.py [cuda|cpu]
 """
@@ -65,7 +66,8 @@ DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 async def check(sync: SyncSpec, steps: int = 12, n: int = 3) -> str:
     m = RunManifest(seed=5, model=ModelSpec(size="custom", n_layers=1, d_model=64, n_heads=4),
                     batch=BatchSpec(batch_size=4, micro_batch_size=4, seq_len=32),
-                    optim=OptimSpec(lr=1e-2, warmup_steps=3, total_steps=steps), eval=EvalSpec(every_steps=0, batches=2),
+                    optim=OptimSpec(lr=1e-2, warmup_steps=3, total_steps=steps),
+                    eval=EvalSpec(every_steps=0, batches=2),
                     plan=ParallelPlan(replicas=n, sync=sync))
     hub, ids, tok = Hub(), [f"p{i}" for i in range(n)], trio.lowlevel.current_trio_token()
     corpus = load_corpus("stdlib", 20)
