@@ -145,27 +145,41 @@ def build_libp2p_host(key: Ed25519PrivateKey, listen: str):
 
 @asynccontextmanager
 async def open_host(key: Ed25519PrivateKey, config: HostConfig) -> AsyncIterator[SwarmHost]:
-    host = build_libp2p_host(key, config.listen)
-    async with AsyncExitStack() as stack:
-        await stack.enter_async_context(host.run([multiaddr.Multiaddr(config.listen)]))
-        dht = KadDHT(host, DHTMode.SERVER if config.dht_mode_server else DHTMode.CLIENT, enable_random_walk=False)
-        router = GossipSub(
-            protocols=[PROTOCOL_ID_V11],
-            degree=6,
-            degree_low=4,
-            degree_high=12,
-            heartbeat_interval=config.gossip_heartbeat_s,
-            heartbeat_initial_delay=0.1,
-            time_to_live=30,
-        )
-        from shoal.swarm.dht_records import NAMESPACE, ShoalRecordValidator
+    """The libp2p host with its DHT and GossipSub, closed on exit.
 
-        dht.register_validator(NAMESPACE, ShoalRecordValidator())
-        pubsub = Pubsub(host, router, strict_signing=True, seen_ttl=60)
-        await stack.enter_async_context(background_trio_service(dht))
-        await stack.enter_async_context(background_trio_service(pubsub))
-        await stack.enter_async_context(background_trio_service(router))
-        await pubsub.wait_until_ready()
-        sh = SwarmHost(host, dht, pubsub, key, config)
-        log.info("host %s listening on %s", sh.peer_id, sh.addrs)
-        yield sh
+    A failure while closing, after the caller's block ended normally, is logged and not raised: the
+    node has already left (its leave notice is out), and a library teardown hiccup must not turn a
+    clean stop into a crash. A failure inside the block propagates as usual."""
+    host = build_libp2p_host(key, config.listen)
+    closed_normally = False
+    try:
+        async with AsyncExitStack() as stack:
+            await stack.enter_async_context(host.run([multiaddr.Multiaddr(config.listen)]))
+            mode = DHTMode.SERVER if config.dht_mode_server else DHTMode.CLIENT
+            dht = KadDHT(host, mode, enable_random_walk=False)
+            router = GossipSub(
+                protocols=[PROTOCOL_ID_V11],
+                degree=6,
+                degree_low=4,
+                degree_high=12,
+                heartbeat_interval=config.gossip_heartbeat_s,
+                heartbeat_initial_delay=0.1,
+                time_to_live=30,
+            )
+            from shoal.swarm.dht_records import NAMESPACE, ShoalRecordValidator
+
+            dht.register_validator(NAMESPACE, ShoalRecordValidator())
+            pubsub = Pubsub(host, router, strict_signing=True, seen_ttl=60)
+            await stack.enter_async_context(background_trio_service(dht))
+            await stack.enter_async_context(background_trio_service(pubsub))
+            await stack.enter_async_context(background_trio_service(router))
+            await pubsub.wait_until_ready()
+            sh = SwarmHost(host, dht, pubsub, key, config)
+            log.info("host %s listening on %s", sh.peer_id, sh.addrs)
+            yield sh
+            closed_normally = True
+    except Exception as e:  # raised again unless the block had ended normally, see the docstring
+        if not closed_normally:
+            raise
+        log.warning("closing the libp2p host raised %s: %s (the host is closed anyway)", type(e).__name__, e,
+                    exc_info=True)

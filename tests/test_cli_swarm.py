@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shoal.node.cli import COMMANDS
-from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig
+from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig, tail
 
 pytestmark = pytest.mark.slow
 SHOAL = [sys.executable, "-m", "shoal.node.cli"]
@@ -52,6 +52,12 @@ def wait(pred, timeout_s: float, what: str) -> float:
     raise AssertionError(f"timed out after {timeout_s} s: {what}")
 
 
+def assert_left_cleanly(node) -> None:
+    """Exit 0 after SIGTERM; on failure the node's own log says why."""
+    code = node.proc.wait(timeout=10)
+    assert code == 0, f"node {node.index} exited with {code}; its log ends:\n{tail(node.log_file, 60)}"
+
+
 def test_five_nodes_converge_then_notice_a_kill_and_a_leave(swarm):
     s = swarm(5)
     s.start()
@@ -66,7 +72,7 @@ def test_five_nodes_converge_then_notice_a_kill_and_a_leave(swarm):
     # SIGTERM: a clean leave, noticed at once (well before the silence timeout)
     s.nodes[3].proc.send_signal(signal.SIGTERM)
     t_leave = wait(lambda: all(ids[3] not in live_view(s, i) for i in range(3)), 30, "the leaving node gone")
-    assert s.nodes[3].proc.wait(timeout=10) == 0
+    assert_left_cleanly(s.nodes[3])
     assert t_leave < 3.5
     assert all(live_view(s, i) == {ids[j] for j in range(3) if j != i} for i in range(3))
 
@@ -77,7 +83,7 @@ def test_restarted_node_keeps_its_peer_id_and_rejoins(swarm):
     s.wait_converged(CONVERGE_S)
     before = s.peer_ids()[1]
     s.nodes[1].proc.send_signal(signal.SIGTERM)
-    assert s.nodes[1].proc.wait(timeout=10) == 0
+    assert_left_cleanly(s.nodes[1])
     s.start_node(1, s.bootstrap_addrs())
     s.wait_ready(s.nodes[1])
     assert s.peer_ids()[1] == before
