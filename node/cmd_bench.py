@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--layers", type=int, default=2)
     v.add_argument("--batch", type=int, default=8, help="sequences per replica per step")
     v.add_argument("--lr", type=float, default=3e-3)
+    v.add_argument("--cocktail", type=cocktail_setting, action="append", metavar="P,R,B",
+                   help="a cocktail variant's mask fraction, top-k fraction and bits (repeat for several; "
+                        "default 0.1,0.2,4, the issue's defaults)")
     v.add_argument("--inner-steps", type=int, default=50, help="DiLoCo H for the fp32 variant")
     v.add_argument("--inner-steps-e3m0", type=int, default=100, help="DiLoCo H for the E3M0 variants")
     v.add_argument("--fragments", type=int, default=2, help="Streaming DiLoCo fragments")
@@ -55,6 +58,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                          "(all-reduce, the baseline, always runs)")
     v.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     v.add_argument("--name", default="convergence", help="basename of the result files")
+
+def command_line() -> str:
+    """This invocation as a reader would retype it (`python -m shoal.node.cli` is the `shoal` command)."""
+    prog = Path(sys.argv[0])
+    name = "shoal" if prog.name == "shoal" or prog.parts[-2:] == ("node", "cli.py") else prog.name
+    return " ".join([name, *(shlex.quote(a) for a in sys.argv[1:])])
+
+
+def cocktail_setting(text: str) -> tuple[float, float, int]:
+    """'P,R,B' (e.g. 0.1,0.2,4) for --cocktail."""
+    try:
+        sp, sr, sb = text.split(",")
+        return float(sp), float(sr), int(sb)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected P,R,B such as 0.1,0.2,4") from None
+
 
 def heavy_tailed(numel: int, seed: int):
     """Student-t (3 degrees of freedom) float32 values, deterministic from the seed."""
@@ -215,8 +234,7 @@ def main(args: argparse.Namespace) -> int:
     targets.append("GPU fast path vs device copy: measured on a GPU by bench/bench_gpu_kernels.py "
                    "(bench/results/gpu_kernels.md)")
     result = {
-        "command": "shoal " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("shoal")
-        else " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": command_line(),
         "numel": args.numel, "seed": args.seed, "repeats": args.repeats, "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}", "hivemind": hm_info,
         "rows": rows, "targets": targets,
@@ -242,14 +260,14 @@ def convergence(args: argparse.Namespace) -> int:
             steps=args.steps, init_steps=args.init_steps, regimes=tuple(args.regimes), replicas=args.replicas,
             seed=args.seed, d_model=args.d_model, layers=args.layers, batch=args.batch, lr=args.lr,
             h=args.inner_steps, h_e3m0=args.inner_steps_e3m0, fragments=args.fragments, overlap=args.overlap,
-            alpha=args.alpha, timeout_s=args.timeout, only=tuple(args.only))
+            alpha=args.alpha, timeout_s=args.timeout, only=tuple(args.only),
+            **({"cocktail": tuple(args.cocktail)} if args.cocktail else {}))
     except ValueError as e:
         print(f"shoal bench convergence: {e}", file=sys.stderr)
         return 2
     rows = sync_bench.run_all(config)
     result = {
-        "command": "shoal " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("shoal")
-        else " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": command_line(),
         "config": sync_bench.config_dict(config),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, 1 torch thread per replica",
         "rows": rows, "targets": sync_bench.targets(rows),

@@ -55,12 +55,15 @@ class BenchConfig:
     alpha: float = 0.5  # Streaming DiLoCo merge
     timeout_s: float = 60.0
     only: tuple[str, ...] = ()
+    cocktail: tuple[tuple[float, float, int], ...] = ((0.1, 0.2, 4),)  # (p, r, bits) of each cocktail variant
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.init_steps < 0 or self.replicas < 2:
             raise ValueError("need steps >= 1, init_steps >= 0 and at least 2 replicas")
         if not self.regimes or set(self.regimes) - set(REGIMES):
             raise ValueError(f"regimes are {', '.join(REGIMES)}")
+        for sp, sr, sb in self.cocktail:
+            CocktailSpec(p=sp, r=sr, bits=sb, warmup_steps=0)  # raises ValueError on a setting the manifest refuses
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,8 +79,9 @@ def variants(c: BenchConfig) -> list[Variant]:
         Variant(label="solo: 1 replica, no communication (control)", sync=SyncSpec(method="none"), solo=True),
         Variant(label="model averaging every step: cocktail p=1 r=1 b=8 (control)",
                 sync=SyncSpec(method="cocktail", cocktail=CocktailSpec(p=1.0, r=1.0, bits=8, warmup_steps=0))),
-        Variant(label="cocktail p=0.1 r=0.2 b=4 (no warm-up)",
-                sync=SyncSpec(method="cocktail", cocktail=CocktailSpec(p=0.1, r=0.2, bits=4, warmup_steps=0))),
+        *(Variant(label=f"cocktail p={sp:g} r={sr:g} b={sb} (no warm-up)",
+                  sync=SyncSpec(method="cocktail", cocktail=CocktailSpec(p=sp, r=sr, bits=sb, warmup_steps=0)))
+          for sp, sr, sb in c.cocktail),
         Variant(label=f"diloco H={c.h} fp32", sync=SyncSpec(method="diloco", diloco=DilocoSpec(inner_steps=c.h))),
         Variant(label=f"diloco H={c.h_e3m0} E3M0",
                 sync=SyncSpec(method="diloco", diloco=DilocoSpec(inner_steps=c.h_e3m0, e3m0=True))),
