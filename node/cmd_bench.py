@@ -59,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     v.add_argument("--name", default="convergence", help="basename of the result files")
 
+
 def command_line() -> str:
     """This invocation as a reader would retype it (`python -m shoal.node.cli` is the `shoal` command)."""
     prog = Path(sys.argv[0])

@@ -203,15 +203,23 @@ class RunRuntime:
         step = trainer.step_count
         # also after step 1: the first snapshot with optimizer and synchronizer state, for backups' warm copies
         if step in self.snapshot_steps or self.latest is None or step % 50 == 0 or step == 1:
-            close = getattr(self.sync, "close", None)
-            if close is not None:
-                close(trainer.model)  # apply the in-flight round: the snapshot is the state at this round boundary
+            self._close_round(trainer.model)  # the snapshot is the state at this round boundary
             snap = Snapshot.of(trainer.state_dict(), revision=step)
             self.latest = snap
             if step in self.snapshot_steps:
                 self.snapshots[step] = snap
                 for old in sorted(self.snapshots)[:-MAX_SNAPSHOTS]:
                     del self.snapshots[old]
+
+    def _close_round(self, model) -> None:
+        """Apply the synchronizer's in-flight round, if it keeps one (trainer thread)."""
+        close = getattr(self.sync, "close", None)
+        if close is not None:
+            close(model)
+
+    def _sync_hash(self) -> str:
+        """The synchronized state's hash ("" for a synchronizer that keeps none)."""
+        return self.sync.state_hash() if hasattr(self.sync, "state_hash") else ""
 
     def _snapshot_at(self, revision: int) -> Snapshot | None:
         return self.snapshots.get(revision) or (self.latest if self.latest and self.latest.revision == revision
@@ -407,12 +415,10 @@ class RunRuntime:
         (what step limit + 1 would start from); every replica serves it, and a minority replica pulls it from a
         majority peer."""
         t, final_rev = self.trainer, limit + 1
-        close = getattr(self.sync, "close", None)
-        if close is not None:
-            await trio.to_thread.run_sync(close, t.model)
+        await trio.to_thread.run_sync(self._close_round, t.model)
         final = Snapshot.of(await trio.to_thread.run_sync(t.state_dict), revision=final_rev)
         self.snapshots[final_rev], self.latest = final, final
-        self.my_hashes[final_rev] = self.sync.state_hash() if hasattr(self.sync, "state_hash") else ""
+        self.my_hashes[final_rev] = self._sync_hash()
         g = self.group_at(limit - 1)
         if g is not None and g.size >= 3:
             self.state = "syncing"
@@ -425,7 +431,7 @@ class RunRuntime:
                 snap = await self.pull_revision(final_rev, [src])
                 await self._load(snap)
                 self.refetches += 1
-                self.my_hashes[final_rev] = self.sync.state_hash()
+                self.my_hashes[final_rev] = self._sync_hash()
                 log.warning("final state hash disagreed with the majority: re-fetched the final state from %s", src)
         t.last_eval_loss = await trio.to_thread.run_sync(t.evaluate)
 
@@ -469,7 +475,7 @@ class RunRuntime:
             self.state = "training"
             self.last = await trio.to_thread.run_sync(t.step)
             self._step_done.append(time.monotonic())
-            self.my_hashes[t.step_count] = self.sync.state_hash() if hasattr(self.sync, "state_hash") else ""
+            self.my_hashes[t.step_count] = self._sync_hash()
             for old in sorted(self.my_hashes)[:-64]:
                 del self.my_hashes[old]
             if self._refetch is None and t.step_count >= self._vote_after and self._status_disagrees():

@@ -110,6 +110,10 @@ class Collective:
         self.bytes_recv += wire
         self.messages_recv += 1
         self._evict(keep=tag)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake whoever waits for the inbox or the sends to change."""
         self._changed.set()
         self._changed = trio.Event()
 
@@ -148,8 +152,7 @@ class Collective:
         except (Exception, trio.TooSlowError) as e:  # a peer's failure is data: the round goes on without it
             log.info("collective send %s to %s failed: %s: %s", tag, peer, type(e).__name__, e)
             failed.add(peer)  # unreachable (a killed process's connections are reset): not waited for either
-            self._changed.set()
-            self._changed = trio.Event()
+            self._wake()
             return
         self.bytes_sent += 4 + len(header) + 4 + len(payload)
         self.messages_sent += 1
