@@ -16,16 +16,16 @@ from shoal.node.cli import shoal_version
 from shoal.protocol import PROTOCOL_VERSION
 from shoal.protocol.envelope import Signed, seal
 from shoal.protocol.records import Announcement, HardwareProfile, LeaveNotice, StatusRecord
-from shoal.swarm.dht_records import announcement_key
-from shoal.swarm.gossip import RecordGossip
-from shoal.swarm.host import HostConfig, SwarmHost, open_host
-from shoal.swarm.identity import load_or_create_identity
-from shoal.swarm.membership import Event, MAX_MEMBERS_ROWS, Membership, MembershipConfig, verified_members
-from shoal.swarm.penalty import Penalties
-from shoal.swarm.rpc import RpcError, RpcServer, call
+from shoal.swarm.net.dht_records import announcement_key
+from shoal.swarm.net.gossip import RecordGossip
+from shoal.swarm.net.host import HostConfig, SwarmHost, open_host
+from shoal.swarm.net.identity import load_or_create_identity
+from shoal.swarm.net.membership import Event, MAX_MEMBERS_ROWS, Membership, MembershipConfig, verified_members
+from shoal.swarm.net.penalty import Penalties
+from shoal.swarm.net.rpc import RpcError, RpcServer, call
 
 if TYPE_CHECKING:
-    from shoal.node.run_runtime import RunConfig, RunRuntime
+    from shoal.node.run.runtime import RunConfig, RunRuntime
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class Node:
                     periodic.start_soon(self._status_loop)
                     periodic.start_soon(self._announce_loop)
                     if self.config.run is not None:
-                        from shoal.node.run_runtime import RunRuntime
+                        from shoal.node.run.runtime import RunRuntime
 
                         self.runtime = RunRuntime(self, self.config.run, self.hardware)
                         await periodic.start(self._run_training, joined)

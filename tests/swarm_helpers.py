@@ -10,8 +10,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.node.daemon import Node, NodeConfig
 from shoal.protocol.records import HardwareProfile
-from shoal.swarm.host import HostConfig, open_host
-from shoal.swarm.membership import MembershipConfig
+from shoal.swarm.net.host import HostConfig, open_host
+from shoal.swarm.net.membership import MembershipConfig
 
 HW = HardwareProfile(device_kind="cpu", device_name="test", memory_bytes=2**30, matmul_tflops=0.1,
                      free_disk_bytes=2**33, cpu_count=2)

@@ -12,8 +12,8 @@ from shoal.protocol.assignment import (
 from shoal.protocol.envelope import open_envelope, seal
 from shoal.protocol.errors import FieldError, ProtocolError, SignatureError
 from shoal.protocol.records import RECORD_TYPES
-from shoal.swarm.dht_records import ShoalRecordValidator, lease_key, table_key
-from shoal.swarm.identity import peer_id_of
+from shoal.swarm.net.dht_records import ShoalRecordValidator, lease_key, table_key
+from shoal.swarm.net.identity import peer_id_of
 from tests.swarm_helpers import HW
 
 K1, K2, K3 = (Ed25519PrivateKey.generate() for _ in range(3))
@@ -90,7 +90,7 @@ def test_dht_validator_accepts_signed_run_records_at_their_signers_key():
 def test_run_client_trusts_only_the_broker_chain():
     from types import SimpleNamespace
 
-    from shoal.swarm.run_client import RunClient
+    from shoal.swarm.run.client import RunClient
 
     ctx = SimpleNamespace(me=P3, run_id="r" * 64)
     c = RunClient(ctx, HW, broker_id=P1)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shoal.node.sync_bench import BenchConfig, variants
+from shoal.node.experiments.convergence import BenchConfig, variants
 
 
 def test_each_cocktail_setting_is_a_variant_after_the_controls():

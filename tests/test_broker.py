@@ -11,10 +11,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.protocol.assignment import ACTIVE, BACKUP, DRAINING, GONE
 from shoal.protocol.manifest import JoinPolicy, ParallelPlan, RunManifest, SyncSpec
-from shoal.swarm.broker import AdmissionError, Broker, BrokerConfig, RunContext
-from shoal.swarm.identity import peer_id_of
-from shoal.swarm.rpc import RpcServer
-from shoal.swarm.run_client import RunClient, RunClientConfig, fetch_table
+from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig, RunContext
+from shoal.swarm.net.identity import peer_id_of
+from shoal.swarm.net.rpc import RpcServer
+from shoal.swarm.run.client import RunClient, RunClientConfig, fetch_table
 from tests.swarm_helpers import HW, running_node, wait_for
 
 pytestmark = pytest.mark.slow
@@ -100,7 +100,7 @@ async def test_admission_fills_slots_then_the_backup_pool():
         signed = await fetch_table(c.node.sh, a.node.peer_id, m.run_id)
         assert signed.record.peer_id == bid
         # the table and the lease are in the DHT, signed by the broker
-        from shoal.swarm.dht_records import lease_key
+        from shoal.swarm.net.dht_records import lease_key
         await wait_for(lambda: b.broker.lease_env != b"", 5, "a lease")
         with trio.fail_after(5):
             raw = await c.node.sh.dht.get_value(lease_key(bid))

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from shoal.node.checkpoint import CheckpointError, list_checkpoints, load_latest, read_checkpoint, save_checkpoint
+from shoal.node.train.checkpoint import CheckpointError, list_checkpoints, load_latest, read_checkpoint, save_checkpoint
 
 
 def state(step: int) -> dict:
@@ -48,7 +48,7 @@ def test_damaged_newest_is_detected_and_the_previous_one_used(tmp_path, caplog, 
     newest.write_bytes(damage(newest.read_bytes()))
     with pytest.raises(CheckpointError, match=message):
         read_checkpoint(newest)
-    with caplog.at_level(logging.WARNING, logger="shoal.node.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="shoal.node.train.checkpoint"):
         step, loaded = load_latest(tmp_path)
     assert step == 1 and loaded["step"] == 1
     assert message in caplog.text

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shoal.node.cli import COMMANDS
-from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig, tail
+from shoal.node.cli.localswarm import LocalSwarm, LocalSwarmConfig, tail
 
 pytestmark = pytest.mark.slow
 SHOAL = [sys.executable, "-m", "shoal.node.cli"]

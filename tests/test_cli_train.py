@@ -68,7 +68,7 @@ def test_invalid_manifest_names_the_field(tmp_path):
     run.write_text("[batch]\nbatch_size = 16\nmicro_batch_size = 5\n")
     from argparse import Namespace
 
-    from shoal.node import cmd_run
+    from shoal.node.cli import run as cmd_run
 
     assert cmd_run.main(Namespace(run_command="show", path=str(run))) == 2
 
@@ -78,7 +78,7 @@ def test_invalid_manifest_error_message(tmp_path, capsys):
     run.write_text("[plan]\nreplicas = 0\n")
     from argparse import Namespace
 
-    from shoal.node import cmd_run
+    from shoal.node.cli import run as cmd_run
 
     assert cmd_run.main(Namespace(run_command="show", path=str(run))) == 2
     assert "plan.replicas" in capsys.readouterr().err

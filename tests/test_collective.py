@@ -6,9 +6,9 @@ from contextlib import AsyncExitStack
 
 import trio
 
-from shoal.swarm.collective import COLLECTIVE_PROTOCOL, Collective
-from shoal.swarm.framing import write_frame
-from shoal.swarm.penalty import Penalties, PenaltyConfig
+from shoal.swarm.run.collective import COLLECTIVE_PROTOCOL, Collective
+from shoal.swarm.net.framing import write_frame
+from shoal.swarm.net.penalty import Penalties, PenaltyConfig
 from shoal.protocol.wire import pack
 from swarm_helpers import bare_host
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig
+from shoal.node.cli.localswarm import LocalSwarm, LocalSwarmConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
 

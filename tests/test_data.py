@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from shoal.node.data import Samples, ShardedSampler, heldout_batches, load_corpus
+from shoal.node.train.data import Samples, ShardedSampler, heldout_batches, load_corpus
 
 
 def test_stdlib_corpus_is_tens_of_megabytes_with_a_fixed_heldout_split():

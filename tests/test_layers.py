@@ -1,4 +1,5 @@
-"""The import arrows of the design: protocol, kernels <- swarm <- node; tui -> protocol only."""
+"""The import arrows of the design: protocol, kernels <- swarm <- node; tui -> protocol only; inside node, training
+code knows no network and synchronizers know no runtime. Every module of every sub-folder is walked."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ ALLOWED = {
 }
 # third-party imports a layer must not make (protocol stays free of torch and of the network stack)
 FORBIDDEN_THIRD_PARTY = {"protocol": {"torch", "libp2p", "trio", "textual"}, "tui": {"torch", "libp2p", "trio"},
-                         "kernels": {"libp2p", "trio", "textual"}}
+                         "kernels": {"libp2p", "trio", "textual"}, "node/train": {"trio", "libp2p"}}
+# shoal packages a sub-folder must not import: the trainer runs without a network; synchronizers without a runtime
+FORBIDDEN_SHOAL = {"node/train": ("shoal.swarm", "shoal.node.run", "shoal.node.sync.base", "shoal.node.cli"),
+                   "node/sync": ("shoal.node.run", "shoal.node.cli")}
 
 
 def imports(tree: ast.AST):
@@ -29,7 +33,7 @@ def imports(tree: ast.AST):
 def test_import_arrows_point_one_way():
     bad = []
     for layer, allowed in ALLOWED.items():
-        files = sorted((ROOT / layer).glob("*.py"))
+        files = sorted((ROOT / layer).rglob("*.py"))
         assert files, f"layer {layer} has no modules"
         for f in files:
             for name, line in imports(ast.parse(f.read_text(encoding="utf-8"))):
@@ -41,10 +45,23 @@ def test_import_arrows_point_one_way():
     assert not bad, "\n".join(bad)
 
 
+def test_inside_node_training_knows_no_network_and_sync_no_runtime():
+    bad = []
+    for folder in sorted(set(FORBIDDEN_SHOAL) | {k for k in FORBIDDEN_THIRD_PARTY if "/" in k}):
+        files = sorted((ROOT / folder).rglob("*.py"))
+        assert files, f"{folder} has no modules"
+        for f in files:
+            for name, line in imports(ast.parse(f.read_text(encoding="utf-8"))):
+                if name.split(".")[0] in FORBIDDEN_THIRD_PARTY.get(folder, ()) or any(
+                        name == p or name.startswith(p + ".") for p in FORBIDDEN_SHOAL.get(folder, ())):
+                    bad.append(f"{f.relative_to(ROOT)}:{line}: {folder} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
 def test_no_pickle_of_network_data():
     bad = []
     for layer in ("protocol", "swarm"):
-        for f in sorted((ROOT / layer).glob("*.py")):
+        for f in sorted((ROOT / layer).rglob("*.py")):
             for name, line in imports(ast.parse(f.read_text(encoding="utf-8"))):
                 if name.split(".")[0] in {"pickle", "dill", "cloudpickle", "marshal"}:
                     bad.append(f"{f.relative_to(ROOT)}:{line}: imports {name}")

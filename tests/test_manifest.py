@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shoal.swarm.identity import IdentityError, load_or_create_identity
+from shoal.swarm.net.identity import IdentityError, load_or_create_identity
 from shoal.protocol.errors import FieldError, SignatureError
 from shoal.protocol.manifest import (
     BatchSpec,

@@ -7,8 +7,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shoal.protocol.envelope import Signed
 from shoal.protocol.records import LeaveNotice, StatusRecord
 from shoal.protocol.signing import peer_id_from_public_key, public_key_bytes
-from shoal.swarm.membership import ALIVE, GONE, LEFT, SUSPECT, Membership, MembershipConfig
-from shoal.swarm.penalty import Penalties, PenaltyConfig
+from shoal.swarm.net.membership import ALIVE, GONE, LEFT, SUSPECT, Membership, MembershipConfig
+from shoal.swarm.net.penalty import Penalties, PenaltyConfig
 
 
 class Clock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.node.model import GPTConfig, build_model, build_stage, lm_loss, stage_ranges
+from shoal.node.train.model import GPTConfig, build_model, build_stage, lm_loss, stage_ranges
 from shoal.protocol.manifest import MODEL_PRESETS, ModelSpec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,11 +11,11 @@ import pytest
 import torch
 import trio
 
-from shoal.node.run_runtime import RunConfig
+from shoal.node.run.runtime import RunConfig
 from shoal.protocol.assignment import GONE
 from shoal.protocol import manifest as mf
-from shoal.swarm.broker import BrokerConfig
-from shoal.swarm.run_client import RunClientConfig
+from shoal.swarm.run.broker import BrokerConfig
+from shoal.swarm.run.client import RunClientConfig
 from tests.faults import poison
 from tests.swarm_helpers import FAST, running_node, wait_for
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig
+from shoal.node.cli.localswarm import LocalSwarm, LocalSwarmConfig
 from shoal.protocol import manifest as mf
-from shoal.swarm.identity import load_or_create_identity
+from shoal.swarm.net.identity import load_or_create_identity
 
 pytestmark = pytest.mark.slow
 SHOAL = [sys.executable, "-m", "shoal.node.cli"]

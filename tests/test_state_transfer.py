@@ -9,8 +9,8 @@ import torch
 import trio
 
 from shoal.protocol.wire import pack
-from shoal.swarm.framing import read_frame, write_frame
-from shoal.swarm.state_transfer import (
+from shoal.swarm.net.framing import read_frame, write_frame
+from shoal.swarm.state.transfer import (
     STATE_PROTOCOL, HashReport, Snapshot, StateServer, StateTransferConfig, StateTransferError, elect_majority,
     flatten_state, pull_state, state_hash, unflatten_state)
 from tests.swarm_helpers import bare_host

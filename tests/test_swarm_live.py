@@ -18,10 +18,10 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from shoal.protocol.envelope import seal
 from shoal.protocol.records import StatusRecord
 from shoal.protocol.wire import pack
-from shoal.swarm.gossip import RECORDS_TOPIC
-from shoal.swarm.identity import libp2p_key_pair, peer_id_of
-from shoal.swarm.penalty import Penalties, PenaltyConfig
-from shoal.swarm.rpc import RPC_PROTOCOL, RpcError, call
+from shoal.swarm.net.gossip import RECORDS_TOPIC
+from shoal.swarm.net.identity import libp2p_key_pair, peer_id_of
+from shoal.swarm.net.penalty import Penalties, PenaltyConfig
+from shoal.swarm.net.rpc import RPC_PROTOCOL, RpcError, call
 from tests.swarm_helpers import bare_host, running_node, wait_for
 
 pytestmark = pytest.mark.slow

@@ -11,15 +11,15 @@ import pytest
 import torch
 import trio
 
-from shoal.node.data import load_corpus
-from shoal.node.sync_base import SyncConfig
-from shoal.node.sync_factory import make_synchronizer
-from shoal.node.trainer import Trainer
+from shoal.node.train.data import load_corpus
+from shoal.node.sync.base import SyncConfig
+from shoal.node.sync.factory import make_synchronizer
+from shoal.node.train.trainer import Trainer
 from shoal.protocol.manifest import (BatchSpec, CocktailSpec, DilocoSpec, EvalSpec, ModelSpec,
                                      OptimSpec, ParallelPlan, RunManifest, SyncSpec)
-from shoal.swarm.collective import Collective
-from shoal.swarm.group import Group
-from shoal.swarm.penalty import Penalties, PenaltyConfig
+from shoal.swarm.run.collective import Collective
+from shoal.swarm.run.group import Group
+from shoal.swarm.net.penalty import Penalties, PenaltyConfig
 from faults import contribution, drop_first, poison, spike
 from swarm_helpers import bare_host
 
@@ -161,7 +161,7 @@ async def test_cocktail_learns_g_stays_identical_and_bytes_match_the_formula():
     assert_learns_and_agrees(reps, steps)
     assert len({hash(r.sync.g.numpy().tobytes()) for r in reps}) == 1
     from shoal.kernels.cocktail import CocktailConfig
-    from shoal.node.sync_base import chunk_bounds
+    from shoal.node.sync.base import chunk_bounds
 
     n = sum(p.numel() for p in reps[0].trainer.model.parameters())
     kc = CocktailConfig(p=cfg.p, r=cfg.r, bits=cfg.bits)

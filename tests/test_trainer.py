@@ -8,7 +8,7 @@ import pytest
 import torch
 import trio
 
-from shoal.node.trainer import NoSync, Synchronizer, Trainer, lr_at
+from shoal.node.train.trainer import NoSync, Synchronizer, Trainer, lr_at
 from shoal.protocol.manifest import BatchSpec, CheckpointSpec, EvalSpec, ModelSpec, OptimSpec, RunManifest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -63,7 +63,7 @@ def test_resume_is_bit_exact(tmp_path):
 
 
 def test_checkpoint_of_another_run_is_refused(tmp_path):
-    from shoal.node.checkpoint import CheckpointError
+    from shoal.node.train.checkpoint import CheckpointError
 
     t = Trainer(small_run())
     t.save(tmp_path)

@@ -13,14 +13,14 @@ import sys
 import torch
 import trio
 
-from shoal.node.data import load_corpus
-from shoal.node.sync_base import SyncConfig
-from shoal.node.sync_factory import make_synchronizer
-from shoal.node.trainer import Trainer
+from shoal.node.train.data import load_corpus
+from shoal.node.sync.base import SyncConfig
+from shoal.node.sync.factory import make_synchronizer
+from shoal.node.train.trainer import Trainer
 from shoal.protocol.manifest import (BatchSpec, CocktailSpec, DilocoSpec, EvalSpec, ModelSpec, OptimSpec,
                                      ParallelPlan, RunManifest, SyncSpec)
-from shoal.swarm.group import Group
-from shoal.swarm.penalty import Penalties
+from shoal.swarm.run.group import Group
+from shoal.swarm.net.penalty import Penalties
 
 
 class Hub:

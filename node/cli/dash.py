@@ -1,0 +1,100 @@
+"""`shoal dash`: follow a swarm as an observer here and show it in the dashboard process (`python -m shoal.tui`)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "watch a swarm live in the terminal: peers, loss, throughput, events"
+DESCRIPTION = """\
+Open the swarm dashboard. It joins the swarm as an observer (it never trains
+and never takes a slot) and shows every peer's status live.
+
+  shoal dash --join /ip4/192.0.2.7/tcp/4001/p2p/12D3KooW...
+  shoal dash --local                 # the swarm `shoal swarm up` started here
+
+Keys: 1 overview, 2 peers, 3 events; in the peers table s sorts, r reverses,
+/ filters, Enter shows a peer's details; q quits.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from shoal.node.cli.node import add_common_network_arguments
+
+    add_common_network_arguments(p)
+    p.add_argument("--local", action="store_true", help="follow the swarm `shoal swarm up` started on this machine")
+    p.add_argument("--run", default=None, metavar="RUN_ID", help="show only peers of this run")
+    p.add_argument("--stale-after", type=float, default=6.0, metavar="SECONDS",
+                   help="a peer silent this long is shown as stale (default: 6)")
+    p.add_argument("--gone-after", type=float, default=15.0, metavar="SECONDS",
+                   help="a peer silent this long is shown as gone (default: 15)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """The observer runs in this process; the UI is a child process fed verified records through a pipe
+    (the dashboard imports only `shoal.protocol`, so it never shares memory with the network stack)."""
+    import logging
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from shoal.node.cli.peers import resolve_join
+    from shoal.protocol.pipe import encode_record
+    from shoal.swarm.net.observer import run_observer
+
+    log = logging.getLogger(__name__)
+    join = resolve_join(args, "shoal dash")
+    if join is None:
+        return 2
+    if not 0 < args.stale_after <= args.gone_after:
+        print("shoal dash: need 0 < --stale-after <= --gone-after", file=sys.stderr)
+        return 2
+    # the UI owns the terminal (Textual draws on stderr): this process logs to a file instead
+    from shoal.node.cli.node import shoal_home
+
+    home = shoal_home()
+    home.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    handler = logging.FileHandler(home / "dash.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    source = join[0].rsplit("/p2p/", 1)[0] + (f" (+{len(join) - 1})" if len(join) > 1 else "")
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", "shoal.tui", "--records-fd", str(read_fd), "--source", source,
+           "--stale-after", str(args.stale_after), "--gone-after", str(args.gone_after)]
+    if args.run:
+        cmd += ["--run", args.run]
+    ui = subprocess.Popen(cmd, pass_fds=(read_fd,))
+    os.close(read_fd)
+    out = os.fdopen(write_fd, "wb", buffering=0)
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def on_record(record) -> None:
+        try:
+            with lock:
+                out.write(encode_record(record))
+        except (BrokenPipeError, ValueError):  # the UI quit
+            stop.set()
+
+    def observe() -> None:
+        try:
+            run_observer(join, on_record, stop)
+        except Exception as e:  # the dashboard stays up and says the feed stopped
+            log.warning("observer stopped: %s: %s", type(e).__name__, e)
+        finally:
+            with lock:
+                out.close()
+
+    thread = threading.Thread(target=observe, name="shoal-dash-observer", daemon=True)
+    thread.start()
+    try:
+        code = ui.wait()
+    except KeyboardInterrupt:
+        ui.terminate()
+        code = ui.wait()
+    stop.set()
+    thread.join(timeout=5.0)
+    return code

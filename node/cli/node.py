@@ -1,0 +1,143 @@
+"""`shoal node`: run a node daemon that joins a swarm and stays until Ctrl+C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+HELP = "run a node: join a swarm (or start one) and stay until Ctrl+C"
+DESCRIPTION = """\
+Run a shoal node. Without --join it starts a new swarm and prints the address
+others use to join it; with --join it joins an existing swarm.
+
+  shoal node                                   # first node of a new swarm
+  shoal node --join /ip4/192.0.2.7/tcp/4001/p2p/12D3KooW...
+
+The node keeps its identity (its peer id) in --identity (created on first run).
+To be reachable from other machines, listen on all interfaces with a fixed port:
+  shoal node --listen /ip4/0.0.0.0/tcp/4001
+Ctrl+C or SIGTERM leaves the swarm cleanly (a leave notice, then exit 0).
+"""
+
+
+def shoal_home() -> Path:
+    return Path(os.environ.get("SHOAL_HOME", "~/.shoal")).expanduser()
+
+
+def add_common_network_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--join", action="append", default=[], metavar="MULTIADDR",
+                   help="address of a node in the swarm, with its /p2p/ peer id (repeatable)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common_network_arguments(p)
+    p.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", metavar="MULTIADDR",
+                   help="where to listen (default: all interfaces, a free port)")
+    p.add_argument("--identity", type=Path, default=None, metavar="PATH",
+                   help="Ed25519 key file, created on first run (default: $SHOAL_HOME/identity.key)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    p.add_argument("--status-file", type=Path, default=None, metavar="PATH",
+                   help="rewrite a JSON file with peer_id, addrs, peers and state every few seconds")
+    p.add_argument("--status-interval", type=float, default=2.0, metavar="SECONDS",
+                   help="how often to publish status (default: 2)")
+    p.add_argument("--gone-after", type=float, default=12.0, metavar="SECONDS",
+                   help="a peer silent this long is marked gone (default: 12)")
+    t = p.add_argument_group("training (with --run)")
+    t.add_argument("--run", default=None, metavar="RUN.toml|RUN_ID",
+                   help="train in this run: a manifest file (the first node with it hosts the broker) or, with "
+                        "--join, the run id of a run the swarm already trains")
+    t.add_argument("--secret", default=None, help="the run's join secret, for a private run "
+                                                  "(or set SHOAL_JOIN_SECRET)")
+    t.add_argument("--steps", type=int, default=None, metavar="N", help="stop training after N steps")
+    t.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads")
+    t.add_argument("--round-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="a replica not heard within this long is dropped from a synchronization round (default: 20)")
+    t.add_argument("--fail-after", type=float, default=30.0, metavar="SECONDS",
+                   help="an active node (or the broker) silent this long is replaced (default: 30)")
+    t.add_argument("--backup-refresh", type=float, default=30.0, metavar="SECONDS",
+                   help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
+                        "the group's synchronized state (default: 30; raise it for big models)")
+
+
+def main(args: argparse.Namespace) -> int:
+    import signal
+    import sys
+
+    import trio
+
+    from shoal.node.daemon import Node, NodeConfig
+    from shoal.swarm.run.broker import AdmissionError
+    from shoal.swarm.net.rpc import RpcError
+    from shoal.node.train.hardware import hardware_profile
+    from shoal.swarm.net.host import HostConfig
+    from shoal.swarm.net.membership import MembershipConfig
+
+    home = shoal_home()
+    try:
+        run = None
+        if args.run is not None:
+            run = run_config(args)
+        config = NodeConfig(
+            run=run,
+            host=HostConfig(listen=args.listen, join=tuple(args.join)),
+            identity=args.identity or home / "identity.key",
+            device=args.device,
+            home=home,
+            status_file=args.status_file,
+            status_interval_s=args.status_interval,
+            membership=MembershipConfig(suspect_after_s=min(3 * args.status_interval, args.gone_after),
+                                        gone_after_s=args.gone_after),
+        )
+        hardware = hardware_profile(args.device, home)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"shoal node: {e}", file=sys.stderr)
+        return 2
+
+    async def run() -> int:
+        node = Node(config, hardware)
+        async with trio.open_nursery() as nursery:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                try:
+                    await nursery.start(node.run)
+                except (ConnectionError, AdmissionError, RpcError) as e:
+                    print(f"shoal node: {e}", file=sys.stderr)
+                    return 1
+                join_addr = next((a for a in node.sh.addrs if "/127.0.0.1/" not in a), node.sh.addrs[0])
+                print(f"shoal node {node.peer_id} ready ({hardware.device_kind}: {hardware.device_name}); "
+                      f"others join with: shoal node --join {join_addr}", flush=True)
+                async for _ in signals:
+                    print("leaving the swarm…", file=sys.stderr, flush=True)
+                    node.stop()
+                    break
+        return 0
+
+    return trio.run(run)
+
+
+def run_config(args: argparse.Namespace):
+    """The RunConfig for --run: a manifest file (verified), or a run id whose manifest comes from the swarm."""
+    import os
+    from dataclasses import replace
+
+    from shoal.node.run.runtime import RunConfig
+    from shoal.protocol.manifest import RunManifest
+    from shoal.swarm.run.broker import BrokerConfig
+    from shoal.swarm.run.client import RunClientConfig
+
+    path = Path(args.run)
+    manifest, run_id = None, None
+    if path.exists():
+        manifest = RunManifest.from_toml(path.read_text())
+        manifest.verify()
+    elif not args.join:
+        raise ValueError(f"--run {args.run}: no such manifest file (a run id needs --join)")
+    else:
+        run_id = args.run
+    broker = BrokerConfig(fail_after_s=args.fail_after, heartbeat_s=min(5.0, args.fail_after / 3),
+                          lease_timeout_s=args.fail_after, lease_renew_s=min(3.0, args.fail_after / 4))
+    return RunConfig(manifest=manifest, run_id=run_id, secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"),
+                     device="cpu" if args.device == "auto" else args.device, threads=args.threads,
+                     max_steps=args.steps, round_timeout_s=args.round_timeout, broker=broker,
+                     backup_refresh_s=args.backup_refresh,
+                     client=replace(RunClientConfig(), broker=broker))

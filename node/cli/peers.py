@@ -1,0 +1,106 @@
+"""`shoal peers`: join briefly as an observer, print every live peer of the swarm, exit."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "list the live peers of a swarm"
+DESCRIPTION = """\
+Join a swarm briefly as an observer (it takes no slot and is not listed) and
+print every live peer: a table, or JSON with --json.
+
+  shoal peers --join /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW...
+  shoal peers --local --json        # the swarm that `shoal swarm up` started here
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from shoal.node.cli.node import add_common_network_arguments
+
+    add_common_network_arguments(p)
+    p.add_argument("--local", action="store_true", help="find the swarm started by `shoal swarm up` on this machine")
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.add_argument("--wait", type=float, default=1.5, metavar="SECONDS",
+                   help="how long to listen to gossip after the snapshot (default: 1.5)")
+
+
+def resolve_join(args: argparse.Namespace, prog: str) -> list[str] | None:
+    """--join addresses, or with --local those of the swarm `shoal swarm up` runs here; None (said why) if none."""
+    import sys
+
+    from shoal.node.cli.node import shoal_home
+    from shoal.swarm.net.observer import find_local_swarm
+
+    join = list(args.join)
+    if getattr(args, "local", False):
+        join += find_local_swarm(shoal_home())
+        if not join:
+            print(f"{prog}: no local swarm is running (start one with `shoal swarm up`)", file=sys.stderr)
+            return None
+    if not join:
+        print(f"{prog}: say which swarm: --join MULTIADDR or --local", file=sys.stderr)
+        return None
+    return join
+
+
+def peer_rows(obs) -> list[dict]:
+    rows = []
+    for e in obs.membership.live_peers():
+        ann, st = e.announcement_record, e.status_record
+        rows.append({
+            "peer_id": e.peer_id,
+            "addrs": list(ann.addrs) if ann else [],
+            "state": st.state if st else "unknown",
+            "role": st.role if st else "unknown",
+            "last_seen_s": round(obs.membership.age_s(e), 2),
+            "device": f"{ann.hardware.device_kind}: {ann.hardware.device_name}" if ann else "unknown",
+            "matmul_tflops": ann.hardware.matmul_tflops if ann else None,
+            "step": st.step if st else 0,
+        })
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    import trio
+
+    from shoal.swarm.net.observer import Observer
+
+    join = resolve_join(args, "shoal peers")
+    if join is None:
+        return 2
+    try:
+        obs = Observer(join)
+    except ValueError as e:
+        print(f"shoal peers: {e}", file=sys.stderr)
+        return 2
+
+    async def run() -> list[dict]:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(obs.run)
+            await trio.sleep(args.wait)
+            nursery.cancel_scope.cancel()
+        return peer_rows(obs)
+
+    try:
+        rows = trio.run(run)
+    except ConnectionError as e:
+        print(f"shoal peers: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{len(rows)} live peers")
+    for col in ("peer", "role", "state", "step", "device", "TFLOP/s", "last seen", "address"):
+        t.add_column(col, no_wrap=True, overflow="ellipsis")
+    for r in rows:
+        t.add_row(r["peer_id"][-10:], r["role"], r["state"], str(r["step"]), r["device"][:24],
+                  f"{r['matmul_tflops']:.2f}" if r["matmul_tflops"] is not None else "?",
+                  f"{r['last_seen_s']:.1f} s", (r["addrs"] or ["?"])[0])
+    Console().print(t)
+    return 0

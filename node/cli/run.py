@@ -1,0 +1,166 @@
+"""`shoal run create|show`: write a signed run manifest from flags, or print and verify one."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "create or show a run manifest (model, data, parallel plan, compression, join policy)"
+DESCRIPTION = (
+    "A run is a signed manifest; its content hash is the run id.\n\n"
+    "  shoal run create -o run.toml                   the built-in tiny model on the stdlib corpus\n"
+    "  shoal run create --size small --steps 20000 -o run.toml\n"
+    "  shoal run show run.toml                        print it and check its signature"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="run_command", metavar="ACTION", required=True)
+    c = sub.add_parser("create", help="write a new signed manifest", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    c.add_argument("-o", "--output", required=True, help="where to write the manifest (TOML)")
+    c.add_argument("--name", default="shoal-run")
+    c.add_argument("--identity", default=None,
+                   help="Ed25519 key file that signs (created if missing; default: $SHOAL_HOME/identity.key)")
+    c.add_argument("--size", choices=("tiny", "small", "base"), default="tiny", help="model preset")
+    c.add_argument("--layers", type=int, help="override the preset's layer count")
+    c.add_argument("--d-model", type=int, help="override the preset's width")
+    c.add_argument("--heads", type=int, help="override the preset's head count")
+    c.add_argument("--positions", choices=("rope", "learned"), default="rope")
+    c.add_argument("--data", default="stdlib", help="'stdlib', a .txt/.jsonl file or folder, or hf:NAME")
+    c.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+    c.add_argument("--batch", type=int, default=16, help="sequences per optimizer step per replica")
+    c.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: --batch)")
+    c.add_argument("--steps", type=int, default=2000, help="total optimizer steps (the schedule's length)")
+    c.add_argument("--lr", type=float, default=3e-3)
+    c.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="the inner (local) optimizer")
+    c.add_argument("--warmup", type=int, default=50, help="learning-rate warm-up steps")
+    c.add_argument("--weight-decay", type=float, default=0.1)
+    c.add_argument("--grad-clip", type=float, default=1.0)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--eval-every", type=int, default=100)
+    c.add_argument("--ckpt-every", type=int, default=100)
+    c.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    c.add_argument("--stages", type=int, default=1, help="pipeline stages S")
+    c.add_argument("--replicas", type=int, default=1, help="data-parallel replicas D per stage")
+    c.add_argument("--sync", choices=("none", "allreduce", "cocktail", "diloco"), help="default: none for D=1, else cocktail")
+    c.add_argument("--cocktail-p", type=float, default=0.1)
+    c.add_argument("--cocktail-r", type=float, default=0.2)
+    c.add_argument("--cocktail-bits", type=int, default=4)
+    c.add_argument("--cocktail-warmup", type=int, default=100)
+    c.add_argument("--diloco-h", type=int, default=100, help="inner steps between outer steps")
+    c.add_argument("--diloco-fragments", type=int, default=1)
+    c.add_argument("--diloco-e3m0", action="store_true", help="4-bit outer gradients")
+    c.add_argument("--diloco-overlap", type=int, default=0, metavar="TAU",
+                   help="Streaming DiLoCo: inner steps trained while a fragment's outer gradient is on the wire "
+                        "(< H / fragments)")
+    c.add_argument("--diloco-alpha", type=float, default=0.0,
+                   help="after an outer step keep this share of the local parameters (Streaming DiLoCo uses 0.5)")
+    c.add_argument("--pipeline-compression", choices=("none", "aqsgd"), default="aqsgd")
+    c.add_argument("--fwd-bits", type=int, default=4)
+    c.add_argument("--bwd-bits", type=int, default=8)
+    j = c.add_mutually_exclusive_group()
+    j.add_argument("--join-secret-file", help="file holding the join secret (only its salted hash is stored)")
+    j.add_argument("--allow", action="append", metavar="PEER_ID", help="admit only these peers (repeat)")
+    s = sub.add_parser("show", help="print a manifest and verify its signature")
+    s.add_argument("path")
+
+
+def build_manifest(args: argparse.Namespace):
+    import time
+
+    from shoal.protocol import manifest as mf
+
+    model = mf.ModelSpec.preset(args.size, positions=args.positions)
+    overrides = {k: v for k, v in (("n_layers", args.layers), ("d_model", args.d_model), ("n_heads", args.heads)) if v}
+    if overrides:
+        model = mf.ModelSpec(**{**model.to_dict(), **overrides, "size": "custom"})
+    seq = args.seq_len or mf.MODEL_PRESETS[args.size][3]
+    sync_method = args.sync or ("none" if args.replicas == 1 else "cocktail")
+    if args.join_secret_file:
+        with open(args.join_secret_file) as f:
+            join = mf.JoinPolicy.with_secret(f.read().strip())
+    elif args.allow:
+        join = mf.JoinPolicy(mode="allowlist", allowlist=tuple(args.allow))
+    else:
+        join = mf.JoinPolicy()
+    return mf.RunManifest(
+        name=args.name,
+        created_at=int(time.time()),
+        seed=args.seed,
+        model=model,
+        data=mf.DataSpec(source=args.data),
+        plan=mf.ParallelPlan(
+            stages=args.stages,
+            replicas=args.replicas,
+            sync=mf.SyncSpec(
+                method=sync_method,
+                cocktail=mf.CocktailSpec(p=args.cocktail_p, r=args.cocktail_r, bits=args.cocktail_bits, warmup_steps=args.cocktail_warmup),
+                diloco=mf.DilocoSpec(inner_steps=args.diloco_h, fragments=args.diloco_fragments, e3m0=args.diloco_e3m0,
+                                     overlap_steps=args.diloco_overlap, merge_alpha=args.diloco_alpha),
+            ),
+            pipeline=mf.PipelineSpec(compression=args.pipeline_compression, fwd_bits=args.fwd_bits, bwd_bits=args.bwd_bits),
+        ),
+        optim=mf.OptimSpec(
+            lr=args.lr, warmup_steps=min(args.warmup, args.steps), total_steps=args.steps,
+            weight_decay=args.weight_decay, grad_clip=args.grad_clip, optimizer=args.optimizer,
+        ),
+        batch=mf.BatchSpec(batch_size=args.batch, micro_batch_size=args.micro_batch or args.batch, seq_len=seq),
+        eval=mf.EvalSpec(every_steps=args.eval_every),
+        checkpoint=mf.CheckpointSpec(every_steps=args.ckpt_every, keep_last=args.keep),
+        join=join,
+    )
+
+
+def read_manifest(path: str):
+    from shoal.protocol.manifest import RunManifest
+
+    with open(path, encoding="utf-8") as f:
+        return RunManifest.from_toml(f.read())
+
+
+def main(args: argparse.Namespace) -> int:
+    import os
+    import sys
+
+    from rich.console import Console
+
+    from shoal.protocol.errors import ProtocolError, SignatureError
+
+    console = Console(soft_wrap=True)
+    if args.run_command == "create":
+        from shoal.swarm.net.identity import load_or_create_identity
+
+        try:
+            manifest = build_manifest(args)
+        except ProtocolError as e:
+            print(f"shoal run create: invalid manifest: {e}", file=sys.stderr)
+            return 2
+        from shoal.node.cli.node import shoal_home
+
+        manifest = manifest.signed(load_or_create_identity(args.identity or shoal_home() / "identity.key"))
+        from pathlib import Path
+
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{args.output}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(manifest.to_toml())
+        os.replace(tmp, args.output)
+        console.print(f"wrote {args.output}\nrun id  {manifest.run_id}\nowner   {manifest.owner}")
+        return 0
+    try:
+        manifest = read_manifest(args.path)
+    except (OSError, ProtocolError) as e:
+        print(f"shoal run show: {args.path}: {e}", file=sys.stderr)
+        return 2
+    import tomli_w
+
+    shown = manifest.to_dict()
+    shown["signature"] = manifest.signature.hex()[:16] + "..." if manifest.signature else ""
+    console.print(tomli_w.dumps(shown).rstrip(), markup=False, highlight=False)
+    console.print(f"\nrun id     {manifest.run_id}")
+    try:
+        manifest.verify()
+        console.print(f"signature  valid, by {manifest.owner}")
+    except SignatureError as e:
+        console.print(f"signature  INVALID: {e}")
+        return 1
+    return 0

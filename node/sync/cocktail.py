@@ -1,0 +1,160 @@
+"""CocktailSGD (algorithms.md §1): a sharded parameter server over the group, compressed model differences, overlap.
+
+Each replica keeps its parameters x and g, an fp16 copy of the last synchronized parameters that is bitwise equal
+on every replica; member c of the round's group serves chunk c of the flattened parameters and keeps that chunk's
+server error. A round, for each chunk: the rolling mask of this step, delta = (x - g)[mask] in fp16,
+C(delta) = Q_b(TopK_r(delta)) sent to the owner (worker error feedback: x[mask] -= C^(delta)); the owner computes
+s = mean C^(delta_i) + e[mask], s_hat = C(s), e[mask] = s - s_hat, and sends s_hat to every member, which adds it
+to x[mask] and g[mask].
+
+Overlap (one-step staleness): after optimizer step t the round starts in a background thread on a snapshot of x;
+it is joined just before optimizer step t+1, whose gradient was computed on the same x (nothing changes the
+parameters in between), and the round's result is written into the parameters then. So communication overlaps the
+forward and backward of step t+1, as in the reference. A chunk whose owner's s_hat did not arrive is left
+untouched (no worker error feedback either: its delta stays in x - g for a later round).
+During the first `warmup_steps` steps gradients are all-reduced uncompressed and g follows x.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from shoal.kernels.cocktail import CocktailCompressor, CocktailConfig
+from shoal.kernels.topk import topk_count
+from shoal.node.sync.allreduce import wire_codec
+from shoal.node.sync.base import (GroupSync, chunk_bounds, decode_tensor, decode_values, flat_grads, flat_params,
+                                  hash_tensor, write_flat_grads, write_flat_params)
+from shoal.swarm.run.group import Group
+
+log = logging.getLogger(__name__)
+
+
+class CocktailSync(GroupSync):
+    name = "cocktail"
+    group_state = ("/sync/g",)
+
+    def __init__(self, *, cocktail: CocktailConfig = CocktailConfig(), warmup_steps: int = 0,
+                 allreduce_dtype: str = "fp32", **kw: Any):
+        super().__init__(**kw)
+        self.cfg = cocktail
+        self.warmup_steps = warmup_steps
+        self.codec = wire_codec(allreduce_dtype)
+        self.g: torch.Tensor | None = None  # fp16, the synchronized parameters
+        self.e: torch.Tensor | None = None  # fp32, server error (only the chunk this replica serves is used)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cocktail-round")
+        self._pending: Future | None = None
+        self._ready_x: torch.Tensor | None = None
+
+    def _ensure(self, model: torch.nn.Module) -> None:
+        self.device = next(model.parameters()).device
+        if self.g is None:
+            x = flat_params(model)
+            self.g, self.e = x.half(), torch.zeros_like(x)
+            self.last_hash = hash_tensor(self.g)
+        elif self.g.device != self.device:  # loaded from a snapshot (on the CPU)
+            self.g, self.e = self.g.to(self.device), self.e.to(self.device)
+
+    def before_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
+        self._ensure(model)
+        self._join(model)
+        if step < self.warmup_steps:
+            mean, _ = self.allreduce_mean(flat_grads(model), self.codec, self.group(), step, "warm")
+            write_flat_grads(model, mean)
+        return True
+
+    def after_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        self._ensure(model)
+        if step < self.warmup_steps:  # replicas are identical: g is simply the current parameters
+            self.g = flat_params(model).half()
+            self.last_hash = hash_tensor(self.g)
+            return
+        group = self.group()  # membership is read at the round boundary, in the trainer thread
+        self._pending = self._pool.submit(self._round, flat_params(model), group, step)
+
+    def close(self, model: torch.nn.Module) -> None:
+        self._join(model)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            fut, self._pending = self._pending, None
+            self._ready_x = fut.result()
+
+    def _join(self, model: torch.nn.Module) -> None:
+        self._wait()
+        if self._ready_x is not None:
+            write_flat_params(model, self._ready_x)
+            self._ready_x = None
+            self.rounds += 1
+            self.last_hash = hash_tensor(self.g)
+
+    # -- one round (background thread; touches only its snapshot x, g and e) ---------------------------
+    def _round(self, x: torch.Tensor, group: Group, step: int) -> torch.Tensor:
+        bounds = chunk_bounds(x.numel(), group.size)
+        comps = [CocktailCompressor(hi - lo, self.cfg) for lo, hi in bounds]
+        live = self.live(group)
+        xs, up = {}, {}
+        for c, (m, (lo, hi)) in enumerate(zip(group.members, bounds)):
+            if m in live:  # a skipped owner's chunk stays as it is: its delta waits in x - g for a later epoch
+                xs[c] = x[lo:hi].clone()
+                up[m] = comps[c].worker_compress(xs[c], self.g[lo:hi], step)
+        lo, hi = bounds[group.rank]
+        t0 = time.monotonic()
+        got = self.exchange(group.tag(step, "up"), up, live, "up", round_start=t0, phase_no=1, dense_numel=hi - lo)
+        # server: aggregate the chunk this replica owns
+        comp = comps[group.rank]
+        values = self.accept(got, lambda buf: decode_values(self._decode(buf, comp, "float16"), None))
+        s_hat = comp.server_aggregate_values([values[m] for m in group.members if m in values], self.e[lo:hi], step)
+        # a member not heard (or rejected) in the up phase is not waited for again: a dead member costs one
+        # deadline, not two
+        heard = set(got) & self.live(group)
+        down = self.exchange(group.tag(step, "down"), {m: s_hat for m in heard}, heard, "down", round_start=t0,
+                             phase_no=2, dense_numel=hi - lo)
+        received, dense = {}, {}
+        for c, m in enumerate(group.members):
+            if m in down:
+                try:
+                    received[m] = self._decode(down[m], comps[c], "float32")
+                    dense[m] = decode_values(received[m], None)
+                except Exception as err:  # noqa: BLE001 - ProtocolError or a kernel's ValueError: the owner's fault
+                    self._offend(m, f"broadcast: {err}")
+        dense = self.accept_broadcasts(dense)
+        for c, (m, (lo, hi)) in enumerate(zip(group.members, bounds)):
+            if m in dense:
+                comps[c].worker_apply(xs[c], self.g[lo:hi], step, received[m])
+                x[lo:hi] = xs[c]
+        self._missing(live - down.keys())
+        return x
+
+    def _decode(self, buf: bytes, comp: CocktailCompressor, dtype: str):
+        n = comp.mask(0).count
+        k = topk_count(n, self.cfg.r, self.cfg.bucket)
+        return decode_tensor(buf, codec="topk", dtype=dtype, numel=n, bits=self.cfg.bits, bucket=self.cfg.bucket,
+                             count=k)
+
+    # -- state for checkpoints and joining replicas ---------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        self._wait()  # a round in flight finishes first; its parameters are handed over as pending_x
+        return {"g": None if self.g is None else self.g.clone(), "e": None if self.e is None else self.e.clone(),
+                "rounds": self.rounds, "pending_x": self._ready_x}
+
+    def enter(self, model: torch.nn.Module) -> None:
+        """x = g and no server error: a copy of another replica's x would count its unsent residual twice in the
+        group's mean, and the server error belonged to the chunk that replica owned."""
+        self._wait()
+        self._ready_x = None
+        if self.g is not None:
+            write_flat_params(model, self.g.float())
+            self.e = torch.zeros_like(self.e) if self.e is not None else None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._wait()
+        self.g, self.e = state.get("g"), state.get("e")
+        self.rounds = int(state.get("rounds", 0))
+        self._ready_x = state.get("pending_x")
+        if self.g is not None:
+            self.last_hash = hash_tensor(self.g)

@@ -1,0 +1,185 @@
+"""The libp2p host, built explicitly: persisted Ed25519 identity, TCP, Noise only, yamux only, Kademlia, GossipSub."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import multiaddr
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from libp2p import new_host
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.tools.anyio_service import background_trio_service
+
+from shoal.swarm.net.identity import libp2p_key_pair, peer_id_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostConfig:
+    listen: str = "/ip4/127.0.0.1/tcp/0"
+    join: tuple[str, ...] = ()
+    connect_timeout_s: float = 10.0
+    gossip_heartbeat_s: int = 1  # GossipSub mesh maintenance; the library default (120 s) leaves meshes unformed
+    dht_mode_server: bool = True  # observers run the DHT as clients
+
+    def __post_init__(self) -> None:
+        for a in (self.listen, *self.join):
+            try:
+                multiaddr.Multiaddr(a)
+            except Exception as e:
+                raise ValueError(f"not a multiaddr: {a!r} ({e})") from e
+        for a in self.join:
+            if "/p2p/" not in a:
+                raise ValueError(f"--join needs the peer id in the address (…/p2p/12D3Koo…): {a!r}")
+        if self.connect_timeout_s <= 0:
+            raise ValueError("connect_timeout_s must be positive")
+
+
+class SwarmHost:
+    """A running libp2p host with its DHT and pubsub; create with `open_host`."""
+
+    def __init__(self, host, dht: KadDHT, pubsub: Pubsub, key: Ed25519PrivateKey, config: HostConfig):
+        self.host = host
+        self.dht = dht
+        self.pubsub = pubsub
+        self.key = key
+        self.config = config
+        self.peer_id: str = peer_id_of(key)
+
+    @property
+    def addrs(self) -> list[str]:
+        """Full multiaddrs (with /p2p/ID) that others can --join."""
+        out = []
+        for a in self.host.get_addrs():
+            s = str(a)
+            out.append(s if "/p2p/" in s else f"{s}/p2p/{self.peer_id}")
+        return out
+
+    def connected_peers(self) -> list[str]:
+        return [p.to_base58() for p in self.host.get_connected_peers()]
+
+    async def connect(self, addr: str) -> str:
+        """Dial a full multiaddr, add the peer to the DHT routing table, return its peer id."""
+        info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        with trio.fail_after(self.config.connect_timeout_s):
+            await self.host.connect(info)
+        await self.dht.add_peer(info.peer_id, skip_server_mode_check=True)
+        return info.peer_id.to_base58()
+
+    async def bootstrap(self) -> list[str]:
+        """Connect to every --join address (concurrently) and refresh the routing table right away."""
+        joined: list[str] = []
+
+        async def one(addr: str) -> None:
+            try:
+                joined.append(await self.connect(addr))
+            except (Exception, trio.TooSlowError) as e:
+                log.warning("could not join %s: %s", addr, e)
+
+        async with trio.open_nursery() as n:
+            for a in self.config.join:
+                n.start_soon(one, a)
+        if joined:
+            try:
+                with trio.move_on_after(self.config.connect_timeout_s):
+                    await self.dht.refresh_routing_table()
+            except Exception as e:
+                log.warning("routing table refresh failed: %s", e)
+        return joined
+
+    def set_handler(self, protocol: str, handler: Callable[[object], Awaitable[None]]) -> None:
+        """Register a stream handler that can never take the host down: whatever escapes it is logged."""
+
+        async def guarded(stream) -> None:
+            try:
+                await handler(stream)
+            except trio.Cancelled:
+                raise
+            except BaseException as e:  # noqa: BLE001 - one escaped exception kills a py-libp2p host
+                log.warning("handler %s failed: %s: %s", protocol, type(e).__name__, e)
+                try:
+                    await stream.reset()
+                except BaseException:  # noqa: BLE001
+                    pass
+
+        self.host.set_stream_handler(TProtocol(protocol), guarded)
+
+    async def open_stream(self, peer_id: str, protocol: str):
+        return await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+
+    async def disconnect(self, peer_id: str) -> None:
+        try:
+            await self.host.disconnect(ID.from_base58(peer_id))
+        except Exception as e:  # already gone
+            log.debug("disconnect %s: %s", peer_id, e)
+
+
+def build_libp2p_host(key: Ed25519PrivateKey, listen: str):
+    """A host that speaks Noise only (no plaintext, secio or TLS fallback) and yamux only."""
+    kp = libp2p_key_pair(key)
+    noise = NoiseTransport(kp, noise_privkey=create_x25519_key_pair().private_key)
+    return new_host(
+        key_pair=kp,
+        sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+        listen_addrs=[multiaddr.Multiaddr(listen)],
+        enable_mDNS=False,
+        enable_upnp=False,
+    )
+
+
+@asynccontextmanager
+async def open_host(key: Ed25519PrivateKey, config: HostConfig) -> AsyncIterator[SwarmHost]:
+    """The libp2p host with its DHT and GossipSub, closed on exit.
+
+    A failure while closing, after the caller's block ended normally, is logged and not raised: the
+    node has already left (its leave notice is out), and a library teardown hiccup must not turn a
+    clean stop into a crash. A failure inside the block propagates as usual."""
+    host = build_libp2p_host(key, config.listen)
+    closed_normally = False
+    try:
+        async with AsyncExitStack() as stack:
+            await stack.enter_async_context(host.run([multiaddr.Multiaddr(config.listen)]))
+            mode = DHTMode.SERVER if config.dht_mode_server else DHTMode.CLIENT
+            dht = KadDHT(host, mode, enable_random_walk=False)
+            router = GossipSub(
+                protocols=[PROTOCOL_ID_V11],
+                degree=6,
+                degree_low=4,
+                degree_high=12,
+                heartbeat_interval=config.gossip_heartbeat_s,
+                heartbeat_initial_delay=0.1,
+                time_to_live=30,
+            )
+            from shoal.swarm.net.dht_records import NAMESPACE, ShoalRecordValidator
+
+            dht.register_validator(NAMESPACE, ShoalRecordValidator())
+            pubsub = Pubsub(host, router, strict_signing=True, seen_ttl=60)
+            await stack.enter_async_context(background_trio_service(dht))
+            await stack.enter_async_context(background_trio_service(pubsub))
+            await stack.enter_async_context(background_trio_service(router))
+            await pubsub.wait_until_ready()
+            sh = SwarmHost(host, dht, pubsub, key, config)
+            log.info("host %s listening on %s", sh.peer_id, sh.addrs)
+            yield sh
+            closed_normally = True
+    except Exception as e:  # raised again unless the block had ended normally, see the docstring
+        if not closed_normally:
+            raise
+        log.warning("closing the libp2p host raised %s: %s (the host is closed anyway)", type(e).__name__, e,
+                    exc_info=True)

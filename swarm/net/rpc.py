@@ -1,0 +1,102 @@
+"""Request/response over libp2p streams: one stream per call, msgpack bodies, size limits, per-call timeouts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from shoal.protocol.errors import ProtocolError
+from shoal.protocol.wire import pack, unpack
+from shoal.swarm.net.framing import StreamClosed, close_quietly, read_frame, write_frame
+from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.penalty import Penalties
+
+log = logging.getLogger(__name__)
+
+RPC_PROTOCOL = "/shoal/rpc/1.0.0"
+MAX_REQUEST_BYTES = 256 * 1024
+MAX_RESPONSE_BYTES = 4 * 1024 * 1024
+
+Handler = Callable[[str, Any], Awaitable[Any]]  # (caller peer id, request body) -> response body
+
+
+class RpcError(RuntimeError):
+    """A call failed: the peer answered with an error, sent garbage, timed out, or could not be reached."""
+
+
+class BadRequest(ProtocolError):
+    """Raised by a handler to reject a request as malformed (the caller is penalized)."""
+
+
+class RpcServer:
+    def __init__(self, sh: SwarmHost, penalties: Penalties, *, request_timeout_s: float = 10.0):
+        self.sh = sh
+        self.penalties = penalties
+        self.request_timeout_s = request_timeout_s
+        self.handlers: dict[str, Handler] = {}
+        sh.set_handler(RPC_PROTOCOL, self._serve)
+
+    def register(self, method: str, handler: Handler) -> None:
+        self.handlers[method] = handler
+
+    async def _serve(self, stream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
+        if self.penalties.is_banned(peer):
+            await stream.reset()
+            return
+        try:
+            with trio.fail_after(self.request_timeout_s):
+                req = unpack(await read_frame(stream, MAX_REQUEST_BYTES), max_bytes=MAX_REQUEST_BYTES)
+                if not isinstance(req, dict) or not isinstance(req.get("m"), str):
+                    raise BadRequest("request must be a map with a method name 'm'")
+                handler = self.handlers.get(req["m"])
+                if handler is None:
+                    raise BadRequest(f"unknown method {req['m'][:40]!r}")
+                try:
+                    resp = {"ok": True, "b": await handler(peer, req.get("b"))}
+                except ProtocolError:
+                    raise
+                except Exception as e:  # the handler's own failure: tell the caller, keep serving
+                    log.warning("rpc %s from %s failed: %s: %s", req["m"], peer, type(e).__name__, e)
+                    resp = {"ok": False, "e": f"{type(e).__name__}: {e}"[:300]}
+                await write_frame(stream, pack(resp))
+                await stream.close()
+        except ProtocolError as e:
+            self.penalties.penalize(peer, f"bad rpc request: {e}")
+            try:
+                await write_frame(stream, pack({"ok": False, "e": f"rejected: {e}"[:300]}))
+                await stream.close()
+            except Exception:  # noqa: BLE001 - the peer may be gone already
+                await stream.reset()
+        except (StreamClosed, trio.TooSlowError) as e:
+            log.info("rpc stream from %s ended early: %s", peer, e)
+            await stream.reset()
+
+
+async def call(sh: SwarmHost, peer_id: str, method: str, body: Any = None, *, timeout_s: float = 10.0,
+               max_response_bytes: int = MAX_RESPONSE_BYTES) -> Any:
+    """Call `method` on `peer_id`; raise RpcError on timeout, transport failure, a bad answer or a remote error."""
+    try:
+        with trio.fail_after(timeout_s):
+            stream = await sh.open_stream(peer_id, RPC_PROTOCOL)
+            try:
+                await write_frame(stream, pack({"m": method, "b": body}))
+                resp = unpack(await read_frame(stream, max_response_bytes), max_bytes=max_response_bytes)
+            finally:
+                await close_quietly(stream)
+    except trio.TooSlowError:
+        raise RpcError(f"{method} on {peer_id[:16]}…: no answer within {timeout_s} s") from None
+    except (ProtocolError, StreamClosed) as e:
+        raise RpcError(f"{method} on {peer_id[:16]}…: bad answer: {e}") from e
+    except RpcError:
+        raise
+    except Exception as e:
+        raise RpcError(f"{method} on {peer_id[:16]}…: {type(e).__name__}: {e}") from e
+    if not isinstance(resp, dict) or not isinstance(resp.get("ok"), bool):
+        raise RpcError(f"{method} on {peer_id[:16]}…: malformed response")
+    if not resp["ok"]:
+        raise RpcError(f"{method} on {peer_id[:16]}…: {str(resp.get('e'))[:300]}")
+    return resp.get("b")

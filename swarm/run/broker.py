@@ -1,0 +1,462 @@
+"""The broker: admission, the backup pool, failure detection, promotion, and the signed assignment table it publishes."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from shoal.protocol.assignment import (
+    ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, REGISTERED, AdmitRequest, AdmitResponse, AssignmentTable,
+    BrokerLease, MissingReport, ProviderEntry, SlotEntry, slot_name)
+from shoal.protocol.envelope import seal
+from shoal.protocol.manifest import RunManifest
+from shoal.protocol.records import HardwareProfile
+from shoal.swarm.net.dht_records import lease_key, table_key
+from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.membership import LEFT, Membership
+from shoal.swarm.net.penalty import Penalties
+from shoal.swarm.net.rpc import RpcError, call
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, Any], Awaitable[Any]]
+MAX_GONE_KEPT = 32  # gone providers listed in the table, newest first; older ones are forgotten
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BrokerConfig:
+    heartbeat_s: float = 5.0  # how often liveness is checked (status gossip and RPC contact are the beats)
+    suspect_after_beats: int = 3
+    fail_after_s: float = 30.0  # silent this long: failed, its slot goes to a backup
+    lease_renew_s: float = 3.0
+    lease_timeout_s: float = 15.0  # a lease not renewed for this long lets the standby take over
+    republish_s: float = 10.0  # the table is re-gossiped this often even when nothing changed
+    ping_timeout_s: float = 2.0  # checking a member reported missing
+    straggler_misses: int = 3  # a member that misses rounds (yet answers) this often within the window ...
+    straggler_window_s: float = 600.0
+    demote_hold_s: float = 300.0  # ... is moved to the backup pool, and not promoted again for this long
+    dht_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_s <= self.fail_after_s:
+            raise ValueError("need 0 < heartbeat_s <= fail_after_s")
+        if not 0 < self.lease_renew_s < self.lease_timeout_s:
+            raise ValueError("need 0 < lease_renew_s < lease_timeout_s")
+        if self.suspect_after_beats < 1 or min(self.republish_s, self.ping_timeout_s, self.dht_timeout_s) <= 0:
+            raise ValueError("suspect_after_beats >= 1 and positive intervals are required")
+        if self.straggler_misses < 1 or self.straggler_window_s <= 0 or self.demote_hold_s < 0:
+            raise ValueError("straggler_misses >= 1, straggler_window_s > 0 and demote_hold_s >= 0 are required")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunContext:
+    """What the broker and the run client need from the node that hosts them."""
+
+    sh: SwarmHost
+    manifest: RunManifest
+    register: Callable[[str, Handler], None]  # RpcServer.register
+    publish: Callable[[bytes], Awaitable[None]]  # gossip publish of a sealed envelope (must not raise)
+    membership: Membership | None = None  # liveness from status gossip; RPC contact counts too
+    penalties: Penalties | None = None
+    # stage -> the first step at which a group change can safely take effect (every member must hear of the
+    # new table before it reaches that step); None: changes take effect from step 0 (nothing trains yet)
+    switch_step: Callable[[int], int] | None = None
+
+    @property
+    def run_id(self) -> str:
+        return self.manifest.run_id
+
+    @property
+    def me(self) -> str:
+        return self.sh.peer_id
+
+
+@dataclass(slots=True)
+class Provider:
+    peer_id: str
+    state: str
+    order: int  # admission order; breaks ties, and picks the standby
+    score: tuple = ()  # smaller is better: the backup promoted first
+    hardware: HardwareProfile | None = None
+    last_contact: float = field(default_factory=time.monotonic)
+    suspect: bool = False
+    gone_at: float = 0.0
+    admitted_unix: float = field(default_factory=time.time)
+    hold_until: float = 0.0  # monotonic: not promoted before (a straggler moved to the pool)
+    misses: list[float] = field(default_factory=list)  # monotonic times it missed rounds while answering
+
+
+class AdmissionError(RuntimeError):
+    """Admission was refused; the message says why (wrong run, no secret, not on the allowlist, run full)."""
+
+
+class Broker:
+    """Runs on the broker node. Start with `await nursery.start(broker.run)`; the table is `broker.table`."""
+
+    def __init__(self, ctx: RunContext, config: BrokerConfig = BrokerConfig(), *, lease_epoch: int = 0,
+                 version: int = 0):
+        self.ctx = ctx
+        self.config = config
+        plan = ctx.manifest.plan
+        self.stages, self.replicas = plan.stages, plan.replicas
+        self.lease_epoch = lease_epoch
+        self.version = version
+        self.epochs = [0] * self.stages
+        self.switch_steps = [0] * self.stages
+        self.providers: dict[str, Provider] = {}
+        self.slots: dict[tuple[int, int], str] = {}
+        self.standby: str | None = None
+        self._order = itertools.count()
+        self.table: AssignmentTable | None = None
+        self.table_env: bytes = b""
+        self.lease_env: bytes = b""
+        self.deposed = False  # a newer broker took over: stop publishing
+        self.on_change: list[Callable[[AssignmentTable, bytes], None]] = []
+        self.promotions: list[tuple[float, str, str, str]] = []  # (unix time, slot, failed peer, promoted peer)
+        self.reforms = 0  # groups re-formed (same members, next epoch) after a member missed a round but answered
+        self._offences: dict[tuple[int, int, str], set[str]] = {}  # (stage, epoch, offender) -> reporters
+        self._checking: set[tuple[int, int, str]] = set()  # (stage, epoch, peer) reported missing, being pinged
+        self._dirty = trio.Event()
+        self._rebuild()
+
+    @classmethod
+    def from_table(cls, ctx: RunContext, config: BrokerConfig, table: AssignmentTable) -> Broker:
+        """The standby's takeover: continue from the last published table under a new lease epoch."""
+        b = cls(ctx, config, lease_epoch=table.lease_epoch + 1, version=table.version)
+        b.epochs = list(table.epochs)
+        b.switch_steps = [table.switch_step(s) for s in range(table.stages)]
+        backups = {pid: i for i, pid in enumerate(table.backups)}
+        for p in table.providers:
+            b.providers[p.peer_id] = Provider(p.peer_id, p.state, next(b._order),
+                                              score=(0, 0.0, backups.get(p.peer_id, len(backups))),
+                                              gone_at=time.monotonic() if p.state == GONE else 0.0)
+        for s in table.slots:
+            b.slots[(s.stage, s.replica)] = s.peer_id
+            b.providers.setdefault(s.peer_id, Provider(s.peer_id, ACTIVE, next(b._order)))
+        old = table.peer_id
+        if old in b.providers and b.providers[old].state != GONE:
+            b.mark_failed(old, "the broker's lease expired")
+        b._pick_standby()
+        b._rebuild()
+        return b
+
+    # -- the table -----------------------------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        """Seal the current state as a new table version and wake the publisher."""
+        providers = sorted(self.providers.values(), key=lambda p: p.order)
+        gone = sorted((p for p in providers if p.state == GONE), key=lambda p: -p.gone_at)
+        for p in gone[MAX_GONE_KEPT:]:
+            del self.providers[p.peer_id]
+        providers = [p for p in providers if p.peer_id in self.providers]
+        self.version += 1
+        prev = self.table
+        for s in range(self.stages):
+            if prev is not None and prev.epochs[s] != self.epochs[s] and self.ctx.switch_step is not None:
+                self.switch_steps[s] = max(self.switch_steps[s], self.ctx.switch_step(s))
+        self.table = AssignmentTable(
+            peer_id=self.ctx.me, run_id=self.ctx.run_id, lease_epoch=self.lease_epoch, version=self.version,
+            time=time.time(), stages=self.stages, replicas=self.replicas, epochs=tuple(self.epochs),
+            standby=self.standby,
+            slots=tuple(SlotEntry(stage=s, replica=r, peer_id=pid) for (s, r), pid in sorted(self.slots.items())),
+            backups=tuple(p.peer_id for p in self._backups()),
+            providers=tuple(ProviderEntry(peer_id=p.peer_id, state=p.state) for p in providers),
+            switch_steps=tuple(self.switch_steps))
+        self.table_env = seal(self.table, self.ctx.sh.key)
+        for cb in list(self.on_change):
+            try:
+                cb(self.table, self.table_env)
+            except Exception as e:  # noqa: BLE001 - a listener's bug must not stop the broker
+                log.warning("table listener failed: %s: %s", type(e).__name__, e)
+        self._dirty.set()
+
+    def _backups(self) -> list[Provider]:
+        return sorted((p for p in self.providers.values() if p.state == BACKUP), key=lambda p: (p.score, p.order))
+
+    def _promotable(self) -> list[Provider]:
+        now = time.monotonic()
+        return [b for b in self._backups() if not b.suspect and b.hold_until <= now]
+
+    def _free_slot(self, stage: int = 0) -> tuple[int, int] | None:
+        for r in range(self.replicas):
+            if (stage, r) not in self.slots:
+                return stage, r
+        return None
+
+    def _pick_standby(self) -> None:
+        if self.standby is not None:
+            p = self.providers.get(self.standby)
+            if p is not None and p.state in (ACTIVE, BACKUP) and not p.suspect:
+                return
+        candidates = sorted((p for p in self.providers.values()
+                             if p.peer_id != self.ctx.me and p.state in (ACTIVE, BACKUP) and not p.suspect),
+                            key=lambda p: p.order)
+        self.standby = candidates[0].peer_id if candidates else None
+
+    # -- admission -----------------------------------------------------------------------------------------
+    def check_policy(self, peer_id: str, req: AdmitRequest) -> str | None:
+        """Why `peer_id` may not join (None: it may). Cheap checks only; the secret is checked separately."""
+        if req.run_id != self.ctx.run_id:
+            return f"this broker serves run {self.ctx.run_id[:16]}…, not {req.run_id[:16]}…"
+        pol = self.ctx.manifest.join
+        if pol.mode == "allowlist" and not pol.admits_peer(peer_id):
+            return "this run is private: peer is not on the run's allowlist"
+        if pol.mode == "secret" and not req.secret:
+            return "this run is private: a join secret is required"
+        return None
+
+    async def admit(self, peer_id: str, req: AdmitRequest) -> AdmitResponse:
+        """Check the join policy, then place `peer_id` in a free slot of stage 0 or in the backup pool."""
+        why = self.check_policy(peer_id, req)
+        pol = self.ctx.manifest.join
+        if why is None and pol.mode == "secret":
+            ok = await trio.to_thread.run_sync(pol.admits_secret, req.secret)  # scrypt: keep the loop free
+            why = None if ok else "this run is private: wrong join secret"
+        if why is not None:
+            if self.ctx.penalties is not None and peer_id != self.ctx.me:
+                self.ctx.penalties.penalize(peer_id, f"admission refused: {why}")
+            log.info("refused %s: %s", peer_id, why)
+            return AdmitResponse(admitted=False, error=why)
+        p = self.providers.get(peer_id)
+        if p is not None and p.state in (ACTIVE, BACKUP):  # a retry: answer with what it already has
+            p.last_contact, p.hardware = time.monotonic(), req.hardware
+            return self._answer(p)
+        if sum(1 for q in self.providers.values() if q.state != GONE) >= 384:
+            return AdmitResponse(admitted=False, error="the run has no room for more providers")
+        hw = req.hardware
+        p = Provider(peer_id, REGISTERED, next(self._order), hardware=hw,
+                     score=(-hw.memory_bytes, -hw.matmul_tflops, 0))
+        self.providers[peer_id] = p
+        p.state = BENCHMARKED  # the profile carries the node's measured compute and memory
+        free = None if req.backup_only else self._free_slot(0)
+        if free is not None:
+            self.slots[free] = peer_id
+            p.state = ACTIVE
+            self.epochs[free[0]] += 1
+        else:
+            p.state = BACKUP
+        self._pick_standby()
+        self._rebuild()
+        log.info("admitted %s as %s", peer_id, slot_name(*free) if free else "backup")
+        return self._answer(p)
+
+    def _answer(self, p: Provider) -> AdmitResponse:
+        slot = next((slot_name(*k) for k, v in self.slots.items() if v == p.peer_id), None)
+        return AdmitResponse(admitted=True, state=p.state, slot=slot, table=self.table_env)
+
+    # -- failures and leaves -------------------------------------------------------------------------------
+    def mark_failed(self, peer_id: str, reason: str, *, state: str = GONE) -> bool:
+        """Take `peer_id` out of its slot (promoting the best backup) or out of the pool. True if anything changed."""
+        p = self.providers.get(peer_id)
+        if p is None or p.state in (GONE,) or (p.state == DRAINING and state == DRAINING):
+            return False
+        log.warning("provider %s %s: %s", peer_id, {DRAINING: "draining", BACKUP: "moved to the backup pool"}.get(
+            state, "failed"), reason)
+        p.state = state
+        p.gone_at = time.monotonic() if state == GONE else 0.0
+        for key, pid in list(self.slots.items()):
+            if pid == peer_id:
+                del self.slots[key]
+                self.epochs[key[0]] += 1
+                self._promote_into(key, peer_id)
+        if self.standby == peer_id:
+            self.standby = None
+        self._pick_standby()
+        self._rebuild()
+        return True
+
+    def _promote_into(self, key: tuple[int, int], failed: str) -> None:
+        ready = self._promotable()
+        if not ready:
+            log.warning("no backup to fill %s; the group shrinks", slot_name(*key))
+            return
+        b = ready[0]
+        self.slots[key] = b.peer_id
+        b.state = ACTIVE
+        self.promotions.append((time.time(), slot_name(*key), failed, b.peer_id))
+        log.info("promoted backup %s into %s (was %s)", b.peer_id, slot_name(*key), failed)
+
+    def _fill_free_slots(self) -> bool:
+        changed = False
+        while (key := self._free_slot(0)) is not None and self._promotable():
+            self._promote_into(key, "")
+            self.epochs[0] += 1
+            changed = True
+        return changed
+
+    def touch(self, peer_id: str) -> None:
+        p = self.providers.get(peer_id)
+        if p is not None:
+            p.last_contact = time.monotonic()
+
+    def _silent_s(self, p: Provider, now: float) -> tuple[float, bool]:
+        """Seconds since we last heard from `p`, and whether it said goodbye."""
+        last, left = p.last_contact, False
+        m = self.ctx.membership
+        e = m.peers.get(p.peer_id) if m is not None else None
+        if e is not None:
+            left = e.state == LEFT and e.left_at_unix >= p.admitted_unix
+            last = max(last, e.last_seen) if m.clock is time.monotonic else last
+        return now - last, left
+
+    def check_liveness(self) -> None:
+        now = time.monotonic()
+        changed = False
+        for p in list(self.providers.values()):
+            if p.peer_id == self.ctx.me or p.state == GONE:
+                continue
+            silent, left = self._silent_s(p, now)
+            if left:
+                changed |= self.mark_failed(p.peer_id, "left the swarm")
+            elif silent > self.config.fail_after_s:
+                changed |= self.mark_failed(p.peer_id, f"silent for {silent:.1f} s")
+            else:
+                suspect = silent > self.config.suspect_after_beats * self.config.heartbeat_s
+                if suspect != p.suspect:
+                    p.suspect = suspect
+                    log.info("provider %s %s", p.peer_id, "suspect" if suspect else "back")
+        old_standby = self.standby
+        filled = self._fill_free_slots()
+        self._pick_standby()
+        if filled or self.standby != old_standby:
+            self._rebuild()
+
+    # -- RPC -----------------------------------------------------------------------------------------------
+    async def _rpc_admit(self, caller: str, body: Any) -> Any:
+        return (await self.admit(caller, AdmitRequest.from_wire(body))).to_wire()
+
+    async def _rpc_table(self, caller: str, body: Any) -> Any:
+        self.touch(caller)
+        return {"table": self.table_env, "lease": self.lease_env}
+
+    async def _rpc_leave(self, caller: str, body: Any) -> Any:
+        """A graceful leave: the caller drains (finishes its step, serves its state) while a backup takes its slot."""
+        self.mark_failed(caller, "leaving", state=DRAINING)
+        return {"table": self.table_env}
+
+    async def _rpc_report_missing(self, caller: str, body: Any) -> Any:
+        rep = MissingReport.from_wire(body)
+        if rep.run_id != self.ctx.run_id or caller not in self.table.members(rep.stage):
+            return {"accepted": False}
+        if rep.epoch > self.epochs[rep.stage]:
+            return {"accepted": False, "epoch": self.epochs[rep.stage]}
+        members = self.table.members(rep.stage)
+        current = rep.epoch == self.epochs[rep.stage]
+        if current:  # offences count within one epoch; a silent peer is checked anyway
+            for pid in set(rep.offenders):
+                if pid in members and pid != caller:
+                    self._offence(rep.stage, rep.epoch, pid, caller)
+        missing = [pid for pid in set(rep.missing) if pid in members and pid != caller]
+        async with trio.open_nursery() as n:
+            for pid in missing:
+                n.start_soon(self._check_missing, pid, caller, rep.stage, rep.epoch)
+        return {"accepted": current, "epoch": self.epochs[rep.stage]}
+
+    def _offence(self, stage: int, epoch: int, offender: str, reporter: str) -> None:
+        """A member rejected `offender`'s update. Once most of the other members have, it leaves the group and is
+        banned (one report could be a lie; most of the group saw it)."""
+        for key in [k for k in self._offences if k[:2] != (stage, epoch)]:
+            del self._offences[key]  # reports count within one group epoch
+        reporters = self._offences.setdefault((stage, epoch, offender), set())
+        reporters.add(reporter)
+        others = len(self.table.members(stage)) - 1
+        if len(reporters) >= others // 2 + 1 and offender != self.ctx.me:
+            why = f"updates rejected by {len(reporters)} of the {others} other members"
+            if self.ctx.penalties is not None:
+                self.ctx.penalties.ban(offender, why)
+            self.mark_failed(offender, why)
+
+    async def _check_missing(self, peer_id: str, reporter: str, stage: int, epoch: int) -> None:
+        """Ping a member reported missing: a silent one is replaced; one that answers makes the broker re-form the
+        group (same members, next epoch), so every member stops skipping it at the same step."""
+        key = (stage, epoch, peer_id)
+        if key in self._checking:
+            return  # another member's report of the same miss is being checked
+        self._checking.add(key)
+        try:
+            if peer_id != self.ctx.me:
+                await call(self.ctx.sh, peer_id, "run.ping", {"run_id": self.ctx.run_id},
+                           timeout_s=self.config.ping_timeout_s)
+                self.touch(peer_id)
+        except RpcError as e:
+            self.mark_failed(peer_id, f"reported missing by {reporter[:16]}… and did not answer: {e}")
+            return
+        finally:
+            self._checking.discard(key)
+        if self.epochs[stage] != epoch:
+            return  # the group changed meanwhile: every member's skips are reset already
+        why = f"{peer_id[:16]}… missed a round (reported by {reporter[:16]}…) but answers"
+        p = self.providers.get(peer_id)
+        if p is not None and self._straggler(p) and self._promotable():
+            p.hold_until = time.monotonic() + self.config.demote_hold_s
+            self.mark_failed(peer_id, f"{why}: {len(p.misses)} times in {self.config.straggler_window_s:.0f} s",
+                             state=BACKUP)
+        else:
+            self.reform(stage, why)
+
+    def _straggler(self, p: Provider) -> bool:
+        """Count one more missed round; True once it has missed `straggler_misses` within the window."""
+        now = time.monotonic()
+        p.misses = [t for t in p.misses if now - t <= self.config.straggler_window_s] + [now]
+        return len(p.misses) >= self.config.straggler_misses
+
+    def reform(self, stage: int, reason: str) -> None:
+        """The same members under the next epoch, from a step every member can still reach."""
+        self.epochs[stage] += 1
+        self.reforms += 1
+        log.info("re-forming the group of stage %d (epoch %d): %s", stage, self.epochs[stage], reason)
+        self._rebuild()
+
+    # -- tasks ---------------------------------------------------------------------------------------------
+    def stand_down(self, reason: str) -> None:
+        if not self.deposed:
+            log.warning("broker standing down: %s", reason)
+        self.deposed = True
+
+    async def _put_dht(self, key: str, value: bytes) -> None:
+        try:
+            with trio.move_on_after(self.config.dht_timeout_s):
+                await self.ctx.sh.dht.put_value(key, value)
+        except Exception as e:  # noqa: BLE001 - the DHT copy is a fallback; gossip and RPC carry it too
+            log.info("dht put %s failed: %s", key, e)
+
+    async def _lease_loop(self) -> None:
+        while not self.deposed:
+            now = time.time()
+            lease = BrokerLease(peer_id=self.ctx.me, run_id=self.ctx.run_id, lease_epoch=self.lease_epoch, time=now,
+                                expires_at=now + self.config.lease_timeout_s)
+            self.lease_env = seal(lease, self.ctx.sh.key)
+            await self.ctx.publish(self.lease_env)
+            await self._put_dht(lease_key(self.ctx.me), self.lease_env)
+            await trio.sleep(self.config.lease_renew_s)
+
+    async def _publish_loop(self) -> None:
+        while not self.deposed:
+            self._dirty = trio.Event()
+            env = self.table_env
+            await self.ctx.publish(env)
+            await self._put_dht(table_key(self.ctx.me), env)
+            with trio.move_on_after(self.config.republish_s):
+                await self._dirty.wait()
+
+    async def _liveness_loop(self) -> None:
+        while not self.deposed:
+            await trio.sleep(self.config.heartbeat_s)
+            self.check_liveness()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.ctx.register("run.admit", self._rpc_admit)
+        self.ctx.register("run.table", self._rpc_table)
+        self.ctx.register("run.leave", self._rpc_leave)
+        self.ctx.register("run.report_missing", self._rpc_report_missing)
+        async with trio.open_nursery() as n:
+            n.start_soon(self._lease_loop)
+            n.start_soon(self._publish_loop)
+            n.start_soon(self._liveness_loop)
+            log.info("broker for run %s (lease epoch %d)", self.ctx.run_id[:16], self.lease_epoch)
+            task_status.started(self)

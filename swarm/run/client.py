@@ -1,0 +1,328 @@
+"""Every node's view of its run: asks for admission, follows the signed table, takes over as broker when standby."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from shoal.protocol.assignment import (
+    BACKUP, GONE, RUN_RECORD_TYPES, AdmitRequest, AdmitResponse, AssignmentTable, BrokerLease,
+    MissingReport, slot_name)
+from shoal.protocol.envelope import Signed, open_envelope
+from shoal.protocol.errors import ProtocolError
+from shoal.protocol.records import HardwareProfile
+from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig, RunContext
+from shoal.swarm.net.dht_records import lease_key, table_key
+from shoal.swarm.run.group import Group
+from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.rpc import RpcError, call
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunClientConfig:
+    poll_s: float = 3.0  # how often the broker is asked for the table (gossip is the fast path; this also beats)
+    rpc_timeout_s: float = 5.0
+    admit_attempts: int = 5
+    retry_s: float = 1.0
+    broker: BrokerConfig = field(default_factory=BrokerConfig)  # used when this node becomes the broker
+
+    def __post_init__(self) -> None:
+        if min(self.poll_s, self.rpc_timeout_s, self.retry_s) <= 0 or self.admit_attempts < 1:
+            raise ValueError("positive intervals and at least one admission attempt are required")
+
+
+async def fetch_table(sh: SwarmHost, peer_id: str, run_id: str, *, timeout_s: float = 5.0) -> Signed:
+    """Ask any peer for the latest table it knows of `run_id` (how a joining node finds the broker)."""
+    ans = await call(sh, peer_id, "run.table", {"run_id": run_id}, timeout_s=timeout_s)
+    if not isinstance(ans, dict) or not isinstance(ans.get("table"), bytes):
+        raise RpcError(f"{peer_id[:16]}… knows no table for this run")
+    try:
+        signed = open_envelope(ans["table"], RUN_RECORD_TYPES)
+    except ProtocolError as e:
+        raise RpcError(f"{peer_id[:16]}… sent a bad table: {e}") from e
+    if not isinstance(signed.record, AssignmentTable) or signed.record.run_id != run_id:
+        raise RpcError(f"{peer_id[:16]}… sent a table of another run")
+    return signed
+
+
+class RunClient:
+    """Start with `await nursery.start(client.run)`; it returns once admitted (raises AdmissionError if refused).
+
+    `broker_id`: the broker to ask (this node's own id on the node that started the run with `local_broker`).
+    Change notification: `await client.wait_changed()`, or `client.on_change.append(callback(table))`.
+    """
+
+    def __init__(self, ctx: RunContext, hardware: HardwareProfile, *, broker_id: str, secret: str | None = None,
+                 config: RunClientConfig = RunClientConfig(), local_broker: Broker | None = None,
+                 backup_only: bool = False):
+        self.ctx = ctx
+        self.hardware = hardware
+        self.secret = secret
+        self.config = config
+        self.backup_only = backup_only
+        self.local_broker = local_broker
+        self._expected_broker = broker_id
+        self.table: AssignmentTable | None = None
+        self.table_env: bytes = b""
+        self.admitted = False
+        self.broker_alive_at = time.monotonic()  # the last evidence that the table's broker renews its lease
+        self.on_change: list[Callable[[AssignmentTable], None]] = []
+        self.takeovers: list[float] = []  # unix times this node became the broker
+        self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        if local_broker is not None:
+            local_broker.on_change.append(lambda t, env: self._accept(t, env, t.peer_id))
+
+    # -- what the trainer asks ------------------------------------------------------------------------------
+    @property
+    def me(self) -> str:
+        return self.ctx.me
+
+    @property
+    def broker_id(self) -> str:
+        return self.table.peer_id if self.table else self._expected_broker
+
+    def is_broker(self) -> bool:
+        return self.local_broker is not None and not self.local_broker.deposed
+
+    def slot(self) -> tuple[int, int] | None:
+        return self.table.slot_of(self.me) if self.table else None
+
+    def slot_name(self) -> str | None:
+        s = self.slot()
+        return slot_name(*s) if s else None
+
+    def provider_state(self) -> str | None:
+        return self.table.provider_state(self.me) if self.table else None
+
+    def role(self) -> str:
+        """The StatusRecord role: active (holds a slot), backup, broker (no slot), or idle."""
+        if self.slot() is not None:
+            return "active"
+        if self.provider_state() == BACKUP:
+            return "backup"
+        return "broker" if self.is_broker() else "idle"
+
+    def epoch(self, stage: int = 0) -> int:
+        return self.table.epochs[stage] if self.table else 0
+
+    def group(self) -> Group | None:
+        """This node's data-parallel group for the next round, or None when it holds no slot."""
+        s = self.slot()
+        if s is None:
+            return None
+        t = self.table
+        return Group(run_id=t.run_id, stage=s[0], epoch=t.epochs[s[0]], members=t.members(s[0]), me=self.me)
+
+    async def wait_changed(self) -> AssignmentTable:
+        await self._changed.wait()
+        return self.table
+
+    # -- tables ----------------------------------------------------------------------------------------------
+    def _trusted_signer(self, t: AssignmentTable) -> bool:
+        cur = self.table
+        if cur is None:
+            return t.peer_id == self._expected_broker
+        if t.peer_id == cur.peer_id:
+            return t.lease_epoch >= cur.lease_epoch
+        return t.peer_id == cur.standby and t.lease_epoch > cur.lease_epoch
+
+    def _accept(self, t: AssignmentTable, env: bytes, source: str) -> bool:
+        if t.run_id != self.ctx.run_id or not t.newer_than(self.table) or not self._trusted_signer(t):
+            return False
+        new_broker = self.table is not None and t.peer_id != self.table.peer_id
+        self.table, self.table_env = t, env
+        if new_broker or t.peer_id == source:
+            self.broker_alive_at = time.monotonic()
+        if new_broker:
+            log.warning("run %s: broker is now %s (lease epoch %d)", t.run_id[:16], t.peer_id, t.lease_epoch)
+        if self.local_broker is not None and t.peer_id != self.me and t.lease_epoch > self.local_broker.lease_epoch:
+            self.local_broker.stand_down(f"{t.peer_id} holds lease epoch {t.lease_epoch}")
+        self._changed.set()
+        self._changed = trio.Event()
+        for cb in list(self.on_change):
+            try:
+                cb(t)
+            except Exception as e:  # noqa: BLE001
+                log.warning("run listener failed: %s: %s", type(e).__name__, e)
+        return True
+
+    def accept_envelope(self, env: bytes, source: str) -> bool:
+        try:
+            signed = open_envelope(env, RUN_RECORD_TYPES)
+        except ProtocolError as e:
+            log.info("bad run record from %s: %s", source, e)
+            return False
+        if isinstance(signed.record, AssignmentTable):
+            return self._accept(signed.record, signed.raw, source)  # True only if it became the current table
+        return self.on_record(signed, source=source)
+
+    def on_record(self, signed: Signed, source: str | None = None) -> bool:
+        """Feed a verified gossip record (the daemon calls this for every record); True if it was a run record."""
+        rec = signed.record
+        if isinstance(rec, AssignmentTable):
+            self._accept(rec, signed.raw, source or rec.peer_id)
+            return True
+        if isinstance(rec, BrokerLease):
+            if self.table is not None and rec.run_id == self.ctx.run_id and rec.peer_id == self.table.peer_id \
+                    and rec.lease_epoch >= self.table.lease_epoch:
+                self.broker_alive_at = time.monotonic()
+            return True
+        return False
+
+    # -- requests to the broker ---------------------------------------------------------------------------
+    async def _ask(self, method: str, body: Any) -> Any:
+        b = self.local_broker
+        if self.broker_id == self.me and b is not None:
+            handler = {"run.admit": b._rpc_admit, "run.leave": b._rpc_leave,
+                       "run.report_missing": b._rpc_report_missing}[method]
+            return await handler(self.me, body)
+        return await call(self.ctx.sh, self.broker_id, method, body, timeout_s=self.config.rpc_timeout_s)
+
+    async def admit(self) -> AdmitResponse:
+        """Ask the broker for a place; raise AdmissionError if refused, RpcError if it could not be reached."""
+        req = AdmitRequest(run_id=self.ctx.run_id, hardware=self.hardware, secret=self.secret,
+                           backup_only=self.backup_only)
+        try:
+            resp = AdmitResponse.from_wire(await self._ask("run.admit", req.to_wire()))
+        except ProtocolError as e:
+            raise RpcError(f"bad admission answer: {e}") from e
+        if not resp.admitted:
+            raise AdmissionError(resp.error or "refused")
+        if resp.table is not None:
+            self.accept_envelope(resp.table, self.broker_id)
+        self.admitted = True
+        log.info("admitted to run %s as %s", self.ctx.run_id[:16], resp.slot or resp.state)
+        return resp
+
+    async def report_missing(self, missing: list[str], *, epoch: int, stage: int = 0,
+                             offenders: list[str] = ()) -> bool:
+        """Tell the broker that `missing` members missed a round's deadline (it checks them: a silent one is
+        replaced, one that answers makes it re-form the group) or that `offenders` sent updates we rejected
+        (evicted once most members say so)."""
+        rep = MissingReport(run_id=self.ctx.run_id, stage=stage, epoch=epoch, missing=tuple(missing),
+                            offenders=tuple(offenders))
+        try:
+            ans = await self._ask("run.report_missing", rep.to_wire())
+        except RpcError as e:
+            log.info("report_missing failed: %s", e)
+            return False
+        return isinstance(ans, dict) and ans.get("accepted") is True
+
+    async def leave(self) -> None:
+        """Graceful leave: the broker marks this node draining and moves a backup into its slot."""
+        try:
+            ans = await self._ask("run.leave", None)
+            if isinstance(ans, dict) and isinstance(ans.get("table"), bytes):
+                self.accept_envelope(ans["table"], self.broker_id)
+        except RpcError as e:
+            log.info("leave not acknowledged: %s", e)
+
+    # -- following -----------------------------------------------------------------------------------------
+    async def _poll(self, peer_id: str) -> bool:
+        try:
+            ans = await call(self.ctx.sh, peer_id, "run.table", {"run_id": self.ctx.run_id},
+                             timeout_s=self.config.rpc_timeout_s)
+        except RpcError as e:
+            log.debug("table poll of %s failed: %s", peer_id, e)
+            return False
+        if not isinstance(ans, dict):
+            return False
+        if isinstance(ans.get("table"), bytes):
+            self.accept_envelope(ans["table"], peer_id)
+        if isinstance(ans.get("lease"), bytes):
+            self.accept_envelope(ans["lease"], peer_id)
+        if self.table is not None and peer_id == self.table.peer_id:
+            self.broker_alive_at = time.monotonic()
+        return True
+
+    async def _dht_lease_alive(self, broker: str) -> bool:
+        """A last look before taking over: is there a fresh lease of `broker` in the DHT?"""
+        try:
+            with trio.move_on_after(self.config.broker.dht_timeout_s):
+                raw = await self.ctx.sh.dht.get_value(lease_key(broker))
+                if raw:
+                    lease = open_envelope(raw, RUN_RECORD_TYPES).record
+                    return (isinstance(lease, BrokerLease) and lease.peer_id == broker
+                            and lease.lease_epoch >= self.table.lease_epoch and lease.expires_at > time.time())
+        except Exception as e:  # noqa: BLE001
+            log.debug("dht lease lookup failed: %s", e)
+        return False
+
+    async def _dht_table(self, broker: str) -> None:
+        try:
+            with trio.move_on_after(self.config.broker.dht_timeout_s):
+                raw = await self.ctx.sh.dht.get_value(table_key(broker))
+                if raw:
+                    self.accept_envelope(raw, broker)
+        except Exception as e:  # noqa: BLE001
+            log.debug("dht table lookup failed: %s", e)
+
+    async def take_over(self) -> None:
+        """Become the broker from the last table we hold (we are its standby and the lease has expired)."""
+        assert self.table is not None and self._nursery is not None
+        old = self.table.peer_id
+        b = Broker.from_table(self.ctx, self.config.broker, self.table)
+        self.local_broker = b
+        b.on_change.append(lambda t, env: self._accept(t, env, t.peer_id))
+        await self._nursery.start(b.run)
+        self._accept(b.table, b.table_env, self.me)
+        self.takeovers.append(time.time())
+        log.warning("took over run %s from %s (lease epoch %d)", self.ctx.run_id[:16], old, b.lease_epoch)
+
+    async def _follow_once(self) -> None:
+        t = self.table
+        if t is None or self.is_broker():
+            return
+        if await self._poll(t.peer_id):
+            pass
+        elif t.standby and t.standby != self.me and not await self._poll(t.standby):  # it may have taken over
+            await self._dht_table(t.standby)  # or we cannot reach it directly: its table may be in the DHT
+        t = self.table
+        if t.peer_id != self.me and t.standby == self.me:
+            silent = time.monotonic() - self.broker_alive_at
+            if silent > self.config.broker.lease_timeout_s:
+                if await self._dht_lease_alive(t.peer_id):
+                    self.broker_alive_at = time.monotonic()
+                else:
+                    await self.take_over()
+                    return
+        if self.admitted and self.provider_state() in (None, GONE) and not self.is_broker():
+            log.warning("the table no longer lists this node as a provider; asking for admission again")
+            try:
+                await self.admit()
+            except (RpcError, AdmissionError) as e:
+                log.info("re-admission failed: %s", e)
+
+    async def _rpc_ping(self, caller: str, body: Any) -> Any:
+        return {"ok": True}
+
+    async def _rpc_table(self, caller: str, body: Any) -> Any:
+        return {"table": self.table_env or None}
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.ctx.register("run.ping", self._rpc_ping)
+        if not self.is_broker():
+            self.ctx.register("run.table", self._rpc_table)
+        async with trio.open_nursery() as n:
+            self._nursery = n
+            for attempt in range(self.config.admit_attempts):
+                try:
+                    await self.admit()
+                    break
+                except RpcError as e:
+                    if attempt + 1 == self.config.admit_attempts:
+                        raise
+                    log.info("admission attempt %d failed: %s", attempt + 1, e)
+                    await trio.sleep(self.config.retry_s)
+            task_status.started(self)
+            while True:
+                await trio.sleep(self.config.poll_s)
+                await self._follow_once()

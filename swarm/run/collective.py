@@ -1,0 +1,199 @@
+"""Tagged point-to-point exchange for data-parallel rounds: one stream per message, bounded inbox, deadline-bound waits."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+
+import trio
+
+from shoal.protocol.errors import DecodeError, ProtocolError
+from shoal.protocol.wire import expect_map, get_field, pack, unpack
+from shoal.swarm.net.framing import StreamClosed, close_quietly, read_frame, write_frame
+from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.penalty import Penalties
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_PROTOCOL = "/shoal/coll/1.0.0"
+MAX_HEADER_BYTES = 1024
+MAX_TAG_CHARS = 200
+
+
+class Collective:
+    """`exchange(tag, sends, expect, timeout_s)`: send bytes to peers, collect what peers sent under the same tag.
+
+    Messages that arrive before the local `exchange` for their tag starts wait in a bounded inbox (per-peer and
+    total byte caps; the oldest tags are evicted first). Tags already finished are remembered briefly, and late
+    messages for them are dropped. Malformed messages penalize their sender and never reach the caller.
+    """
+
+    def __init__(
+        self,
+        sh: SwarmHost,
+        penalties: Penalties,
+        *,
+        max_frame_bytes: int = 64 * 1024 * 1024,
+        max_peer_buffer_bytes: int = 256 * 1024 * 1024,
+        max_buffer_bytes: int = 512 * 1024 * 1024,
+        read_timeout_s: float = 60.0,
+        send_timeout_s: float = 60.0,
+        open_timeout_s: float = 3.0,
+    ):
+        self.sh = sh
+        self.me = sh.peer_id
+        self.penalties = penalties
+        self.max_frame_bytes = max_frame_bytes
+        self.max_peer_buffer_bytes = max_peer_buffer_bytes
+        self.max_buffer_bytes = max_buffer_bytes
+        self.read_timeout_s = read_timeout_s
+        self.send_timeout_s = send_timeout_s
+        self.open_timeout_s = open_timeout_s  # opening a stream takes milliseconds unless the peer is gone
+        self.bytes_sent = 0  # wire bytes of messages written completely (length prefixes and headers included)
+        self.bytes_recv = 0  # wire bytes of messages accepted into the inbox
+        self.messages_sent = 0
+        self.messages_recv = 0
+        self._inbox: OrderedDict[str, dict[str, bytes]] = OrderedDict()
+        self._peer_bytes: dict[str, int] = {}
+        self._total_bytes = 0
+        self._done: deque[str] = deque(maxlen=4096)
+        self._done_set: set[str] = set()
+        self._changed = trio.Event()
+        sh.set_handler(COLLECTIVE_PROTOCOL, self._serve)
+
+    # -- receiving ----------------------------------------------------------------------------------
+
+    async def _serve(self, stream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
+        if self.penalties.is_banned(peer):
+            await stream.reset()
+            return
+        try:
+            with trio.fail_after(self.read_timeout_s):
+                raw = await read_frame(stream, MAX_HEADER_BYTES)
+                header = expect_map(unpack(raw, max_bytes=MAX_HEADER_BYTES), "collective header")
+                tag = get_field(header, "tag", str)
+                n = get_field(header, "n", int)
+                if not tag or len(tag) > MAX_TAG_CHARS:
+                    raise DecodeError("tag must be 1..200 characters")
+                if not 0 < n <= self.max_frame_bytes:
+                    raise DecodeError(f"announced payload of {n} bytes is outside 1..{self.max_frame_bytes}")
+                payload = await read_frame(stream, n)
+                if len(payload) != n:
+                    raise DecodeError(f"payload of {len(payload)} bytes, header announced {n}")
+        except (ProtocolError, trio.TooSlowError) as e:
+            self.penalties.penalize(peer, f"collective: {type(e).__name__}: {e}")
+            await _reset(stream)
+            return
+        except StreamClosed as e:
+            log.debug("collective stream from %s closed early: %s", peer, e)
+            return
+        await close_quietly(stream)
+        self._deliver(tag, peer, payload, wire=4 + len(raw) + 4 + n)
+
+    def _deliver(self, tag: str, peer: str, payload: bytes, wire: int) -> None:
+        if tag in self._done_set:
+            log.debug("late message for finished %s from %s dropped", tag, peer)
+            return
+        box = self._inbox.setdefault(tag, {})
+        if peer in box:
+            self.penalties.penalize(peer, f"collective: second message for tag {tag}")
+            return
+        if self._peer_bytes.get(peer, 0) + len(payload) > self.max_peer_buffer_bytes:
+            self.penalties.penalize(peer, "collective: per-peer buffer cap exceeded")
+            if not box:
+                del self._inbox[tag]
+            return
+        box[peer] = payload
+        self._peer_bytes[peer] = self._peer_bytes.get(peer, 0) + len(payload)
+        self._total_bytes += len(payload)
+        self.bytes_recv += wire
+        self.messages_recv += 1
+        self._evict(keep=tag)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake whoever waits for the inbox or the sends to change."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _evict(self, keep: str) -> None:
+        while self._total_bytes > self.max_buffer_bytes and len(self._inbox) > 1:
+            oldest = next(t for t in self._inbox if t != keep)
+            log.warning("collective inbox over %d bytes: dropping tag %s", self.max_buffer_bytes, oldest)
+            self._drop(oldest)
+
+    def _drop(self, tag: str) -> dict[str, bytes]:
+        box = self._inbox.pop(tag, {})
+        for peer, payload in box.items():
+            self._peer_bytes[peer] -= len(payload)
+            self._total_bytes -= len(payload)
+        return box
+
+    def _finish(self, tag: str) -> None:
+        if len(self._done) == self._done.maxlen:
+            self._done_set.discard(self._done[0])
+        self._done.append(tag)
+        self._done_set.add(tag)
+
+    # -- sending ------------------------------------------------------------------------------------
+
+    async def _send(self, peer: str, tag: str, payload: bytes, sent: set[str], failed: set[str]) -> None:
+        header = pack({"tag": tag, "n": len(payload)})
+        try:
+            with trio.fail_after(self.send_timeout_s):
+                with trio.fail_after(self.open_timeout_s):  # a dead peer's stale connection hangs here
+                    stream = await self.sh.open_stream(peer, COLLECTIVE_PROTOCOL)
+                try:
+                    await write_frame(stream, header)
+                    await write_frame(stream, payload)
+                finally:
+                    await close_quietly(stream)
+        except (Exception, trio.TooSlowError) as e:  # a peer's failure is data: the round goes on without it
+            log.info("collective send %s to %s failed: %s: %s", tag, peer, type(e).__name__, e)
+            failed.add(peer)  # unreachable (a killed process's connections are reset): not waited for either
+            self._wake()
+            return
+        self.bytes_sent += 4 + len(header) + 4 + len(payload)
+        self.messages_sent += 1
+        sent.add(peer)
+
+    async def exchange(
+        self, tag: str, sends: dict[str, bytes], expect: set[str], timeout_s: float
+    ) -> dict[str, bytes]:
+        """Send `sends[p]` to each p and return {peer: payload} for the peers of `expect` heard by the deadline.
+
+        Returns as soon as every expected message has arrived and every send finished (or the deadline passed);
+        missing peers are simply absent. A peer our own send failed to reach is not waited for (a killed process
+        costs a failed dial, not a deadline). A message to self is handed over without the network.
+        """
+        if not tag or len(tag) > MAX_TAG_CHARS:
+            raise ValueError("tag must be 1..200 characters")
+        for p, b in sends.items():
+            if not 0 < len(b) <= self.max_frame_bytes:
+                raise ValueError(f"message of {len(b)} bytes for {p} is outside 1..{self.max_frame_bytes}")
+        others = expect - {self.me}
+        sent: set[str] = set()
+        failed: set[str] = set()
+        box: dict[str, bytes] = {}
+        try:
+            with trio.move_on_after(timeout_s):
+                async with trio.open_nursery() as nursery:
+                    for p, b in sends.items():
+                        if p != self.me:
+                            nursery.start_soon(self._send, p, tag, b, sent, failed)
+                    while not others - failed <= self._inbox.get(tag, {}).keys():
+                        await self._changed.wait()
+        finally:
+            box = self._drop(tag)
+            self._finish(tag)
+        if self.me in sends:
+            box[self.me] = sends[self.me]  # short-circuited: never counted as network bytes
+        return {p: b for p, b in box.items() if p in expect}
+
+
+async def _reset(stream) -> None:
+    try:
+        await stream.reset()
+    except Exception:  # noqa: BLE001
+        pass
