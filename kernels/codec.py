@@ -13,13 +13,19 @@ from shoal.kernels.fastpath import dequantize_bucketed, quantize_bucketed
 from shoal.kernels.fp4 import dequantize_e3m0, quantize_e3m0
 from shoal.kernels.quant import Bucketed, NonFiniteError, check_bits
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's own name of a dtype ("float32"): the names the wire uses (protocol.dtypes holds the table)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire name (callers take names only from validated headers)."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +111,9 @@ class Codec:
         return 8 * self.payload_nbytes(numel) / max(numel, 1)
 
     def _header(self, x: torch.Tensor, payload: torch.Tensor, *, bits: int, bucket: int = 0) -> Encoded:
-        if x.dtype not in DTYPE_NAMES:
+        if not x.dtype.is_floating_point or x.element_size() < 2:  # the frames' float types
             raise TypeError(f"unsupported dtype {x.dtype}")
-        return Encoded(self.name, DTYPE_NAMES[x.dtype], tuple(x.shape), bits, bucket, 0, payload)
+        return Encoded(self.name, dtype_name(x.dtype), tuple(x.shape), bits, bucket, 0, payload)
 
 
 class NoCompression(Codec):
@@ -119,7 +125,7 @@ class NoCompression(Codec):
         return self._header(x, as_bytes(x), bits=8 * x.element_size())
 
     def decode(self, e: Encoded) -> torch.Tensor:
-        dt = DTYPES[e.dtype]
+        dt = torch_dtype(e.dtype)
         split(e.payload, [e.numel * dt.itemsize])
         return view_as(e.payload, dt).reshape(e.shape)
 
@@ -142,7 +148,7 @@ class CastCodec(Codec):
 
     def decode(self, e: Encoded) -> torch.Tensor:
         split(e.payload, [2 * e.numel])
-        return view_as(e.payload, self.wire).to(DTYPES[e.dtype]).reshape(e.shape)
+        return view_as(e.payload, self.wire).to(torch_dtype(e.dtype)).reshape(e.shape)
 
     def payload_nbytes(self, numel: int, itemsize: int = 4) -> int:
         return 2 * numel
@@ -165,7 +171,7 @@ class QuantCodec(Codec):
     def decode(self, e: Encoded) -> torch.Tensor:
         codes, scales = split(e.payload, qb_sizes(e.numel, e.bits, e.bucket))
         q = Bucketed(e.numel, e.bits, e.bucket, codes, view_as(scales, torch.float16))
-        return dequantize_bucketed(q).to(DTYPES[e.dtype]).reshape(e.shape)
+        return dequantize_bucketed(q).to(torch_dtype(e.dtype)).reshape(e.shape)
 
     def payload_nbytes(self, numel: int, itemsize: int = 4) -> int:
         return sum(qb_sizes(numel, self.bits, self.bucket))
@@ -190,7 +196,7 @@ class E3M0Codec(QuantCodec):
     def decode(self, e: Encoded) -> torch.Tensor:
         codes, scales = split(e.payload, qb_sizes(e.numel, 4, e.bucket))
         q = Bucketed(e.numel, 4, e.bucket, codes, view_as(scales, torch.float16))
-        return dequantize_e3m0(q).to(DTYPES[e.dtype]).reshape(e.shape)
+        return dequantize_e3m0(q).to(torch_dtype(e.dtype)).reshape(e.shape)
 
 
 def codec_for(e: Encoded) -> Codec:

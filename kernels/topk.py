@@ -7,7 +7,7 @@ import math
 import torch
 
 from shoal.kernels.bitpack import pack_bits, packed_nbytes, unpack_bits
-from shoal.kernels.codec import DTYPE_NAMES, Encoded, as_bytes, split, view_as
+from shoal.kernels.codec import Encoded, as_bytes, dtype_name, split, view_as
 from shoal.kernels.fastpath import dequantize_bucketed, quantize_bucketed
 from shoal.kernels.quant import Bucketed, NonFiniteError, check_bits
 
@@ -51,7 +51,7 @@ def encode_topk(delta: torch.Tensor, ratio: float, bits: int = 4, bucket: int = 
     values = x[sel]  # selected values in ascending index order: what the bitmap tells the receiver
     q = quantize_bucketed(values, bits, bucket)
     payload = torch.cat([pack_bits(sel.view(torch.uint8), 1), q.codes, as_bytes(q.scales)])
-    return Encoded("topk", DTYPE_NAMES[delta.dtype], (n,), bits, bucket, k, payload)
+    return Encoded("topk", dtype_name(delta.dtype), (n,), bits, bucket, k, payload)
 
 
 def decode_topk_parts(e: Encoded) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from shoal.node.cli import shoal_version
+from shoal.node.version import shoal_version
 from shoal.protocol import PROTOCOL_VERSION
 from shoal.protocol.envelope import Signed, seal
 from shoal.protocol.records import Announcement, HardwareProfile, LeaveNotice, StatusRecord
@@ -25,7 +25,8 @@ from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.rpc import RpcError, RpcServer, call
 
 if TYPE_CHECKING:
-    from shoal.node.run.runtime import RunConfig, RunRuntime
+    from shoal.node.run.config import RunConfig
+    from shoal.node.run.runtime import RunRuntime
 
 log = logging.getLogger(__name__)
 

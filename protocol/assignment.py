@@ -75,6 +75,8 @@ class AssignmentTable(WireRecord):
     standby: str | None = spec(Optional(PEER_ID), default=None)
     slots: tuple[SlotEntry, ...] = spec(Seq(Nested(SlotEntry), MAX_REPLICAS), default=())
     backups: tuple[str, ...] = spec(Seq(PEER_ID, MAX_PROVIDERS), default=())  # best first
+    # backup_stages[i]: the stage backups[i] keeps warm (and would fill); empty: every backup keeps stage 0
+    backup_stages: tuple[int, ...] = spec(Seq(Int(0, MAX_STAGES - 1), MAX_PROVIDERS), default=())
     providers: tuple[ProviderEntry, ...] = spec(Seq(Nested(ProviderEntry), MAX_PROVIDERS), default=())
     # switch_steps[s]: the first training step at which stage s's group in this table takes effect; every
     # member changes its group at that same round boundary (empty: from step 0)
@@ -98,6 +100,10 @@ class AssignmentTable(WireRecord):
             if b in seen_peers:
                 raise FieldError(f"backups[{i}]", "peer is both a backup and in a slot (or listed twice)")
             seen_peers.add(b)
+        if self.backup_stages and len(self.backup_stages) != len(self.backups):
+            raise FieldError("backup_stages", f"expected one stage per backup ({len(self.backups)})")
+        if any(s >= self.stages for s in self.backup_stages):
+            raise FieldError("backup_stages", f"a stage outside the plan's {self.stages}")
         if self.standby is not None and self.standby == self.peer_id:
             raise FieldError("standby", "the broker cannot be its own standby")
         if len({p.peer_id for p in self.providers}) != len(self.providers):
@@ -110,10 +116,17 @@ class AssignmentTable(WireRecord):
                 return s.stage, s.replica
         return None
 
-    def members(self, stage: int = 0) -> tuple[str, ...]:
+    def members(self, stage: int) -> tuple[str, ...]:
         return tuple(sorted(s.peer_id for s in self.slots if s.stage == stage))
 
-    def switch_step(self, stage: int = 0) -> int:
+    def backup_stage(self, peer_id: str) -> int | None:
+        """The stage `peer_id` keeps warm as a backup, or None when it is not a backup."""
+        for i, b in enumerate(self.backups):
+            if b == peer_id:
+                return self.backup_stages[i] if self.backup_stages else 0
+        return None
+
+    def switch_step(self, stage: int) -> int:
         return self.switch_steps[stage] if self.switch_steps else 0
 
     def provider_state(self, peer_id: str) -> str | None:

@@ -6,8 +6,10 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from shoal.protocol.dtypes import FLOAT_DTYPES, ITEMSIZE
 from shoal.protocol.errors import DecodeError, FieldError, TooLargeError
-from shoal.protocol.wire import check_choice, check_int, expect_map, get_field, pack, unpack
+from shoal.protocol.schema import Choice, Int
+from shoal.protocol.wire import expect_map, get_field, pack, unpack
 
 MAGIC = b"SHTF"
 VERSION = 1
@@ -17,7 +19,6 @@ MAX_NDIM = 8
 MAX_NUMEL = 1 << 32
 MAX_PAYLOAD_BYTES = 1 << 32
 
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 CODECS = ("none", "fp16", "bf16", "qb", "e3m0", "topk")
 QUANT_BITS = (2, 3, 4, 8)
 _PREFIX = struct.Struct(">4sI")
@@ -60,29 +61,29 @@ class TensorHeader:
         return n
 
     def validate(self, *, max_numel: int = MAX_NUMEL, max_payload: int = MAX_PAYLOAD_BYTES) -> None:
-        check_choice("codec", self.codec, CODECS)
-        check_choice("dtype", self.dtype, tuple(ITEMSIZE))
+        Choice(frozenset(CODECS)).check("codec", self.codec)
+        Choice(frozenset(FLOAT_DTYPES)).check("dtype", self.dtype)
         if not isinstance(self.shape, tuple) or len(self.shape) > MAX_NDIM:
             raise FieldError("shape", f"at most {MAX_NDIM} dimensions")
         n = 1
         for d in self.shape:
-            check_int("shape", d, 0, 1 << 62)
+            Int(0, 1 << 62).check("shape", d)
             n *= d
             if n > max_numel:
                 raise TooLargeError(f"shape {self.shape} has more than {max_numel} elements")
         want_bits = {"none": (8 * ITEMSIZE[self.dtype],), "fp16": (16,), "bf16": (16,), "e3m0": (4,)}
-        check_int("bits", self.bits, 1, 64)
+        Int(1, 64).check("bits", self.bits)
         if self.bits not in want_bits.get(self.codec, QUANT_BITS):
             raise FieldError("bits", f"{self.bits} not valid for codec {self.codec!r}")
         quantized = self.codec in ("qb", "e3m0", "topk")
-        check_int("bucket", self.bucket, 1 if quantized else 0, (1 << 20) if quantized else 0)
+        Int(1 if quantized else 0, (1 << 20) if quantized else 0).check("bucket", self.bucket)
         if self.codec == "topk":
             if len(self.shape) != 1:
                 raise FieldError("shape", "top-k frames are 1-D")
-            check_int("count", self.count, 0, n)
+            Int(0, n).check("count", self.count)
         else:
-            check_int("count", self.count, 0, 0)
-        check_int("crc32", self.crc32, 0, 0xFFFFFFFF)
+            Int(0, 0).check("count", self.count)
+        Int(0, 0xFFFFFFFF).check("crc32", self.crc32)
         want = expected_payload_nbytes(self.codec, self.dtype, n, self.bits, self.bucket, self.count)
         if want > max_payload:
             raise TooLargeError(f"payload of {want} bytes exceeds the limit of {max_payload}")

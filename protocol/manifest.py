@@ -7,14 +7,15 @@ import hashlib
 import hmac
 import os
 import tomllib
-from dataclasses import dataclass, field
-from typing import Any, Self
+from dataclasses import dataclass
+from typing import Any
 
 import tomli_w
 
 from shoal.protocol.errors import DecodeError, FieldError, SignatureError
 from shoal.protocol.signing import peer_id_from_public_key, public_key_bytes, public_key_from_peer_id, sign, verify
-from shoal.protocol.wire import check_bytes, check_choice, check_float, check_int, check_str, pack, unpack
+from shoal.protocol.schema import Bool, Bytes, Choice, Float, Int, Nested, Seq, Str, WireRecord, spec
+from shoal.protocol.wire import pack, unpack
 
 MANIFEST_VERSION = 1
 #: signatures cover this prefix + the canonical encoding, so a manifest signature is never valid for another record
@@ -34,274 +35,184 @@ JOIN_MODES = ("open", "secret", "allowlist")
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 1
 
 
-class _Record:
-    """Mixin: plain-dict conversion (canonical field order, nested records), unknown keys ignored on read."""
-
-    __slots__ = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = v.to_dict() if isinstance(v, _Record) else list(v) if isinstance(v, tuple) else v
-        return out
-
-    @classmethod
-    def from_dict(cls, m: Any, path: str = "") -> Self:
-        if not isinstance(m, dict):
-            raise FieldError(path.rstrip(".") or cls.__name__, f"expected a table, got {type(m).__name__}")
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in m:
-                continue
-            nested = f.metadata.get("nested")
-            kwargs[f.name] = nested.from_dict(m[f.name], f"{path}{f.name}.") if nested else m[f.name]
-        try:
-            return cls(**kwargs)
-        except FieldError as e:
-            if e.field.startswith(path):
-                raise
-            raise FieldError(f"{path}{e.field}", e.problem) from None
-        except TypeError as e:
-            raise DecodeError(f"{cls.__name__}: {e}") from None
-
-
 def _nested(cls: type) -> Any:
-    return field(default_factory=cls, metadata={"nested": cls})
-
-
-def _set(obj: Any, name: str, v: Any) -> None:
-    object.__setattr__(obj, name, v)
+    return spec(Nested(cls), default_factory=cls)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ModelSpec(_Record):
+class ModelSpec(WireRecord):
     """GPT decoder shape; `size` names a preset, the numbers are what is trained (presets fill them)."""
 
-    size: str = "tiny"
-    n_layers: int = MODEL_PRESETS["tiny"][0]
-    d_model: int = MODEL_PRESETS["tiny"][1]
-    n_heads: int = MODEL_PRESETS["tiny"][2]
-    vocab_size: int = 256
-    positions: str = "rope"  # "rope" (rotary) or "learned"
-    mlp_ratio: int = 4
+    size: str = spec(Choice(frozenset(MODEL_SIZES + ("custom",))), default="tiny")
+    n_layers: int = spec(Int(1, 1024), default=MODEL_PRESETS["tiny"][0])
+    d_model: int = spec(Int(8, 65536), default=MODEL_PRESETS["tiny"][1])
+    n_heads: int = spec(Int(1, 1024), default=MODEL_PRESETS["tiny"][2])
+    vocab_size: int = spec(Int(256, 1 << 20), default=256)
+    positions: str = spec(Choice(frozenset({"rope", "learned"})), default="rope")  # rotary or learned
+    mlp_ratio: int = spec(Int(1, 16), default=4)
 
     def __post_init__(self) -> None:
-        check_choice("size", self.size, MODEL_SIZES + ("custom",))
-        check_int("n_layers", self.n_layers, 1, 1024)
-        check_int("d_model", self.d_model, 8, 65536)
-        check_int("n_heads", self.n_heads, 1, 1024)
+        WireRecord.__post_init__(self)
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise FieldError("n_heads", f"d_model {self.d_model} must split into an even head size")
-        check_int("vocab_size", self.vocab_size, 256, 1 << 20)
-        check_choice("positions", self.positions, ("rope", "learned"))
-        check_int("mlp_ratio", self.mlp_ratio, 1, 16)
 
     @classmethod
     def preset(cls, size: str, **overrides: Any) -> ModelSpec:
-        check_choice("size", size, MODEL_SIZES)
+        Choice(frozenset(MODEL_SIZES)).check("size", size)
         n_layers, d_model, n_heads, _ = MODEL_PRESETS[size]
         return cls(**{"size": size, "n_layers": n_layers, "d_model": d_model, "n_heads": n_heads, **overrides})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DataSpec(_Record):
+class DataSpec(WireRecord):
     """Where tokens come from: "stdlib" (the interpreter's own source), a local .txt/.jsonl path, or "hf:NAME"."""
 
-    source: str = "stdlib"
-    tokenizer: str = "bytes"
-    heldout_every: int = 20  # every Nth 64 KiB block of the corpus is held out for evaluation (5%)
-
-    def __post_init__(self) -> None:
-        check_str("source", self.source, 1024, allow_empty=False)
-        check_choice("tokenizer", self.tokenizer, ("bytes",))
-        check_int("heldout_every", self.heldout_every, 2, 1000)
+    source: str = spec(Str(1024, allow_empty=False), default="stdlib")
+    tokenizer: str = spec(Choice(frozenset({"bytes"})), default="bytes")
+    # every Nth 64 KiB block of the corpus is held out for evaluation (5%)
+    heldout_every: int = spec(Int(2, 1000), default=20)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CocktailSpec(_Record):
+class CocktailSpec(WireRecord):
     """CocktailSGD: random fraction p, top-k ratio r of it, b-bit quantization; uncompressed all-reduce first."""
 
-    p: float = 0.1
-    r: float = 0.2
-    bits: int = 4
-    warmup_steps: int = 100
-
-    def __post_init__(self) -> None:
-        _set(self, "p", check_float("p", self.p, 1e-6, 1.0))
-        _set(self, "r", check_float("r", self.r, 1e-6, 1.0))
-        check_int("bits", self.bits, 1, 16)
-        check_int("warmup_steps", self.warmup_steps, 0, 1 << 40)
+    p: float = spec(Float(1e-6, 1.0), default=0.1)
+    r: float = spec(Float(1e-6, 1.0), default=0.2)
+    bits: int = spec(Int(1, 16), default=4)
+    warmup_steps: int = spec(Int(0, 1 << 40), default=100)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DilocoSpec(_Record):
+class DilocoSpec(WireRecord):
     """DiLoCo / Streaming DiLoCo: an outer Nesterov step every `inner_steps`, optionally by fragments."""
 
-    inner_steps: int = 100
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    fragments: int = 1
-    e3m0: bool = False  # 4-bit (e3m0) outer gradients
-    overlap_steps: int = 0  # tau: inner steps trained while a fragment's all-reduce is on the wire
-    merge_alpha: float = 0.0  # after an outer step: x = alpha*x + (1 - alpha)*theta (0: take theta)
+    inner_steps: int = spec(Int(1, 1 << 30), default=100)
+    outer_lr: float = spec(Float(0.0, 100.0), default=0.7)
+    outer_momentum: float = spec(Float(0.0, 1.0), default=0.9)
+    fragments: int = spec(Int(1, 1024), default=1)
+    e3m0: bool = spec(Bool(), default=False)  # 4-bit (e3m0) outer gradients
+    overlap_steps: int = spec(Int(0, 1 << 30), default=0)  # tau: inner steps trained while a fragment is on the wire
+    merge_alpha: float = spec(Float(0.0, 0.999), default=0.0)  # after an outer step: x = alpha*x + (1-alpha)*theta
 
     def __post_init__(self) -> None:
-        check_int("inner_steps", self.inner_steps, 1, 1 << 30)
-        _set(self, "outer_lr", check_float("outer_lr", self.outer_lr, 0.0, 100.0))
-        _set(self, "outer_momentum", check_float("outer_momentum", self.outer_momentum, 0.0, 1.0))
-        check_int("fragments", self.fragments, 1, 1024)
-        check_int("overlap_steps", self.overlap_steps, 0, 1 << 30)
+        WireRecord.__post_init__(self)
         if self.overlap_steps and self.overlap_steps * self.fragments >= self.inner_steps:
             raise FieldError("overlap_steps", f"must be < inner_steps / fragments "
                                               f"({self.inner_steps} / {self.fragments}): one fragment on the wire")
-        _set(self, "merge_alpha", check_float("merge_alpha", self.merge_alpha, 0.0, 0.999))
-        if not isinstance(self.e3m0, bool):
-            raise FieldError("e3m0", f"expected bool, got {type(self.e3m0).__name__}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class AllReduceSpec(_Record):
-    dtype: str = "fp32"
-
-    def __post_init__(self) -> None:
-        check_choice("dtype", self.dtype, ("fp32", "bf16", "fp16"))
+class AllReduceSpec(WireRecord):
+    dtype: str = spec(Choice(frozenset({"fp32", "bf16", "fp16"})), default="fp32")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class SyncSpec(_Record):
+class SyncSpec(WireRecord):
     """How the D replicas of a stage stay together; only the settings of `method` are used."""
 
-    method: str = "none"
+    method: str = spec(Choice(frozenset(SYNC_METHODS)), default="none")
     allreduce: AllReduceSpec = _nested(AllReduceSpec)
     cocktail: CocktailSpec = _nested(CocktailSpec)
     diloco: DilocoSpec = _nested(DilocoSpec)
 
-    def __post_init__(self) -> None:
-        check_choice("method", self.method, SYNC_METHODS)
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PipelineSpec(_Record):
+class PipelineSpec(WireRecord):
     """What crosses a stage boundary: AQ-SGD activation deltas forward, quantized gradients backward."""
 
-    compression: str = "aqsgd"
-    fwd_bits: int = 4
-    bwd_bits: int = 8
-    warmup_epochs: int = 1
-
-    def __post_init__(self) -> None:
-        check_choice("compression", self.compression, PIPELINE_COMPRESSION)
-        check_int("fwd_bits", self.fwd_bits, 1, 16)
-        check_int("bwd_bits", self.bwd_bits, 1, 16)
-        check_int("warmup_epochs", self.warmup_epochs, 0, 1 << 20)
+    compression: str = spec(Choice(frozenset(PIPELINE_COMPRESSION)), default="aqsgd")
+    fwd_bits: int = spec(Int(1, 16), default=4)
+    bwd_bits: int = spec(Int(1, 16), default=8)
+    warmup_epochs: int = spec(Int(0, 1 << 20), default=1)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ParallelPlan(_Record):
+class ParallelPlan(WireRecord):
     """S pipeline stages x D data-parallel replicas per stage."""
 
-    stages: int = 1
-    replicas: int = 1
+    stages: int = spec(Int(1, 1024), default=1)
+    replicas: int = spec(Int(1, 65536), default=1)
     sync: SyncSpec = _nested(SyncSpec)
     pipeline: PipelineSpec = _nested(PipelineSpec)
 
     def __post_init__(self) -> None:
-        check_int("stages", self.stages, 1, 1024)
-        check_int("replicas", self.replicas, 1, 65536)
+        WireRecord.__post_init__(self)
         if self.replicas > 1 and self.sync.method == "none":
             raise FieldError("sync.method", "D > 1 replicas need a synchronizer other than 'none'")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class OptimSpec(_Record):
+class OptimSpec(WireRecord):
     """AdamW (or plain SGD) with linear warm-up then cosine decay to min_lr_ratio * lr at total_steps."""
 
-    optimizer: str = "adamw"  # "adamw", or "sgd" (no momentum; weight decay as L2)
-    lr: float = 3e-3
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    warmup_steps: int = 50
-    total_steps: int = 2000
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    optimizer: str = spec(Choice(frozenset({"adamw", "sgd"})), default="adamw")  # sgd: no momentum, decay as L2
+    lr: float = spec(Float(0.0, 10.0), default=3e-3)
+    beta1: float = spec(Float(0.0, 0.999999), default=0.9)
+    beta2: float = spec(Float(0.0, 0.999999), default=0.95)
+    eps: float = spec(Float(0.0, 1.0), default=1e-8)
+    weight_decay: float = spec(Float(0.0, 10.0), default=0.1)
+    warmup_steps: int = spec(Int(0, 1 << 40), default=50)
+    total_steps: int = spec(Int(1, 1 << 40), default=2000)
+    min_lr_ratio: float = spec(Float(0.0, 1.0), default=0.1)
+    grad_clip: float = spec(Float(0.0, 1e6), default=1.0)  # max global grad norm; 0 disables clipping
 
     def __post_init__(self) -> None:
-        check_choice("optimizer", self.optimizer, ("adamw", "sgd"))
-        _set(self, "lr", check_float("lr", self.lr, 0.0, 10.0))
-        _set(self, "beta1", check_float("beta1", self.beta1, 0.0, 0.999999))
-        _set(self, "beta2", check_float("beta2", self.beta2, 0.0, 0.999999))
-        _set(self, "eps", check_float("eps", self.eps, 0.0, 1.0))
-        _set(self, "weight_decay", check_float("weight_decay", self.weight_decay, 0.0, 10.0))
-        check_int("total_steps", self.total_steps, 1, 1 << 40)
-        check_int("warmup_steps", self.warmup_steps, 0, self.total_steps)
-        _set(self, "min_lr_ratio", check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0))
-        _set(self, "grad_clip", check_float("grad_clip", self.grad_clip, 0.0, 1e6))
+        WireRecord.__post_init__(self)
+        Int(0, self.total_steps).check("warmup_steps", self.warmup_steps)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class BatchSpec(_Record):
+class BatchSpec(WireRecord):
     """Sequences per optimizer step per replica, split into micro-batches; tokens per sequence."""
 
-    batch_size: int = 16
-    micro_batch_size: int = 16
-    seq_len: int = MODEL_PRESETS["tiny"][3]
+    batch_size: int = spec(Int(1, 1 << 20), default=16)
+    micro_batch_size: int = spec(Int(1, 1 << 20), default=16)
+    seq_len: int = spec(Int(2, 1 << 20), default=MODEL_PRESETS["tiny"][3])
 
     def __post_init__(self) -> None:
-        check_int("batch_size", self.batch_size, 1, 1 << 20)
-        check_int("micro_batch_size", self.micro_batch_size, 1, self.batch_size)
+        WireRecord.__post_init__(self)
+        Int(1, self.batch_size).check("micro_batch_size", self.micro_batch_size)
         if self.batch_size % self.micro_batch_size:
             raise FieldError("micro_batch_size", f"must divide batch_size {self.batch_size}")
-        check_int("seq_len", self.seq_len, 2, 1 << 20)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class EvalSpec(_Record):
-    every_steps: int = 100  # 0: never
-    batches: int = 4
-
-    def __post_init__(self) -> None:
-        check_int("every_steps", self.every_steps, 0, 1 << 40)
-        check_int("batches", self.batches, 1, 1 << 20)
+class EvalSpec(WireRecord):
+    every_steps: int = spec(Int(0, 1 << 40), default=100)  # 0: never
+    batches: int = spec(Int(1, 1 << 20), default=4)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CheckpointSpec(_Record):
-    every_steps: int = 100  # 0: only at the end
-    keep_last: int = 3
+class CheckpointSpec(WireRecord):
+    every_steps: int = spec(Int(0, 1 << 40), default=100)  # 0: only at the end
+    keep_last: int = spec(Int(1, 1000), default=3)
 
-    def __post_init__(self) -> None:
-        check_int("every_steps", self.every_steps, 0, 1 << 40)
-        check_int("keep_last", self.keep_last, 1, 1000)
+
+HEX = Str(128)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class JoinPolicy(_Record):
+class JoinPolicy(WireRecord):
     """Who may join: anyone, holders of a secret (only its salted scrypt hash is stored), or listed peer ids."""
 
-    mode: str = "open"
-    secret_salt: str = ""  # hex
-    secret_hash: str = ""  # hex scrypt(secret, salt)
-    allowlist: tuple[str, ...] = ()
+    mode: str = spec(Choice(frozenset(JOIN_MODES)), default="open")
+    secret_salt: str = spec(HEX, default="")  # hex
+    secret_hash: str = spec(HEX, default="")  # hex scrypt(secret, salt)
+    allowlist: tuple[str, ...] = spec(Seq(Str(64), 4096), default=())
 
     def __post_init__(self) -> None:
-        check_choice("mode", self.mode, JOIN_MODES)
+        WireRecord.__post_init__(self)
         for name in ("secret_salt", "secret_hash"):
-            v = check_str(name, getattr(self, name), 128)
-            if any(c not in "0123456789abcdef" for c in v):
+            if any(c not in "0123456789abcdef" for c in getattr(self, name)):
                 raise FieldError(name, "expected lowercase hex")
         if self.mode == "secret" and (len(self.secret_salt) != 32 or len(self.secret_hash) != 64):
             raise FieldError("secret_hash", "mode 'secret' needs a 16-byte salt and a 32-byte hash")
-        if not isinstance(self.allowlist, (list, tuple)) or len(self.allowlist) > 4096:
-            raise FieldError("allowlist", "expected a list of at most 4096 peer ids")
         for i, pid in enumerate(self.allowlist):
             try:
-                public_key_from_peer_id(check_str(f"allowlist[{i}]", pid, 64))
+                public_key_from_peer_id(pid)
             except SignatureError as e:
                 raise FieldError(f"allowlist[{i}]", str(e)) from None
-        _set(self, "allowlist", tuple(self.allowlist))
         if self.mode == "allowlist" and not self.allowlist:
             raise FieldError("allowlist", "mode 'allowlist' needs at least one peer id")
 
@@ -325,13 +236,13 @@ def _secret_hash(secret: str, salt: bytes) -> bytes:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RunManifest(_Record):
+class RunManifest(WireRecord):
     """Everything a node needs to take part in a run. `run_id` hashes all fields but `signature`."""
 
-    version: int = MANIFEST_VERSION
-    name: str = "shoal-run"
-    created_at: int = 0  # unix seconds
-    seed: int = 0
+    version: int = spec(Int(1, 1 << 16), default=MANIFEST_VERSION)
+    name: str = spec(Str(128, allow_empty=False), default="shoal-run")
+    created_at: int = spec(Int(0, 1 << 40), default=0)  # unix seconds
+    seed: int = spec(Int(0, 2**63 - 1), default=0)
     model: ModelSpec = _nested(ModelSpec)
     data: DataSpec = _nested(DataSpec)
     plan: ParallelPlan = _nested(ParallelPlan)
@@ -340,31 +251,27 @@ class RunManifest(_Record):
     eval: EvalSpec = _nested(EvalSpec)
     checkpoint: CheckpointSpec = _nested(CheckpointSpec)
     join: JoinPolicy = _nested(JoinPolicy)
-    owner: str = ""  # peer id of the signer; empty for an unsigned local run
-    signature: bytes = b""
+    owner: str = spec(Str(64), default="")  # peer id of the signer; empty for an unsigned local run
+    signature: bytes = spec(Bytes(64), default=b"")
 
     def __post_init__(self) -> None:
-        check_int("version", self.version, 1, 1 << 16)
+        WireRecord.__post_init__(self)
         if self.version != MANIFEST_VERSION:
             raise FieldError("version", f"this build reads manifest version {MANIFEST_VERSION}, got {self.version}")
-        check_str("name", self.name, 128, allow_empty=False)
-        check_int("created_at", self.created_at, 0, 1 << 40)
-        check_int("seed", self.seed, 0, 2**63 - 1)
         if self.plan.stages > self.model.n_layers:
             raise FieldError("plan.stages", f"{self.plan.stages} stages for {self.model.n_layers} layers")
         if self.owner:
             try:
-                public_key_from_peer_id(check_str("owner", self.owner, 64))
+                public_key_from_peer_id(self.owner)
             except SignatureError as e:
                 raise FieldError("owner", str(e)) from None
-        _set(self, "signature", check_bytes("signature", self.signature, 64))
         if self.signature and len(self.signature) != 64:
             raise FieldError("signature", "expected 64 bytes (or none)")
 
     # -- identity, signing
 
     def signing_payload(self) -> bytes:
-        body = self.to_dict()
+        body = self.to_wire()
         del body["signature"]
         return pack(body)
 
@@ -391,14 +298,14 @@ class RunManifest(_Record):
     # -- encodings
 
     def to_bytes(self) -> bytes:
-        return pack(self.to_dict())
+        return pack(self.to_wire())
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RunManifest:
-        return cls.from_dict(unpack(data, max_bytes=MAX_MANIFEST_BYTES))
+        return cls.from_wire(unpack(data, max_bytes=MAX_MANIFEST_BYTES))
 
     def to_toml(self) -> str:
-        d = self.to_dict()
+        d = self.to_wire()
         d["signature"] = self.signature.hex()
         return tomli_w.dumps(d)
 
@@ -414,7 +321,7 @@ class RunManifest(_Record):
                 d["signature"] = bytes.fromhex(sig)
             except ValueError:
                 raise FieldError("signature", "expected hex") from None
-        return cls.from_dict(d)
+        return cls.from_wire(d)
 
     @classmethod
     def default(cls, size: str = "tiny", **overrides: Any) -> RunManifest:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import msgpack
@@ -67,46 +66,3 @@ def get_field(m: dict, name: str, kind: type | tuple[type, ...], *, default: Any
 
 def _names(kinds: tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
-
-
-def check_int(name: str, v: int, lo: int, hi: int) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise FieldError(name, f"expected int, got {type(v).__name__}")
-    if not lo <= v <= hi:
-        raise FieldError(name, f"{v} outside [{lo}, {hi}]")
-    return v
-
-
-def check_float(name: str, v: float, lo: float, hi: float) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise FieldError(name, f"expected float, got {type(v).__name__}")
-    v = float(v)
-    if not math.isfinite(v) or not lo <= v <= hi:
-        raise FieldError(name, f"{v} outside [{lo}, {hi}] or not finite")
-    return v
-
-
-def check_str(name: str, v: str, max_len: int, *, allow_empty: bool = True) -> str:
-    if not isinstance(v, str):
-        raise FieldError(name, f"expected str, got {type(v).__name__}")
-    if len(v) > max_len:
-        raise FieldError(name, f"longer than {max_len} characters")
-    if not allow_empty and not v:
-        raise FieldError(name, "empty")
-    return v
-
-
-def check_bytes(name: str, v: bytes, max_len: int, *, exact: int | None = None) -> bytes:
-    if not isinstance(v, (bytes, bytearray)):
-        raise FieldError(name, f"expected bytes, got {type(v).__name__}")
-    if exact is not None and len(v) != exact:
-        raise FieldError(name, f"expected exactly {exact} bytes, got {len(v)}")
-    if len(v) > max_len:
-        raise FieldError(name, f"longer than {max_len} bytes")
-    return bytes(v)
-
-
-def check_choice(name: str, v: str, choices: frozenset[str] | tuple[str, ...]) -> str:
-    if v not in choices:
-        raise FieldError(name, f"{v!r} is not one of {sorted(choices)}")
-    return v

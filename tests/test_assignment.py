@@ -34,7 +34,7 @@ def test_table_round_trips_signed_and_answers_queries():
     t = table()
     signed = open_envelope(seal(t, K1), RECORD_TYPES)
     assert signed.record == t
-    assert t.members() == tuple(sorted([P1, P2])) and t.slot_of(P2) == (0, 1) and t.slot_of(P3) is None
+    assert t.members(0) == tuple(sorted([P1, P2])) and t.slot_of(P2) == (0, 1) and t.slot_of(P3) is None
     assert t.provider_state(P3) == "backup"
     assert table(version=4).newer_than(t) and table(lease_epoch=1, version=1).newer_than(t)
     assert not t.newer_than(table(version=4))
@@ -92,7 +92,7 @@ def test_run_client_trusts_only_the_broker_chain():
 
     from shoal.swarm.run.client import RunClient
 
-    ctx = SimpleNamespace(me=P3, run_id="r" * 64)
+    ctx = SimpleNamespace(me=P3, run_id="r" * 64, clock=time.monotonic, wall=time.time)
     c = RunClient(ctx, HW, broker_id=P1)
     assert not c.accept_envelope(seal(table(peer_id=P2, standby=P1), K2), P2)  # not the broker we asked
     assert c.accept_envelope(seal(table(), K1), P1) and c.role() == "backup"

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 BCFG = BrokerConfig(heartbeat_s=0.25, fail_after_s=2.0, lease_renew_s=0.5, lease_timeout_s=2.5, republish_s=1.0,
                     ping_timeout_s=1.0, dht_timeout_s=1.0)
-CCFG = RunClientConfig(poll_s=0.4, rpc_timeout_s=1.5, retry_s=0.3, broker=BCFG)
+CCFG = RunClientConfig(poll_s=0.4, rpc_timeout_s=1.5, retry_s=0.3)
 #: failure by silence out of the way: what these tests check must come from reports and pings
 REPORTS_ONLY = BrokerConfig(heartbeat_s=0.25, fail_after_s=60.0, lease_renew_s=0.5, lease_timeout_s=2.5,
                             ping_timeout_s=1.0, dht_timeout_s=1.0)
@@ -65,7 +65,7 @@ async def _member(m: RunManifest, join, broker: bool, broker_id, secret, admit: 
                 client = None
                 if admit:
                     client = RunClient(ctx, HW, broker_id=broker_id or node.peer_id, secret=secret, config=CCFG,
-                                       local_broker=b)
+                                       broker_config=bcfg, local_broker=b)
                     orig = node.gossip.on_record
                     node.gossip.on_record = lambda s, c=client, o=orig: (o(s), c.on_record(s))
                     await n.start(client.run)
@@ -143,7 +143,7 @@ async def test_killed_active_node_is_replaced_by_a_backup():
         t0 = time.monotonic()
         took = await wait_for(lambda: c.client.slot_name() == "s0r1", 10, "the backup's promotion")
         t = b.broker.table
-        assert t.provider_state(a.node.peer_id) == GONE and a.node.peer_id not in t.members()
+        assert t.provider_state(a.node.peer_id) == GONE and a.node.peer_id not in t.members(0)
         assert t.epochs[0] == epoch0 + 1 and t.backups == ()
         assert t.standby == c.node.peer_id
         await wait_for(lambda: b.client.table.version == t.version, 5, "the broker's client")
@@ -168,15 +168,15 @@ async def test_missing_report_and_graceful_leave_replace_quickly():
         assert b.broker.table.slot_of(c.node.peer_id) == (0, 1)
         # a member reported missing that does not answer a ping is failed long before fail_after_s
         await wait_for(lambda: c.client.slot() == (0, 1), 5, "c sees its slot")
-        epoch = c.client.epoch()
+        epoch = c.client.epoch(0)
         c.kill()
-        await trio.sleep(0.2)
-        assert await b.client.report_missing([c.node.peer_id], epoch=epoch)
+        await wait_for(lambda: c.node.peer_id not in b.node.sh.connected_peers(), 5, "c's connections to close")
+        assert await b.client.report_missing([c.node.peer_id], epoch=epoch, stage=0)
         took = await wait_for(lambda: d.client.slot() == (0, 1), 5, "d promoted")
         assert took < 5
         # a stale report (old epoch) and one from a non-member are not acted on
-        assert not await b.client.report_missing([d.node.peer_id], epoch=epoch)
-        assert not await a.client.report_missing([d.node.peer_id], epoch=b.broker.epochs[0])
+        assert not await b.client.report_missing([d.node.peer_id], epoch=epoch, stage=0)
+        assert not await a.client.report_missing([d.node.peer_id], epoch=b.broker.epochs[0], stage=0)
         assert b.broker.table.slot_of(d.node.peer_id) == (0, 1)
         n.cancel_scope.cancel()
 
@@ -223,16 +223,16 @@ async def test_a_majority_of_offence_reports_evicts_and_a_live_missing_member_re
         # a member that missed a round but answers its ping: same members, next epoch (everyone's skips reset)
         epoch = b.broker.epochs[0]
         members = b.broker.table.members(0)
-        assert await a.client.report_missing([c.node.peer_id], epoch=epoch)
+        assert await a.client.report_missing([c.node.peer_id], epoch=epoch, stage=0)
         assert b.broker.epochs[0] == epoch + 1 and b.broker.table.members(0) == members
         assert b.broker.reforms == 1 and b.broker.table.switch_step(0) >= 0
-        assert not await c.client.report_missing([a.node.peer_id], epoch=epoch)  # stale: already re-formed
+        assert not await c.client.report_missing([a.node.peer_id], epoch=epoch, stage=0)  # stale: already re-formed
         assert b.broker.reforms == 1
         # one member's offence report is not enough (it could be the liar); most of the others' is
         epoch += 1
-        assert await a.client.report_missing([], epoch=epoch, offenders=[c.node.peer_id])
+        assert await a.client.report_missing([], epoch=epoch, offenders=[c.node.peer_id], stage=0)
         assert b.broker.table.slot_of(c.node.peer_id) is not None
-        assert await b.client.report_missing([], epoch=epoch, offenders=[c.node.peer_id])
+        assert await b.client.report_missing([], epoch=epoch, offenders=[c.node.peer_id], stage=0)
         t = b.broker.table
         assert t.provider_state(c.node.peer_id) == GONE and t.slot_of(d.node.peer_id) is not None
         assert b.node.penalties.is_banned(c.node.peer_id)  # and it cannot come straight back
@@ -248,10 +248,10 @@ async def test_a_member_that_keeps_missing_rounds_is_moved_to_the_backup_pool():
         slow = await start(n, m, addrs, broker_id=bid)
         spare = await start(n, m, addrs, broker_id=bid)  # the backup
         for _ in range(2):  # it answers its ping: the first misses re-form the group around it
-            assert await b.client.report_missing([slow.node.peer_id], epoch=b.broker.epochs[0])
+            assert await b.client.report_missing([slow.node.peer_id], epoch=b.broker.epochs[0], stage=0)
             assert b.broker.table.slot_of(slow.node.peer_id) is not None
         assert b.broker.reforms == 2
-        assert await b.client.report_missing([slow.node.peer_id], epoch=b.broker.epochs[0])
+        assert await b.client.report_missing([slow.node.peer_id], epoch=b.broker.epochs[0], stage=0)
         t = b.broker.table
         assert t.slot_of(slow.node.peer_id) is None and t.provider_state(slow.node.peer_id) == BACKUP
         assert t.slot_of(spare.node.peer_id) == (0, 1) and b.broker.reforms == 2

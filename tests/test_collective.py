@@ -10,7 +10,7 @@ from shoal.swarm.run.collective import COLLECTIVE_PROTOCOL, Collective
 from shoal.swarm.net.framing import write_frame
 from shoal.swarm.net.penalty import Penalties, PenaltyConfig
 from shoal.protocol.wire import pack
-from swarm_helpers import bare_host
+from swarm_helpers import bare_host, wait_for
 
 
 async def three_hosts(stack: AsyncExitStack, **kw):
@@ -59,7 +59,7 @@ async def test_early_message_is_buffered_and_missing_peer_is_absent():
         assert 0.9 < trio.current_time() - t0 < 3
         # a late message for a finished tag is dropped, not kept forever
         await colls[2].exchange("t/1", {a: b"late"}, set(), timeout_s=5)
-        await trio.sleep(0.2)
+        await wait_for(lambda: colls[0].late_dropped == 1, 5, "the late message to arrive")
         assert "t/1" not in colls[0]._inbox
 
 
@@ -70,13 +70,11 @@ async def test_garbage_and_oversized_messages_penalize_the_sender():
         s = await hosts[1].open_stream(a, COLLECTIVE_PROTOCOL)
         await write_frame(s, b"\xc1not msgpack")
         await s.close()
-        await trio.sleep(0.3)
-        assert pens[0].is_banned(b)
+        await wait_for(lambda: pens[0].is_banned(b), 5, "b banned")
         # c announces more than the limit
         c = hosts[2].peer_id
         s = await hosts[2].open_stream(a, COLLECTIVE_PROTOCOL)
         await write_frame(s, pack({"tag": "x", "n": 10_000}))
         await s.close()
-        await trio.sleep(0.3)
-        assert pens[0].is_banned(c)
+        await wait_for(lambda: pens[0].is_banned(c), 5, "c banned")
         assert colls[0]._inbox == {} and colls[0].bytes_recv == 0

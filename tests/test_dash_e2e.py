@@ -50,7 +50,7 @@ def test_dashboard_shows_a_live_swarm_and_a_killed_node_going(tmp_path):
         cmd = (f"env SHOAL_HOME={tmp_path / 'h'} {sys.executable} -m shoal.node.cli dash "
                f"--join {s.bootstrap_addrs()[0]} --stale-after 2 --gone-after 4")
         subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "30", cmd], check=True)
-        time.sleep(2)
+        wait_screen(session, lambda t: "shoal dash" in t, 30, "the dashboard to start")
         subprocess.run(["tmux", "send-keys", "-t", session, "2"], check=True)  # the peers tab
         wait_screen(session, lambda t: all(short(p) in t for p in ids.values()), 45, "all three peers")
         s.nodes[2].proc.send_signal(signal.SIGKILL)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import trio
 
-from shoal.node.run.runtime import RunConfig
+from shoal.node.run.config import RunConfig
 from shoal.protocol.assignment import GONE
 from shoal.protocol import manifest as mf
 from shoal.swarm.run.broker import BrokerConfig
@@ -35,7 +35,7 @@ def node_config(m: mf.RunManifest, steps: int, **run):
     b = BrokerConfig(heartbeat_s=0.5, fail_after_s=8.0, lease_renew_s=1.0, lease_timeout_s=8.0, republish_s=1.0,
                      ping_timeout_s=1.0, dht_timeout_s=1.0)
     rc = RunConfig(manifest=m, threads=1, max_steps=steps, round_timeout_s=5.0, switch_lead_s=0.5, broker=b,
-                   client=replace(RunClientConfig(), poll_s=0.5, broker=b), **run)
+                   client=replace(RunClientConfig(), poll_s=0.5), **run)
     return replace(FAST, run=rc)
 
 
@@ -90,7 +90,7 @@ async def test_a_late_joiner_enters_at_an_agreed_step_with_the_groups_state():
                                        for n in (first, second)), 60, "two replicas to train")
             async with running_node(first.sh.addrs, cfg) as late:
                 await wait_for(lambda: finished([first, second, late]), 120, "the run to finish with three")
-                table = late.runtime.tables[-1]
+                table = late.runtime.schedule.latest
                 assert len(table.members(0)) == 3 and table.switch_step(0) > 10  # entered mid-run, not at step 0
                 assert len(hashes([first, second, late])) == 1
                 assert late.runtime.trainer.step_count == steps

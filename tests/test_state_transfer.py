@@ -10,9 +10,9 @@ import trio
 
 from shoal.protocol.wire import pack
 from shoal.swarm.net.framing import read_frame, write_frame
-from shoal.swarm.state.transfer import (
-    STATE_PROTOCOL, HashReport, Snapshot, StateServer, StateTransferConfig, StateTransferError, elect_majority,
-    flatten_state, pull_state, state_hash, unflatten_state)
+from shoal.swarm.state.snapshot import Snapshot, StateTransferError, flatten_state, state_hash, unflatten_state
+from shoal.swarm.state.transfer import STATE_PROTOCOL, StateServer, StateTransferConfig, pull_state
+from shoal.swarm.state.vote import holder, majority
 from tests.swarm_helpers import bare_host
 
 
@@ -177,21 +177,17 @@ async def test_server_with_nothing_to_serve_says_so():
                 await pull_state(client, server.peer_id)
 
 
-def test_majority_hash_election():
-    r = [HashReport("a", 4, "h1"), HashReport("b", 4, "h1"), HashReport("c", 4, "h2"), HashReport("d", 5, "h1"),
-         HashReport("e", 3, "h2")]
-    e = elect_majority(r, previous_revision=3)
-    assert e.hash == "h1" and e.revision == 4 and e.agree == ("a", "b") and e.deviating == ("c",)
-    assert e.rejected == ("d", "e")  # revision must be exactly previous + 1
-    # ties are broken the same way everywhere, whatever the order of reports
-    tie = [HashReport("a", 1, "zz"), HashReport("b", 1, "aa")]
-    assert elect_majority(tie, previous_revision=0).hash == elect_majority(tie[::-1], previous_revision=0).hash == "aa"
-    # a duplicate report does not count twice
-    dup = [HashReport("a", 1, "x"), HashReport("a", 1, "x"), HashReport("b", 1, "y"), HashReport("c", 1, "y")]
-    assert elect_majority(dup, previous_revision=0).hash == "y"
-    assert elect_majority([HashReport("a", 9, "x")], previous_revision=0) is None
-    assert elect_majority([], previous_revision=None) is None
-    assert elect_majority(r[:3], previous_revision=None).hash == "h1"
+def test_the_majority_rule_needs_more_than_half_of_the_group():
+    votes = {"a": "h1", "b": "h1", "c": "h2"}
+    assert majority(votes, 3) == "h1" and holder(votes, "h1") == "a"
+    assert majority(votes, 4) is None  # a member that did not vote counts against every hash
+    assert majority(votes, 5) is None
+    assert majority({"a": "zz", "b": "aa"}, 2) is None  # a split of two has no majority
+    assert majority({"a": "x", "b": "x"}, 2) == "x"
+    assert majority({}, 3) is None
+    # the same answer whatever the order of the votes
+    assert majority(dict(reversed(list(votes.items()))), 3) == "h1"
+    assert holder({"c": "h1", "b": "h1", "a": "h2"}, "h1") == "b"
 
 
 async def test_a_partial_pull_carries_only_the_asked_tensors_and_completes_from_a_base():

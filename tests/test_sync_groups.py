@@ -14,6 +14,7 @@ import trio
 from shoal.node.train.data import load_corpus
 from shoal.node.sync.base import SyncConfig
 from shoal.node.sync.factory import make_synchronizer
+from shoal.node.train.control import StepControl
 from shoal.node.train.trainer import Trainer
 from shoal.protocol.manifest import (BatchSpec, CocktailSpec, DilocoSpec, EvalSpec, ModelSpec,
                                      OptimSpec, ParallelPlan, RunManifest, SyncSpec)
@@ -99,29 +100,31 @@ async def run_group(manifest: RunManifest, steps: int, *, n: int = 3, timeout_s:
             pen = Penalties(PenaltyConfig(strikes_before_ban=1))
             coll = Collective(h, pen)
             rep = Replica(trainer=None, sync=None, pen=pen, coll=coll)
-
-            def offender(p, reason, rep=rep, me=h.peer_id):
-                rep.offenders.append(p)
-                table.report(me, p)
-
-            rep.sync = make_synchronizer(
-                manifest, collective=coll,
-                group_fn=lambda me=h.peer_id, rep=rep: table.group(me, rep.trainer.step_count),
-                trio_token=token, penalties=pen, config=SyncConfig(round_timeout_s=timeout_s),
-                on_missing=rep.missing.extend, on_offender=offender)
+            rep.sync = make_synchronizer(manifest, exchange=coll.blocking(token), penalties=pen,
+                                         config=SyncConfig(round_timeout_s=timeout_s))
             rep.sync.fault = faults.get(i)
             rep.trainer = Trainer(manifest, device=device, replica=i, synchronizer=rep.sync, corpus=corpus())
             reps.append(rep)
 
+        def outcome(rep: Replica, me: str, control: StepControl) -> None:
+            """What the runtime does with a step's control: note the misses, report offenders to the 'broker'."""
+            rep.missing.extend(sorted(control.missing))
+            for p in sorted(control.offenders):
+                rep.offenders.append(p)
+                table.report(me, p)
+
         def train(i: int) -> None:
-            rep = reps[i]
+            rep, me = reps[i], hosts[i].peer_id
             for s in range(steps):
                 if stop_after.get(i) == s:
                     return  # stops answering: its host stays up, it never joins another round
-                rep.losses.append(rep.trainer.step().loss)
-                rep.hashes.append(rep.sync.state_hash())
-            if hasattr(rep.sync, "close"):
-                rep.sync.close(rep.trainer.model)
+                control = StepControl(step=s, group=table.group(me, s))
+                rep.losses.append(rep.trainer.step(control).loss)
+                rep.hashes.append(control.state_hash)
+                outcome(rep, me, control)
+            final = StepControl(step=steps, group=table.group(me, steps))
+            rep.trainer.close(final)
+            outcome(rep, me, final)
 
         async with trio.open_nursery() as nursery:
             for i in range(n):

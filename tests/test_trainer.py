@@ -8,7 +8,9 @@ import pytest
 import torch
 import trio
 
-from shoal.node.train.trainer import NoSync, Synchronizer, Trainer, lr_at
+from shoal.node.sync.interface import NoSync, Synchronizer
+from shoal.node.train.control import StepControl, StepStage
+from shoal.node.train.trainer import Trainer, lr_at
 from shoal.protocol.manifest import BatchSpec, CheckpointSpec, EvalSpec, ModelSpec, OptimSpec, RunManifest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -75,15 +77,22 @@ class Recording(Synchronizer):
     name = "recording"
 
     def __init__(self, apply: bool):
+        super().__init__()
         self.apply, self.calls = apply, []
 
-    def before_optimizer_step(self, model, optimizer, step):
+    def before_optimizer_step(self, model, optimizer, control):
         assert all(p.grad is not None for p in model.parameters())
-        self.calls.append(("before", step))
+        assert control.stage is StepStage.SYNC
+        self.calls.append(("before", control.step))
         return self.apply
 
-    def after_optimizer_step(self, model, optimizer, step):
-        self.calls.append(("after", step))
+    def after_optimizer_step(self, model, optimizer, control):
+        self.calls.append(("after", control.step))
+        if control.step == 1:
+            control.absorb({"peer-a"}, {"peer-b": "non-finite values"})
+
+    def state_hash(self):
+        return f"h{len(self.calls)}"
 
     def state_dict(self):
         return {"calls": len(self.calls)}
@@ -100,6 +109,26 @@ def test_synchronizer_and_hooks_are_called_around_each_step():
     assert sync.calls == [("before", 0), ("after", 0), ("before", 1), ("after", 1)]
     assert seen == [("pre", 0), ("post", 1), ("pre", 1), ("post", 2)]
     assert t.state_dict()["sync"] == {"calls": 4}
+
+
+def test_a_step_crosses_as_one_control_object_with_its_outcome():
+    t = Trainer(small_run(), synchronizer=Recording(apply=True))
+    c0 = StepControl(step=0)
+    r0 = t.step(c0)
+    assert c0.stage is StepStage.DONE and c0.result is r0 and c0.applied and c0.state_hash == "h2"
+    assert not c0.missing and not c0.offenders
+    c1 = StepControl(step=1)
+    state = t.snapshot(c1)  # the state at revision 1, a private copy: the step below does not change it
+    assert c1.stage is StepStage.SNAPSHOT and state["step"] == 1
+    before = {k: v.clone() for k, v in state["model"].items()}
+    t.step(c1)
+    assert c1.missing == {"peer-a"} and c1.offenders == {"peer-b": "non-finite values"}
+    assert all(torch.equal(before[k], v) for k, v in state["model"].items())
+    assert any(not torch.equal(before[k], v) for k, v in t.state_dict()["model"].items())
+    with pytest.raises(ValueError, match="step 5"):
+        t.step(StepControl(step=5))  # a control for another step is refused, nothing runs
+    with pytest.raises(RuntimeError, match="cannot go back"):
+        c1.advance(StepStage.COMPUTE)
 
 
 def test_synchronizer_can_skip_the_update():

@@ -16,6 +16,7 @@ import trio
 from shoal.node.train.data import load_corpus
 from shoal.node.sync.base import SyncConfig
 from shoal.node.sync.factory import make_synchronizer
+from shoal.node.train.control import StepControl
 from shoal.node.train.trainer import Trainer
 from shoal.protocol.manifest import (BatchSpec, CocktailSpec, DilocoSpec, EvalSpec, ModelSpec, OptimSpec,
                                      ParallelPlan, RunManifest, SyncSpec)
@@ -50,6 +51,12 @@ class MemoryExchange:
         return {p: b for p, b in box.items() if p in expect}
 
 
+def blocking(exchange, token):
+    """An async exchange as the synchronizers' blocking one (they run in trainer threads)."""
+    return lambda tag, sends, expect, timeout_s: trio.from_thread.run(exchange, tag, sends, expect, timeout_s,
+                                                                     trio_token=token)
+
+
 def to_cpu(state):
     if isinstance(state, torch.Tensor):
         return state.detach().cpu().clone()  # fresh storage, as state off the network is
@@ -72,10 +79,10 @@ async def check(sync: SyncSpec, steps: int = 12, n: int = 3) -> str:
     hub, ids, tok = Hub(), [f"p{i}" for i in range(n)], trio.lowlevel.current_trio_token()
     corpus = load_corpus("stdlib", 20)
     syncs, trainers, losses = [], [], [[] for _ in range(n)]
+    groups = [Group(run_id=m.run_id, epoch=0, members=tuple(ids), me=pid) for pid in ids]
     for i, pid in enumerate(ids):
-        grp = Group(run_id=m.run_id, epoch=0, members=tuple(ids), me=pid)
-        s = make_synchronizer(m, collective=MemoryExchange(hub, pid), group_fn=lambda g=grp: g, trio_token=tok,
-                              penalties=Penalties(), config=SyncConfig(round_timeout_s=5))
+        s = make_synchronizer(m, exchange=blocking(MemoryExchange(hub, pid).exchange, tok), penalties=Penalties(),
+                              config=SyncConfig(round_timeout_s=5))
         syncs.append(s)
         trainers.append(Trainer(m, device=DEVICE, replica=i, synchronizer=s, corpus=corpus))
 
@@ -83,21 +90,21 @@ async def check(sync: SyncSpec, steps: int = 12, n: int = 3) -> str:
 
     def train(i: int, k: int) -> None:
         for _ in range(k):
-            losses[i].append(trainers[i].step().loss)
+            t = trainers[i]
+            losses[i].append(t.step(StepControl(step=t.step_count, group=groups[i])).loss)
 
     async with trio.open_nursery() as nursery:
         for i in range(n):
             nursery.start_soon(trio.to_thread.run_sync, train, i, steps // 2)
     # replica 2 is replaced by a fresh one loaded from replica 0's state as the network would carry it (CPU)
     def close(i: int) -> None:  # in a worker thread: a round in flight needs the trio loop to finish
-        getattr(syncs[i], "close", lambda model: None)(trainers[i].model)
+        trainers[i].close()
 
     for i in range(n):
         await trio.to_thread.run_sync(close, i)
     state = to_cpu(trainers[0].state_dict())
-    fresh = make_synchronizer(m, collective=MemoryExchange(hub, ids[2]),
-                              group_fn=lambda g=Group(run_id=m.run_id, epoch=0, members=tuple(ids), me=ids[2]): g,
-                              trio_token=tok, penalties=Penalties(), config=SyncConfig(round_timeout_s=5))
+    fresh = make_synchronizer(m, exchange=blocking(MemoryExchange(hub, ids[2]).exchange, tok), penalties=Penalties(),
+                              config=SyncConfig(round_timeout_s=5))
     syncs[2], trainers[2] = fresh, Trainer(m, device=DEVICE, replica=2, synchronizer=fresh, corpus=corpus)
     trainers[2].load_state_dict(state)
     fresh.enter(trainers[2].model)

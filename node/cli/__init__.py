@@ -6,7 +6,8 @@ import argparse
 import importlib
 import logging
 import sys
-from importlib.metadata import PackageNotFoundError, version
+
+from shoal.node.version import shoal_version
 
 #: subcommand name -> module defining HELP, add_arguments(parser) and main(args) -> int.
 #: Command modules import only argparse-level things at top level; heavy imports go inside main().
@@ -19,13 +20,6 @@ COMMANDS: dict[str, str] = {
     "bench": "shoal.node.cli.bench",
     "dash": "shoal.node.cli.dash",
 }
-
-
-def shoal_version() -> str:
-    try:
-        return version("shoal")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "0+unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,8 @@ import argparse
 import os
 from pathlib import Path
 
+from shoal.node import defaults
+
 HELP = "run a node: join a swarm (or start one) and stay until Ctrl+C"
 DESCRIPTION = """\
 Run a shoal node. Without --join it starts a new swarm and prints the address
@@ -51,13 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                   "(or set SHOAL_JOIN_SECRET)")
     t.add_argument("--steps", type=int, default=None, metavar="N", help="stop training after N steps")
     t.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads")
-    t.add_argument("--round-timeout", type=float, default=20.0, metavar="SECONDS",
-                   help="a replica not heard within this long is dropped from a synchronization round (default: 20)")
-    t.add_argument("--fail-after", type=float, default=30.0, metavar="SECONDS",
-                   help="an active node (or the broker) silent this long is replaced (default: 30)")
-    t.add_argument("--backup-refresh", type=float, default=30.0, metavar="SECONDS",
+    t.add_argument("--round-timeout", type=float, default=defaults.ROUND_TIMEOUT_S, metavar="SECONDS",
+                   help="a replica not heard within this long is dropped from a synchronization round "
+                        "(default: %(default)g)")
+    t.add_argument("--fail-after", type=float, default=defaults.FAIL_AFTER_S, metavar="SECONDS",
+                   help="an active node (or the broker) silent this long is replaced (default: %(default)g)")
+    t.add_argument("--backup-refresh", type=float, default=defaults.BACKUP_REFRESH_S, metavar="SECONDS",
                    help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
-                        "the group's synchronized state (default: 30; raise it for big models)")
+                        "the group's synchronized state (default: %(default)g; raise it for big models)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -117,27 +120,24 @@ def main(args: argparse.Namespace) -> int:
 
 def run_config(args: argparse.Namespace):
     """The RunConfig for --run: a manifest file (verified), or a run id whose manifest comes from the swarm."""
-    import os
-    from dataclasses import replace
-
-    from shoal.node.run.runtime import RunConfig
+    from shoal.node.run.config import RunConfig
     from shoal.protocol.manifest import RunManifest
     from shoal.swarm.run.broker import BrokerConfig
-    from shoal.swarm.run.client import RunClientConfig
 
     path = Path(args.run)
     manifest, run_id = None, None
     if path.exists():
         manifest = RunManifest.from_toml(path.read_text())
         manifest.verify()
+        if manifest.plan.stages > 1:
+            raise ValueError(f"--run {args.run}: the run has {manifest.plan.stages} pipeline stages; this version "
+                             f"of shoal trains one-stage (data-parallel) runs only")
     elif not args.join:
         raise ValueError(f"--run {args.run}: no such manifest file (a run id needs --join)")
     else:
         run_id = args.run
-    broker = BrokerConfig(fail_after_s=args.fail_after, heartbeat_s=min(5.0, args.fail_after / 3),
-                          lease_timeout_s=args.fail_after, lease_renew_s=min(3.0, args.fail_after / 4))
+    broker = BrokerConfig.for_fail_after(args.fail_after)
     return RunConfig(manifest=manifest, run_id=run_id, secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"),
                      device="cpu" if args.device == "auto" else args.device, threads=args.threads,
                      max_steps=args.steps, round_timeout_s=args.round_timeout, broker=broker,
-                     backup_refresh_s=args.backup_refresh,
-                     client=replace(RunClientConfig(), broker=broker))
+                     backup_refresh_s=args.backup_refresh)

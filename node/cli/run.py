@@ -72,7 +72,7 @@ def build_manifest(args: argparse.Namespace):
     model = mf.ModelSpec.preset(args.size, positions=args.positions)
     overrides = {k: v for k, v in (("n_layers", args.layers), ("d_model", args.d_model), ("n_heads", args.heads)) if v}
     if overrides:
-        model = mf.ModelSpec(**{**model.to_dict(), **overrides, "size": "custom"})
+        model = mf.ModelSpec(**{**model.to_wire(), **overrides, "size": "custom"})
     seq = args.seq_len or mf.MODEL_PRESETS[args.size][3]
     sync_method = args.sync or ("none" if args.replicas == 1 else "cocktail")
     if args.join_secret_file:
@@ -153,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     import tomli_w
 
-    shown = manifest.to_dict()
+    shown = manifest.to_wire()
     shown["signature"] = manifest.signature.hex()[:16] + "..." if manifest.signature else ""
     console.print(tomli_w.dumps(shown).rstrip(), markup=False, highlight=False)
     console.print(f"\nrun id     {manifest.run_id}")

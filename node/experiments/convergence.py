@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shoal.node.train.data import load_corpus
 from shoal.node.sync.base import SyncConfig
 from shoal.node.sync.factory import make_synchronizer
+from shoal.node.train.control import StepControl
 from shoal.node.train.trainer import Trainer
 from shoal.protocol.manifest import (AllReduceSpec, BatchSpec, CocktailSpec, DilocoSpec, EvalSpec, ModelSpec,
                                      OptimSpec, ParallelPlan, RunManifest, SyncSpec)
@@ -145,9 +146,8 @@ async def run_variant(manifest: RunManifest, corpus, init: dict | None, *, steps
         for i, h in enumerate(hosts):
             pen = Penalties()
             coll = Collective(h, pen)
-            grp = Group(run_id=manifest.run_id, epoch=0, members=members, me=h.peer_id)
-            s = make_synchronizer(manifest, collective=coll, group_fn=lambda g=grp: g, trio_token=token,
-                                  penalties=pen, config=SyncConfig(round_timeout_s=timeout_s))
+            s = make_synchronizer(manifest, exchange=coll.blocking(token), penalties=pen,
+                                  config=SyncConfig(round_timeout_s=timeout_s))
             t = Trainer(manifest, replica=i, synchronizer=s, corpus=corpus)
             if init is not None:
                 t.model.load_state_dict(init)
@@ -156,10 +156,13 @@ async def run_variant(manifest: RunManifest, corpus, init: dict | None, *, steps
             trainers.append(t)
         start_eval = trainers[0].evaluate()
 
+        groups = [Group(run_id=manifest.run_id, epoch=0, members=members, me=h.peer_id) for h in hosts]
+
         def train(i: int) -> None:
+            t = trainers[i]
             for _ in range(steps):
-                trainers[i].step()
-            syncs[i].close(trainers[i].model)
+                t.step(StepControl(step=t.step_count, group=groups[i]))
+            t.close()
 
         t0 = time.perf_counter()
         async with trio.open_nursery() as nursery:

@@ -1,0 +1,1 @@
+"""What keeps the replicas of a stage together: the synchronizer contract and its implementations."""

@@ -7,7 +7,9 @@ from typing import Any
 import torch
 
 from shoal.kernels.codec import CastCodec, Codec, NoCompression
-from shoal.node.sync.base import GroupSync, flat_grads, flat_params, hash_tensor, write_flat_grads
+from shoal.node.sync.base import GroupSync, RoundReport, flat_grads, flat_params, write_flat_grads
+from shoal.node.train.control import StepControl
+from shoal.swarm.state.snapshot import hash_tensor
 
 
 def wire_codec(dtype: str) -> Codec:
@@ -28,15 +30,18 @@ class AllReduceSync(GroupSync):
         super().__init__(**kw)
         self.codec = wire_codec(dtype)
 
-    def before_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
+    def before_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              control: StepControl) -> bool:
         self.device = next(model.parameters()).device
-        group = self.group()
-        mean, _ = self.allreduce_mean(flat_grads(model), self.codec, group, step, "grad")
+        report = RoundReport()
+        mean, _ = self.allreduce_mean(flat_grads(model), self.codec, self.group(control), control.step, "grad", report)
+        report.into(control)
         write_flat_grads(model, mean)
         self.rounds += 1
         return True
 
-    def after_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    def after_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             control: StepControl) -> None:
         self.last_hash = hash_tensor(flat_params(model))
 
     def state_dict(self) -> dict[str, Any]:

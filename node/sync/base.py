@@ -2,40 +2,44 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import statistics
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import trio
 
 from shoal.kernels.codec import Codec, Encoded, tensor_from_buffer
 from shoal.kernels.topk import decode_topk
+from shoal.node.defaults import ROUND_TIMEOUT_S
+from shoal.node.sync.interface import Synchronizer
+from shoal.node.train.control import StepControl
 from shoal.node.train.model import even_split
-from shoal.node.train.trainer import Synchronizer
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.frames import decode_frame, encode_frame, make_header
-from shoal.swarm.run.group import Group
 from shoal.swarm.net.penalty import Penalties
-
-if TYPE_CHECKING:  # the synchronizers need no libp2p at import: only a collective's exchange
-    from shoal.swarm.run.collective import Collective
+from shoal.swarm.run.group import Group
+from shoal.swarm.state.snapshot import hash_tensor
 
 log = logging.getLogger(__name__)
+
+#: a blocking exchange from the trainer's worker thread: (tag, {peer: bytes to send}, peers to wait for, timeout_s)
+#: -> {peer: bytes received} (`Collective.blocking`); the synchronizers need no event loop and no libp2p themselves
+Exchange = Callable[[str, dict[str, bytes], set[str], float], dict[str, bytes]]
 
 #: a hook for fault-injection tests: (phase, recipient peer id, outgoing Encoded) -> what is really sent to that
 #: member, or None to send it nothing
 Fault = Callable[[str, str, Encoded], Encoded | None]
+MIN_PHASE_SHARE = 0.1  # a phase that starts late still waits at least this share of the round timeout
+BROADCAST_RMS_FLOOR = 1e-12  # an all-zero median admits broadcasts up to this RMS
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SyncConfig:
-    round_timeout_s: float = 30.0  # one exchange phase; a member not heard by then is skipped for the rest of the epoch
+    round_timeout_s: float = ROUND_TIMEOUT_S  # one exchange phase; a member not heard by then is skipped
+    # for the rest of the epoch
     # A contribution is compared, by RMS, with the larger of the group's (low) median and this replica's own:
     clip_factor: float = 4.0  # above this multiple it is scaled down to it (an honest spike; no penalty)
     reject_factor: float = 1000.0  # above this multiple it is rejected and its sender penalized
@@ -87,10 +91,6 @@ def decode_values(e: Encoded, codec: Codec | None) -> torch.Tensor:
     return x
 
 
-def hash_tensor(x: torch.Tensor) -> str:
-    return hashlib.sha256(x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
-
-
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
 
@@ -120,51 +120,57 @@ def write_flat_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
         o += n
 
 
-class GroupSync(Synchronizer):
-    """Base of the network synchronizers; the trainer thread reaches the trio loop through `trio_token`.
+@dataclass(slots=True)
+class RoundReport:
+    """What one round learned about other members; written only by the thread running the round, then absorbed
+    into the StepControl of the step that applies the round."""
 
-    Chunk ownership comes from the broker's group and never changes within a group epoch, so every member derives
-    the same owners without talking. What a replica decides alone only narrows whom it exchanges with: a member
-    that missed a deadline or whose update was rejected is skipped (not waited for, not sent to, not used) for the
-    rest of the epoch, and a chunk whose owner is skipped stays as it is on this replica. The broker hears of it
-    (`on_missing(peer_ids)`, `on_offender(peer_id, reason)`) and re-forms the group at an agreed step, which is
-    where chunks change owners; replicas that saw a round differently meet again through the state-hash vote.
+    missing: set[str] = field(default_factory=set)
+    offenders: dict[str, str] = field(default_factory=dict)
+
+    def into(self, control: StepControl | None) -> None:
+        if control is not None:
+            control.absorb(self.missing, self.offenders)
+
+
+class GroupSync(Synchronizer):
+    """Base of the network synchronizers; rounds reach the network through a blocking `exchange`.
+
+    Chunk ownership comes from the broker's group (the StepControl's) and never changes within a group epoch, so
+    every member derives the same owners without talking. What a replica decides alone only narrows whom it
+    exchanges with: a member that missed a deadline or whose update was rejected is skipped (not waited for, not
+    sent to, not used) for the rest of the epoch, and a chunk whose owner is skipped stays as it is on this
+    replica. The round records it in its `RoundReport`, the step's StepControl carries it to the runtime, and the
+    runtime tells the broker, which re-forms the group at an agreed step (where chunks change owners); replicas
+    that saw a round differently meet again through the state-hash vote.
+
+    Threads: at most one round is in flight, and the state it uses (`_skipped`, the synchronized tensors) belongs
+    to it; the trainer thread touches that state only after joining the round.
     """
 
-    def __init__(self, *, collective: Collective, group_fn: Callable[[], Group], trio_token: trio.lowlevel.TrioToken,
-                 penalties: Penalties, config: SyncConfig = SyncConfig(),
-                 on_missing: Callable[[list[str]], None] | None = None,
-                 on_offender: Callable[[str, str], None] | None = None):
-        self.collective = collective
-        self.group_fn = group_fn
-        self.trio_token = trio_token
+    def __init__(self, *, exchange: Exchange, penalties: Penalties, config: SyncConfig = SyncConfig(),
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self._exchange = exchange
         self.penalties = penalties
         self.config = config
-        self.on_missing = on_missing
-        self.on_offender = on_offender
-        self.bytes_sent = 0  # tensor-frame bytes this replica sent to other members
-        self.bytes_recv = 0  # tensor-frame bytes accepted from other members
-        self.fp32_bytes = 0  # what fp32 all-reduce messages for the same coordinates would have carried
-        self.rounds = 0
+        self.clock = clock
         self.last_hash = ""
         self.device = torch.device("cpu")  # the model's: state lives there, what arrives is moved there
         self.fault: Fault | None = None
         self._epoch: tuple[str, int] | None = None
         self._skipped: set[str] = set()
 
-    # -- what the daemon reads
     def state_hash(self) -> str:
-        """Hash of the synchronized state after the last round: equal on every replica of the group."""
         return self.last_hash
 
-    @property
-    def compression_ratio(self) -> float:
-        return self.fp32_bytes / self.bytes_sent if self.bytes_sent else 1.0
-
     # -- group and faults
-    def group(self) -> Group:
-        """This round's group: the broker's, unchanged within its epoch (skips reset when the epoch changes)."""
-        g = self.group_fn()
+    def group(self, control: StepControl) -> Group:
+        """This round's group: the broker's (carried by the StepControl), unchanged within its epoch; skips reset
+        when the epoch changes."""
+        g = control.group
+        if not isinstance(g, Group):
+            raise RuntimeError(f"step {control.step} has no group to synchronize with")
         if self._epoch != (g.run_id, g.epoch):
             self._epoch, self._skipped = (g.run_id, g.epoch), set()
         return g
@@ -174,49 +180,47 @@ class GroupSync(Synchronizer):
         return {m for m in g.members
                 if m == g.me or (m not in self._skipped and not self.penalties.is_banned(m))}
 
-    def _missing(self, peers: set[str]) -> None:
+    def _missing(self, peers: set[str], report: RoundReport) -> None:
+        peers = peers - report.offenders.keys()  # skipped because we rejected their update: offenders, not silent
         if peers:
             self._skipped |= peers
+            report.missing |= peers
             log.warning("members missed the round deadline, skipped for this epoch: %s", sorted(peers))
-            if self.on_missing:
-                self.on_missing(sorted(peers))
 
-    def _offend(self, peer: str, reason: str) -> None:
+    def _offend(self, peer: str, reason: str, report: RoundReport) -> None:
         self._skipped.add(peer)
         self.penalties.penalize(peer, f"sync: {reason}")
+        report.offenders.setdefault(peer, reason)
         log.warning("update from %s rejected: %s", peer, reason)
-        if self.on_offender:
-            self.on_offender(peer, reason)
 
     # -- network
-    def close(self, model: torch.nn.Module) -> None:
-        """Finish whatever round is still in flight and apply it (call before a checkpoint or at the end)."""
-
-    def exchange(self, tag: str, sends: dict[str, Encoded], expect: set[str], phase: str, *, round_start: float,
-                 phase_no: int, dense_numel: int | None = None) -> dict[str, bytes]:
+    def exchange(self, group: Group, tag: str, sends: dict[str, Encoded], expect: set[str], phase: str, *,
+                 round_start: float, phase_no: int, dense_numel: int | None = None) -> dict[str, bytes]:
         """Frame and send `sends`, wait for `expect` (from the trainer's worker thread); counts bytes.
 
-        Phase `phase_no` (1, 2) of a round that began at `round_start` (time.monotonic) waits until round_start +
+        Phase `phase_no` (1, 2) of a round that began at `round_start` (on `clock`) waits until round_start +
         phase_no x round_timeout_s: a member held up by a full deadline in an earlier phase (someone else's lost
         message) still arrives in time, so one failure costs every member one deadline and is seen by one member.
         `dense_numel`: the coordinates one message stands for, if not its own size (fp32-equivalent accounting)."""
         timeout = self.config.round_timeout_s
-        timeout_s = max(round_start + phase_no * timeout - time.monotonic(), 0.1 * timeout)
+        timeout_s = max(round_start + phase_no * timeout - self.clock(), MIN_PHASE_SHARE * timeout)
+        me = group.me
         wire: dict[str, bytes] = {}
         for p, e in sends.items():
-            if p != self.collective.me and self.fault is not None:
+            if p != me and self.fault is not None:
                 e = self.fault(phase, p, e)
                 if e is None:
                     continue
             wire[p] = encode_tensor(e)
-            if p != self.collective.me:
+            if p != me:
                 self.bytes_sent += len(wire[p])
                 self.fp32_bytes += 4 * (dense_numel if dense_numel is not None else e.numel)
-        got = trio.from_thread.run(self.collective.exchange, tag, wire, expect, timeout_s, trio_token=self.trio_token)
-        self.bytes_recv += sum(len(b) for p, b in got.items() if p != self.collective.me)
+        got = self._exchange(tag, wire, expect, timeout_s)
+        self.bytes_recv += sum(len(b) for p, b in got.items() if p != me)
         return got
 
-    def accept(self, got: dict[str, bytes], decode: Callable[[bytes], torch.Tensor]) -> dict[str, torch.Tensor]:
+    def accept(self, me: str, got: dict[str, bytes], decode: Callable[[bytes], torch.Tensor],
+               report: RoundReport) -> dict[str, torch.Tensor]:
         """Decode and validate contributions: bad frames and non-finite values are rejected; by RMS against the
         larger of the (low) median and this replica's own, a spike is scaled down to `clip_factor` times it and
         anything past `reject_factor` times it is rejected. Rejections penalize the sender."""
@@ -225,13 +229,12 @@ class GroupSync(Synchronizer):
             try:
                 out[p] = decode(b).to(self.device)
             except ProtocolError as e:
-                if p == self.collective.me:
+                if p == me:
                     raise
-                self._offend(p, str(e))
-        me = self.collective.me
+                self._offend(p, str(e), report)
         if len(out) < 2:
             return out
-        rms = {p: float(x.norm()) / math.sqrt(max(x.numel(), 1)) for p, x in out.items()}
+        rms = {p: _rms(x) for p, x in out.items()}
         ref = max(statistics.median_low(sorted(rms.values())), rms.get(me, 0.0))
         if ref <= 0.0:
             return out  # nothing to measure against (an all-zero majority): only the frame and finiteness checks
@@ -239,15 +242,15 @@ class GroupSync(Synchronizer):
             if p == me:
                 continue
             if v > self.config.reject_factor * ref:
-                self._offend(p, f"update RMS {v:.3g} > {self.config.reject_factor:g} x reference {ref:.3g}")
+                self._offend(p, f"update RMS {v:.3g} > {self.config.reject_factor:g} x reference {ref:.3g}", report)
                 del out[p]
             elif v > self.config.clip_factor * ref:
                 log.info("update from %s clipped: RMS %.3g > %g x reference %.3g", p, v, self.config.clip_factor, ref)
                 out[p] = out[p] * (self.config.clip_factor * ref / v)
         return out
 
-    def allreduce_mean(self, flat: torch.Tensor, codec: Codec, group: Group, round_: int,
-                       phase: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def allreduce_mean(self, flat: torch.Tensor, codec: Codec, group: Group, round_: int, phase: str,
+                       report: RoundReport) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean of `flat` over the group: reduce-scatter to chunk owners, the owner encodes once (and keeps the
         decoded value itself, so all replicas hold identical bits), all-gather. Returns (mean, covered): a chunk
         whose owner is skipped or not heard from is zero in the mean and False in `covered`."""
@@ -258,13 +261,14 @@ class GroupSync(Synchronizer):
         a, b = bounds[group.rank]
         live = self.live(group)
         sends = {m: codec.encode(flat[lo:hi].contiguous()) for m, (lo, hi) in zip(group.members, bounds) if m in live}
-        t0 = time.monotonic()
-        got = self.exchange(group.tag(round_, f"{phase}/rs"), sends, live, f"{phase}/rs", round_start=t0, phase_no=1)
+        t0 = self.clock()
+        got = self.exchange(group, group.tag(round_, f"{phase}/rs"), sends, live, f"{phase}/rs", round_start=t0,
+                            phase_no=1)
 
         def dec(n):
             return lambda buf: decode_values(decode_tensor(buf, codec=codec.name, dtype="float32", numel=n), codec)
 
-        parts = self.accept(got, dec(b - a))
+        parts = self.accept(group.me, got, dec(b - a), report)
         total = torch.zeros(b - a, device=flat.device)
         for m in group.members:  # a fixed order: the owner's sum is deterministic
             if m in parts:
@@ -273,7 +277,7 @@ class GroupSync(Synchronizer):
         # a member not heard (or rejected) in the first phase is not waited for again: a dead member costs one
         # deadline, not two
         heard = set(got) & self.live(group)
-        got = self.exchange(group.tag(round_, f"{phase}/ag"), {m: mean for m in heard}, heard, f"{phase}/ag",
+        got = self.exchange(group, group.tag(round_, f"{phase}/ag"), {m: mean for m in heard}, heard, f"{phase}/ag",
                             round_start=t0, phase_no=2)
         out = torch.zeros_like(flat, dtype=torch.float32)
         chunks = {}
@@ -282,25 +286,30 @@ class GroupSync(Synchronizer):
                 try:
                     chunks[m] = dec(hi - lo)(got[m])
                 except ProtocolError as e:
-                    self._offend(m, str(e))
-        chunks = self.accept_broadcasts(chunks)
+                    self._offend(m, str(e), report)
+        chunks = self.accept_broadcasts(group.me, chunks, report)
         covered = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
         for m, (lo, hi) in zip(group.members, bounds):
             if m in chunks:
                 out[lo:hi] = chunks[m]
                 covered[lo:hi] = True
-        self._missing(live - got.keys())
+        self._missing(live - got.keys(), report)
         return out, covered
 
-    def accept_broadcasts(self, chunks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def accept_broadcasts(self, me: str, chunks: dict[str, torch.Tensor],
+                          report: RoundReport) -> dict[str, torch.Tensor]:
         """Owners' broadcasts are compared by RMS with the median over chunks (a loose bound: chunks differ)."""
         if len(chunks) < 2:
             return chunks
-        rms = {p: float(x.norm()) / math.sqrt(max(x.numel(), 1)) for p, x in chunks.items()}
+        rms = {p: _rms(x) for p, x in chunks.items()}
         ref = statistics.median_low(sorted(rms.values()))
         for p, v in rms.items():
-            if p != self.collective.me and v > self.config.broadcast_norm_factor * ref + 1e-12:
-                self._offend(p, f"broadcast RMS {v:.3g} > {self.config.broadcast_norm_factor:g} x median {ref:.3g}")
+            if p != me and v > self.config.broadcast_norm_factor * ref + BROADCAST_RMS_FLOOR:
+                self._offend(p, f"broadcast RMS {v:.3g} > {self.config.broadcast_norm_factor:g} x median {ref:.3g}",
+                             report)
                 del chunks[p]
         return chunks
 
+
+def _rms(x: torch.Tensor) -> float:
+    return float(x.norm()) / math.sqrt(max(x.numel(), 1))

@@ -18,7 +18,6 @@ During the first `warmup_steps` steps gradients are all-reduced uncompressed and
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -27,9 +26,11 @@ import torch
 from shoal.kernels.cocktail import CocktailCompressor, CocktailConfig
 from shoal.kernels.topk import topk_count
 from shoal.node.sync.allreduce import wire_codec
-from shoal.node.sync.base import (GroupSync, chunk_bounds, decode_tensor, decode_values, flat_grads, flat_params,
-                                  hash_tensor, write_flat_grads, write_flat_params)
+from shoal.node.sync.base import (GroupSync, RoundReport, chunk_bounds, decode_tensor, decode_values, flat_grads,
+                                  flat_params, write_flat_grads, write_flat_params)
+from shoal.node.train.control import StepControl
 from shoal.swarm.run.group import Group
+from shoal.swarm.state.snapshot import hash_tensor
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ class CocktailSync(GroupSync):
         self.g: torch.Tensor | None = None  # fp16, the synchronized parameters
         self.e: torch.Tensor | None = None  # fp32, server error (only the chunk this replica serves is used)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cocktail-round")
-        self._pending: Future | None = None
+        self._pending: Future | None = None  # the round in flight: (parameters, report)
         self._ready_x: torch.Tensor | None = None
+        self._ready_report: RoundReport | None = None
 
     def _ensure(self, model: torch.nn.Module) -> None:
         self.device = next(model.parameters()).device
@@ -59,33 +61,42 @@ class CocktailSync(GroupSync):
         elif self.g.device != self.device:  # loaded from a snapshot (on the CPU)
             self.g, self.e = self.g.to(self.device), self.e.to(self.device)
 
-    def before_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
+    def before_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              control: StepControl) -> bool:
         self._ensure(model)
-        self._join(model)
+        self._join(model, control)
+        step = control.step
         if step < self.warmup_steps:
-            mean, _ = self.allreduce_mean(flat_grads(model), self.codec, self.group(), step, "warm")
+            report = RoundReport()
+            mean, _ = self.allreduce_mean(flat_grads(model), self.codec, self.group(control), step, "warm", report)
+            report.into(control)
             write_flat_grads(model, mean)
         return True
 
-    def after_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    def after_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             control: StepControl) -> None:
         self._ensure(model)
+        step = control.step
         if step < self.warmup_steps:  # replicas are identical: g is simply the current parameters
             self.g = flat_params(model).half()
             self.last_hash = hash_tensor(self.g)
             return
-        group = self.group()  # membership is read at the round boundary, in the trainer thread
+        group = self.group(control)  # membership is read at the round boundary, in the trainer thread
         self._pending = self._pool.submit(self._round, flat_params(model), group, step)
 
-    def close(self, model: torch.nn.Module) -> None:
-        self._join(model)
+    def close(self, model: torch.nn.Module, control: StepControl | None = None) -> None:
+        self._join(model, control)
 
     def _wait(self) -> None:
         if self._pending is not None:
             fut, self._pending = self._pending, None
-            self._ready_x = fut.result()
+            self._ready_x, self._ready_report = fut.result()
 
-    def _join(self, model: torch.nn.Module) -> None:
+    def _join(self, model: torch.nn.Module, control: StepControl | None) -> None:
         self._wait()
+        if self._ready_report is not None:
+            self._ready_report.into(control)
+            self._ready_report = None
         if self._ready_x is not None:
             write_flat_params(model, self._ready_x)
             self._ready_x = None
@@ -93,7 +104,8 @@ class CocktailSync(GroupSync):
             self.last_hash = hash_tensor(self.g)
 
     # -- one round (background thread; touches only its snapshot x, g and e) ---------------------------
-    def _round(self, x: torch.Tensor, group: Group, step: int) -> torch.Tensor:
+    def _round(self, x: torch.Tensor, group: Group, step: int) -> tuple[torch.Tensor, RoundReport]:
+        report = RoundReport()
         bounds = chunk_bounds(x.numel(), group.size)
         comps = [CocktailCompressor(hi - lo, self.cfg) for lo, hi in bounds]
         live = self.live(group)
@@ -103,17 +115,18 @@ class CocktailSync(GroupSync):
                 xs[c] = x[lo:hi].clone()
                 up[m] = comps[c].worker_compress(xs[c], self.g[lo:hi], step)
         lo, hi = bounds[group.rank]
-        t0 = time.monotonic()
-        got = self.exchange(group.tag(step, "up"), up, live, "up", round_start=t0, phase_no=1, dense_numel=hi - lo)
+        t0 = self.clock()
+        got = self.exchange(group, group.tag(step, "up"), up, live, "up", round_start=t0, phase_no=1,
+                            dense_numel=hi - lo)
         # server: aggregate the chunk this replica owns
         comp = comps[group.rank]
-        values = self.accept(got, lambda buf: decode_values(self._decode(buf, comp, "float16"), None))
+        values = self.accept(group.me, got, lambda buf: decode_values(self._decode(buf, comp, "float16"), None), report)
         s_hat = comp.server_aggregate_values([values[m] for m in group.members if m in values], self.e[lo:hi], step)
         # a member not heard (or rejected) in the up phase is not waited for again: a dead member costs one
         # deadline, not two
         heard = set(got) & self.live(group)
-        down = self.exchange(group.tag(step, "down"), {m: s_hat for m in heard}, heard, "down", round_start=t0,
-                             phase_no=2, dense_numel=hi - lo)
+        down = self.exchange(group, group.tag(step, "down"), {m: s_hat for m in heard}, heard, "down",
+                             round_start=t0, phase_no=2, dense_numel=hi - lo)
         received, dense = {}, {}
         for c, m in enumerate(group.members):
             if m in down:
@@ -121,14 +134,14 @@ class CocktailSync(GroupSync):
                     received[m] = self._decode(down[m], comps[c], "float32")
                     dense[m] = decode_values(received[m], None)
                 except Exception as err:  # noqa: BLE001 - ProtocolError or a kernel's ValueError: the owner's fault
-                    self._offend(m, f"broadcast: {err}")
-        dense = self.accept_broadcasts(dense)
+                    self._offend(m, f"broadcast: {err}", report)
+        dense = self.accept_broadcasts(group.me, dense, report)
         for c, (m, (lo, hi)) in enumerate(zip(group.members, bounds)):
             if m in dense:
                 comps[c].worker_apply(xs[c], self.g[lo:hi], step, received[m])
                 x[lo:hi] = xs[c]
-        self._missing(live - down.keys())
-        return x
+        self._missing(live - down.keys(), report)
+        return x, report
 
     def _decode(self, buf: bytes, comp: CocktailCompressor, dtype: str):
         n = comp.mask(0).count
@@ -146,7 +159,7 @@ class CocktailSync(GroupSync):
         """x = g and no server error: a copy of another replica's x would count its unsent residual twice in the
         group's mean, and the server error belonged to the chunk that replica owned."""
         self._wait()
-        self._ready_x = None
+        self._ready_x = self._ready_report = None
         if self.g is not None:
             write_flat_params(model, self.g.float())
             self.e = torch.zeros_like(self.e) if self.e is not None else None

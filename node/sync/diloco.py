@@ -16,13 +16,15 @@ training) after step t + tau; tau < H/P keeps at most one fragment on the wire. 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from shoal.kernels.codec import E3M0Codec, NoCompression
-from shoal.node.sync.base import GroupSync, flat_params, hash_tensor, write_flat_params
+from shoal.node.sync.base import GroupSync, RoundReport, flat_params, write_flat_params
+from shoal.node.train.control import StepControl
+from shoal.swarm.state.snapshot import hash_tensor
 
 
 @dataclass(slots=True)
@@ -30,6 +32,7 @@ class _InFlight:
     fragment: int
     apply_after: int  # the optimizer step after which the outer update is applied
     result: Future | tuple[torch.Tensor, torch.Tensor]  # (mean outer gradient, covered); a Future while on the wire
+    report: RoundReport = field(default_factory=RoundReport)  # the round's, written by the thread running it
 
     def mean(self) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(self.result, Future):
@@ -81,42 +84,49 @@ class DilocoSync(GroupSync):
         s, h = step + 1, self.inner_steps
         return [p for p in range(self.fragments) if s % h == (h * (p + 1) // self.fragments) % h]
 
-    def before_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
+    def before_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              control: StepControl) -> bool:
         self._ensure(model)
         return True
 
-    def after_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    def after_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             control: StepControl) -> None:
         self._ensure(model)
+        step = control.step
         if self._inflight is not None and step >= self._inflight.apply_after:
-            self._apply(model)
+            self._apply(model, control)
         for p in self.fragment_due(step):
-            self._start(model, p, step)
+            self._start(model, p, control)
 
-    def close(self, model: torch.nn.Module) -> None:
+    def close(self, model: torch.nn.Module, control: StepControl | None = None) -> None:
         """Apply an outer update still in flight now (before a snapshot or at the end)."""
         if self._inflight is not None:
-            self._apply(model)
+            self._apply(model, control)
 
-    def _start(self, model: torch.nn.Module, frag: int, step: int) -> None:
+    def _start(self, model: torch.nn.Module, frag: int, control: StepControl) -> None:
         if self._inflight is not None:  # cannot happen with tau < H/P, but never two fragments on the wire
-            self._apply(model)
+            self._apply(model, control)
         idx = self._frag_idx[frag]
         if idx.numel() == 0:
             return
+        step = control.step
         delta = self.theta[idx] - flat_params(model)[idx]
-        group = self.group()  # membership is read at the round boundary, in the trainer thread
-        args = (delta, self.codec, group, step, f"outer{frag}")
+        group = self.group(control)  # membership is read at the round boundary, in the trainer thread
+        report = RoundReport()
+        args = (delta, self.codec, group, step, f"outer{frag}", report)
         if self._pool is None:
-            self._inflight = _InFlight(frag, step, self.allreduce_mean(*args))
-            self._apply(model)
+            self._inflight = _InFlight(frag, step, self.allreduce_mean(*args), report)
+            self._apply(model, control)
         else:
-            self._inflight = _InFlight(frag, step + self.overlap_steps, self._pool.submit(self.allreduce_mean, *args))
+            self._inflight = _InFlight(frag, step + self.overlap_steps, self._pool.submit(self.allreduce_mean, *args),
+                                       report)
 
-    def _apply(self, model: torch.nn.Module) -> None:
+    def _apply(self, model: torch.nn.Module, control: StepControl | None) -> None:
         """The outer Nesterov step on theta's fragment, then the merge of the local parameters with it. Coordinates
         whose chunk owner was not heard keep theta, momentum and the local progress (it stays in theta - x)."""
         job, self._inflight = self._inflight, None
         mean, covered = job.mean()
+        job.report.into(control)
         mean, covered = mean.to(self.device), covered.to(self.device)  # a loaded in-flight update is on the CPU
         idx = self._frag_idx[job.fragment]
         if not bool(covered.all()):

@@ -2,40 +2,24 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-import trio
 
 from shoal.kernels.cocktail import CocktailConfig
 from shoal.node.sync.allreduce import AllReduceSync
-from shoal.node.sync.base import SyncConfig
+from shoal.node.sync.base import Exchange, SyncConfig
 from shoal.node.sync.cocktail import CocktailSync
 from shoal.node.sync.diloco import DilocoSync
-from shoal.node.train.trainer import NoSync, Synchronizer
+from shoal.node.sync.interface import NoSync, Synchronizer
 from shoal.protocol.manifest import RunManifest
-from shoal.swarm.run.group import Group
 from shoal.swarm.net.penalty import Penalties
 
-if TYPE_CHECKING:  # the synchronizers need no libp2p at import: only a collective's exchange
-    from shoal.swarm.run.collective import Collective
 
-
-def make_synchronizer(
-    manifest: RunManifest,
-    *,
-    collective: Collective,
-    group_fn: Callable[[], Group],
-    trio_token: trio.lowlevel.TrioToken,
-    penalties: Penalties,
-    config: SyncConfig = SyncConfig(),
-    on_missing: Callable[[list[str]], None] | None = None,
-    on_offender: Callable[[str, str], None] | None = None,
-) -> Synchronizer:
+def make_synchronizer(manifest: RunManifest, *, exchange: Exchange, penalties: Penalties,
+                      config: SyncConfig = SyncConfig(), clock: Callable[[], float] = time.monotonic) -> Synchronizer:
     """The synchronizer of `manifest.plan.sync.method`; NoSync for 'none'."""
     spec = manifest.plan.sync
-    kw = dict(collective=collective, group_fn=group_fn, trio_token=trio_token, penalties=penalties, config=config,
-              on_missing=on_missing, on_offender=on_offender)
+    kw = dict(exchange=exchange, penalties=penalties, config=config, clock=clock)
     if spec.method == "none":
         return NoSync()
     if spec.method == "allreduce":

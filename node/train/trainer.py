@@ -1,6 +1,7 @@
 """The step loop of one replica: micro-batches, AdamW or SGD, warm-up + cosine, clipping, eval, hooks, a synchronizer slot.
 
-`Trainer.step()` is synchronous and self-contained so the daemon can run it in `trio.to_thread.run_sync`.
+`Trainer.step(control)` is synchronous and self-contained so the runtime can run it in a worker thread; the
+`StepControl` is the one object that crosses between them (node/train/control.py).
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ import logging
 import math
 import random
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,66 +19,13 @@ import torch
 
 from shoal.node.train import checkpoint
 from shoal.node.train.data import Corpus, Samples, ShardedSampler, heldout_batches, load_corpus
-from shoal.node.train.model import GPTConfig, GPTStage, build_model, lm_loss
+from shoal.node.train.control import StepControl, StepResult, StepStage
+from shoal.node.train.model import GPTConfig, GPTStage, build_stage, lm_loss
+from shoal.node.sync.interface import NoSync, Synchronizer
 from shoal.protocol.manifest import OptimSpec, RunManifest
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1
-
-
-class Synchronizer(ABC):
-    """Keeps the D replicas of a stage together. The trainer calls it around every optimizer step.
-
-    `before_optimizer_step` runs once the local gradients of the whole batch are accumulated (before
-    clipping): an all-reduce averages them here. It returns False to skip this step's optimizer update
-    (e.g. the group could not agree). `after_optimizer_step` runs after the update: CocktailSGD and
-    DiLoCo exchange parameter differences here.
-    """
-
-    name: str = "?"
-    #: name prefixes (in the trainer's flattened state) of what must be bit-identical across the group: a replica
-    #: entering it pulls only these at the exact revision and takes the rest from its warm copy; None: everything
-    group_state: tuple[str, ...] | None = None
-
-    @abstractmethod
-    def before_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool: ...
-
-    @abstractmethod
-    def after_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None: ...
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-    def enter(self, model: torch.nn.Module) -> None:
-        """After a replica loads the group's state to enter it: restart local state from the synchronized one."""
-
-
-class NoSync(Synchronizer):
-    """One replica: nothing to synchronize."""
-
-    name = "none"
-
-    def before_optimizer_step(self, model, optimizer, step):
-        return True
-
-    def after_optimizer_step(self, model, optimizer, step):
-        return None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepResult:
-    step: int  # the number of optimizer steps done after this one
-    loss: float
-    lr: float
-    grad_norm: float
-    tokens: int
-    seconds: float
-    tokens_per_s: float
-    applied: bool  # False if the update was skipped (non-finite gradients, or the synchronizer said so)
-    eval_loss: float | None = None
 
 
 def lr_at(opt: OptimSpec, step: int) -> float:
@@ -101,18 +47,34 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+def copy_state(state: Any) -> Any:
+    """A private copy of a nested state: every tensor cloned (the live ones keep changing as training goes on)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: copy_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [copy_state(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(copy_state(v) for v in state)
+    return state
+
+
 class Trainer:
-    """Trains one replica of the whole model (a 1x1 plan) from a run manifest."""
+    """Trains one replica of one stage of a run (stage 0 of 1 is the whole model) from a run manifest."""
 
     def __init__(
         self,
         manifest: RunManifest,
         *,
         device: str | torch.device = "cpu",
+        stage: int = 0,
         replica: int = 0,
         synchronizer: Synchronizer | None = None,
         corpus: Corpus | None = None,
     ):
+        if manifest.plan.stages != 1:
+            raise ValueError(f"this trainer runs one-stage plans; the run has {manifest.plan.stages} stages")
         self.manifest = manifest
         self.device = resolve_device(device) if isinstance(device, str) else device
         self.sync = synchronizer or NoSync()
@@ -125,7 +87,9 @@ class Trainer:
         )
         self.eval_ids = heldout_batches(self.heldout_samples, manifest.batch.micro_batch_size, manifest.eval.batches)
         self.model_config = GPTConfig.from_spec(manifest.model, seq)
-        self.model: GPTStage = build_model(self.model_config, seed=manifest.seed).to(self.device)
+        self.stage = stage
+        self.model: GPTStage = build_stage(self.model_config, stage, manifest.plan.stages,
+                                           seed=manifest.seed).to(self.device)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         o = manifest.optim
@@ -155,10 +119,28 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def step(self) -> StepResult:
-        """One optimizer step over batch_size sequences (micro-batched), then eval if due."""
+    def snapshot(self, control: StepControl) -> dict[str, Any]:
+        """The state at revision `control.step` (the round boundary before that step): the synchronizer's in-flight
+        round applied first, then a private copy of everything (training may go on while it is served)."""
+        if control.step != self.step_count:
+            raise ValueError(f"snapshot for step {control.step}, but the trainer is at step {self.step_count}")
+        control.advance(StepStage.SNAPSHOT)
+        self.sync.close(self.model, control)
+        return copy_state(self.state_dict())
+
+    def close(self, control: StepControl | None = None) -> None:
+        """Apply the synchronizer's in-flight round (the end of training)."""
+        self.sync.close(self.model, control)
+
+    def step(self, control: StepControl | None = None) -> StepResult:
+        """One optimizer step over batch_size sequences (micro-batched), then eval if due. `control` carries the
+        step's group to the synchronizer and brings back its result, state hash and what the round learned."""
+        control = control if control is not None else StepControl(step=self.step_count)
+        if control.step != self.step_count:
+            raise ValueError(f"asked for step {control.step}, but the trainer is at step {self.step_count}")
         for hook in self.before_step_hooks:
             hook(self)
+        control.advance(StepStage.COMPUTE)
         t0 = time.perf_counter()
         b = self.manifest.batch
         step = self.step_count
@@ -175,7 +157,8 @@ class Trainer:
             loss_sum += loss.detach()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        apply = self.sync.before_optimizer_step(self.model, self.optimizer, step)
+        control.advance(StepStage.SYNC)
+        apply = self.sync.before_optimizer_step(self.model, self.optimizer, control)
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.manifest.optim.grad_clip
         if clip > 0:
@@ -196,7 +179,7 @@ class Trainer:
             log.warning("step %d: non-finite gradient norm, update skipped", step)
         if self.scaler:
             self.scaler.update()
-        self.sync.after_optimizer_step(self.model, self.optimizer, step)
+        self.sync.after_optimizer_step(self.model, self.optimizer, control)
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count = step + 1
         loss_f = float(loss_sum)
@@ -217,6 +200,8 @@ class Trainer:
             eval_loss=eval_loss,
         )
         self.last = result
+        control.result, control.state_hash = result, self.sync.state_hash()
+        control.advance(StepStage.DONE)
         for after in self.after_step_hooks:
             after(self, result)
         return result

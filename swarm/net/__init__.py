@@ -1,0 +1,1 @@
+"""The network underneath everything: libp2p host, identity, framing, RPC, gossip, membership, penalties."""

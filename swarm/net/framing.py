@@ -7,6 +7,7 @@ import struct
 from shoal.protocol.errors import DecodeError, TooLargeError
 
 _LEN = struct.Struct(">I")
+PREFIX_BYTES = _LEN.size  # the length prefix in front of every frame
 
 
 class StreamClosed(ConnectionError):

@@ -1,0 +1,1 @@
+"""A run across the swarm: broker, run client, groups and their schedule, the group collective."""

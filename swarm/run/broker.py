@@ -12,8 +12,8 @@ from typing import Any
 import trio
 
 from shoal.protocol.assignment import (
-    ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, REGISTERED, AdmitRequest, AdmitResponse, AssignmentTable,
-    BrokerLease, MissingReport, ProviderEntry, SlotEntry, slot_name)
+    ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_PROVIDERS, REGISTERED, AdmitRequest, AdmitResponse,
+    AssignmentTable, BrokerLease, MissingReport, ProviderEntry, SlotEntry, slot_name)
 from shoal.protocol.envelope import seal
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HardwareProfile
@@ -22,6 +22,8 @@ from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.membership import LEFT, Membership
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.rpc import RpcError, call
+
+Clock = Callable[[], float]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,14 @@ class BrokerConfig:
         if self.straggler_misses < 1 or self.straggler_window_s <= 0 or self.demote_hold_s < 0:
             raise ValueError("straggler_misses >= 1, straggler_window_s > 0 and demote_hold_s >= 0 are required")
 
+    @classmethod
+    def for_fail_after(cls, fail_after_s: float) -> BrokerConfig:
+        """Settings scaled to one failure-detection time: the lease lapses after it too, liveness is checked three
+        times within it and the lease renewed four times (never less often than the defaults)."""
+        d = cls()
+        return cls(fail_after_s=fail_after_s, lease_timeout_s=fail_after_s,
+                   heartbeat_s=min(d.heartbeat_s, fail_after_s / 3), lease_renew_s=min(d.lease_renew_s, fail_after_s / 4))
+
 
 @dataclass(kw_only=True, slots=True)
 class RunContext:
@@ -67,6 +77,10 @@ class RunContext:
     # stage -> the first step at which a group change can safely take effect (every member must hear of the
     # new table before it reaches that step); None: changes take effect from step 0 (nothing trains yet)
     switch_step: Callable[[int], int] | None = None
+    # monotonic seconds for every timeout, lease and backoff (the membership's clock: liveness compares both);
+    # wall-clock seconds only for what records carry (issue times, lease expiry)
+    clock: Clock = time.monotonic
+    wall: Clock = time.time
 
     @property
     def run_id(self) -> str:
@@ -82,14 +96,15 @@ class Provider:
     peer_id: str
     state: str
     order: int  # admission order; breaks ties, and picks the standby
+    last_contact: float  # clock seconds
+    admitted_unix: float  # wall seconds (compared with leave notices' times)
     score: tuple = ()  # smaller is better: the backup promoted first
     hardware: HardwareProfile | None = None
-    last_contact: float = field(default_factory=time.monotonic)
+    stage: int = 0  # the stage it holds or, as a backup, keeps warm
     suspect: bool = False
     gone_at: float = 0.0
-    admitted_unix: float = field(default_factory=time.time)
-    hold_until: float = 0.0  # monotonic: not promoted before (a straggler moved to the pool)
-    misses: list[float] = field(default_factory=list)  # monotonic times it missed rounds while answering
+    hold_until: float = 0.0  # clock seconds: not promoted before (a straggler moved to the pool)
+    misses: list[float] = field(default_factory=list)  # clock seconds at which it missed rounds while answering
 
 
 class AdmissionError(RuntimeError):
@@ -97,12 +112,17 @@ class AdmissionError(RuntimeError):
 
 
 class Broker:
-    """Runs on the broker node. Start with `await nursery.start(broker.run)`; the table is `broker.table`."""
+    """Runs on the broker node. Start with `await nursery.start(broker.run)`; the table is `broker.table`.
+
+    Slots are (stage, replica). A provider is placed into a free slot of the stage that has the most free slots, or
+    joins the backup pool keeping one stage warm (the stage with the fewest backups); a failed slot is filled by a
+    backup of its stage."""
 
     def __init__(self, ctx: RunContext, config: BrokerConfig = BrokerConfig(), *, lease_epoch: int = 0,
                  version: int = 0):
         self.ctx = ctx
         self.config = config
+        self.clock = ctx.clock
         plan = ctx.manifest.plan
         self.stages, self.replicas = plan.stages, plan.replicas
         self.lease_epoch = lease_epoch
@@ -123,7 +143,14 @@ class Broker:
         self._offences: dict[tuple[int, int, str], set[str]] = {}  # (stage, epoch, offender) -> reporters
         self._checking: set[tuple[int, int, str]] = set()  # (stage, epoch, peer) reported missing, being pinged
         self._dirty = trio.Event()
+        self.handlers: dict[str, Handler] = {"run.admit": self._rpc_admit, "run.table": self._rpc_table,
+                                             "run.leave": self._rpc_leave,
+                                             "run.report_missing": self._rpc_report_missing}
         self._rebuild()
+
+    def _provider(self, peer_id: str, state: str, **kw: Any) -> Provider:
+        return Provider(peer_id, state, next(self._order), last_contact=self.clock(), admitted_unix=self.ctx.wall(),
+                        **kw)
 
     @classmethod
     def from_table(cls, ctx: RunContext, config: BrokerConfig, table: AssignmentTable) -> Broker:
@@ -133,12 +160,12 @@ class Broker:
         b.switch_steps = [table.switch_step(s) for s in range(table.stages)]
         backups = {pid: i for i, pid in enumerate(table.backups)}
         for p in table.providers:
-            b.providers[p.peer_id] = Provider(p.peer_id, p.state, next(b._order),
-                                              score=(0, 0.0, backups.get(p.peer_id, len(backups))),
-                                              gone_at=time.monotonic() if p.state == GONE else 0.0)
+            b.providers[p.peer_id] = b._provider(p.peer_id, p.state, stage=table.backup_stage(p.peer_id) or 0,
+                                                 score=(0, 0.0, backups.get(p.peer_id, len(backups))),
+                                                 gone_at=b.clock() if p.state == GONE else 0.0)
         for s in table.slots:
             b.slots[(s.stage, s.replica)] = s.peer_id
-            b.providers.setdefault(s.peer_id, Provider(s.peer_id, ACTIVE, next(b._order)))
+            b.providers.setdefault(s.peer_id, b._provider(s.peer_id, ACTIVE)).stage = s.stage
         old = table.peer_id
         if old in b.providers and b.providers[old].state != GONE:
             b.mark_failed(old, "the broker's lease expired")
@@ -159,12 +186,13 @@ class Broker:
         for s in range(self.stages):
             if prev is not None and prev.epochs[s] != self.epochs[s] and self.ctx.switch_step is not None:
                 self.switch_steps[s] = max(self.switch_steps[s], self.ctx.switch_step(s))
+        backups = self._backups()
         self.table = AssignmentTable(
             peer_id=self.ctx.me, run_id=self.ctx.run_id, lease_epoch=self.lease_epoch, version=self.version,
-            time=time.time(), stages=self.stages, replicas=self.replicas, epochs=tuple(self.epochs),
+            time=self.ctx.wall(), stages=self.stages, replicas=self.replicas, epochs=tuple(self.epochs),
             standby=self.standby,
             slots=tuple(SlotEntry(stage=s, replica=r, peer_id=pid) for (s, r), pid in sorted(self.slots.items())),
-            backups=tuple(p.peer_id for p in self._backups()),
+            backups=tuple(p.peer_id for p in backups), backup_stages=tuple(p.stage for p in backups),
             providers=tuple(ProviderEntry(peer_id=p.peer_id, state=p.state) for p in providers),
             switch_steps=tuple(self.switch_steps))
         self.table_env = seal(self.table, self.ctx.sh.key)
@@ -178,15 +206,25 @@ class Broker:
     def _backups(self) -> list[Provider]:
         return sorted((p for p in self.providers.values() if p.state == BACKUP), key=lambda p: (p.score, p.order))
 
-    def _promotable(self) -> list[Provider]:
-        now = time.monotonic()
-        return [b for b in self._backups() if not b.suspect and b.hold_until <= now]
+    def _promotable(self, stage: int) -> list[Provider]:
+        now = self.clock()
+        return [b for b in self._backups() if b.stage == stage and not b.suspect and b.hold_until <= now]
 
-    def _free_slot(self, stage: int = 0) -> tuple[int, int] | None:
-        for r in range(self.replicas):
-            if (stage, r) not in self.slots:
-                return stage, r
-        return None
+    def _free_slots(self, stage: int) -> list[tuple[int, int]]:
+        return [(stage, r) for r in range(self.replicas) if (stage, r) not in self.slots]
+
+    def _placement(self) -> tuple[int, int] | None:
+        """Where a newcomer goes: the first free slot of the stage with the most free slots (None: all full)."""
+        stage = max(range(self.stages), key=lambda s: (len(self._free_slots(s)), -s))
+        free = self._free_slots(stage)
+        return free[0] if free else None
+
+    def _warm_stage(self) -> int:
+        """The stage a new backup keeps warm: the one with the fewest backups (the lowest on ties)."""
+        counts = [0] * self.stages
+        for b in self._backups():
+            counts[b.stage] += 1
+        return min(range(self.stages), key=lambda s: (counts[s], s))
 
     def _pick_standby(self) -> None:
         if self.standby is not None:
@@ -211,7 +249,7 @@ class Broker:
         return None
 
     async def admit(self, peer_id: str, req: AdmitRequest) -> AdmitResponse:
-        """Check the join policy, then place `peer_id` in a free slot of stage 0 or in the backup pool."""
+        """Check the join policy, then place `peer_id` in a free slot or in the backup pool."""
         why = self.check_policy(peer_id, req)
         pol = self.ctx.manifest.join
         if why is None and pol.mode == "secret":
@@ -224,25 +262,24 @@ class Broker:
             return AdmitResponse(admitted=False, error=why)
         p = self.providers.get(peer_id)
         if p is not None and p.state in (ACTIVE, BACKUP):  # a retry: answer with what it already has
-            p.last_contact, p.hardware = time.monotonic(), req.hardware
+            p.last_contact, p.hardware = self.clock(), req.hardware
             return self._answer(p)
-        if sum(1 for q in self.providers.values() if q.state != GONE) >= 384:
+        if sum(1 for q in self.providers.values() if q.state != GONE) >= MAX_PROVIDERS:
             return AdmitResponse(admitted=False, error="the run has no room for more providers")
         hw = req.hardware
-        p = Provider(peer_id, REGISTERED, next(self._order), hardware=hw,
-                     score=(-hw.memory_bytes, -hw.matmul_tflops, 0))
+        p = self._provider(peer_id, REGISTERED, hardware=hw, score=(-hw.memory_bytes, -hw.matmul_tflops, 0))
         self.providers[peer_id] = p
         p.state = BENCHMARKED  # the profile carries the node's measured compute and memory
-        free = None if req.backup_only else self._free_slot(0)
+        free = None if req.backup_only else self._placement()
         if free is not None:
             self.slots[free] = peer_id
-            p.state = ACTIVE
+            p.state, p.stage = ACTIVE, free[0]
             self.epochs[free[0]] += 1
         else:
-            p.state = BACKUP
+            p.state, p.stage = BACKUP, self._warm_stage()
         self._pick_standby()
         self._rebuild()
-        log.info("admitted %s as %s", peer_id, slot_name(*free) if free else "backup")
+        log.info("admitted %s as %s", peer_id, slot_name(*free) if free else f"backup of stage {p.stage}")
         return self._answer(p)
 
     def _answer(self, p: Provider) -> AdmitResponse:
@@ -253,12 +290,12 @@ class Broker:
     def mark_failed(self, peer_id: str, reason: str, *, state: str = GONE) -> bool:
         """Take `peer_id` out of its slot (promoting the best backup) or out of the pool. True if anything changed."""
         p = self.providers.get(peer_id)
-        if p is None or p.state in (GONE,) or (p.state == DRAINING and state == DRAINING):
+        if p is None or p.state == GONE or (p.state == DRAINING and state == DRAINING):
             return False
         log.warning("provider %s %s: %s", peer_id, {DRAINING: "draining", BACKUP: "moved to the backup pool"}.get(
             state, "failed"), reason)
         p.state = state
-        p.gone_at = time.monotonic() if state == GONE else 0.0
+        p.gone_at = self.clock() if state == GONE else 0.0
         for key, pid in list(self.slots.items()):
             if pid == peer_id:
                 del self.slots[key]
@@ -270,42 +307,46 @@ class Broker:
         self._rebuild()
         return True
 
-    def _promote_into(self, key: tuple[int, int], failed: str) -> None:
-        ready = self._promotable()
+    def _promote_into(self, key: tuple[int, int], failed: str) -> bool:
+        ready = self._promotable(key[0])
         if not ready:
-            log.warning("no backup to fill %s; the group shrinks", slot_name(*key))
-            return
+            log.warning("no backup of stage %d to fill %s; the group shrinks", key[0], slot_name(*key))
+            return False
         b = ready[0]
         self.slots[key] = b.peer_id
         b.state = ACTIVE
-        self.promotions.append((time.time(), slot_name(*key), failed, b.peer_id))
+        self.promotions.append((self.ctx.wall(), slot_name(*key), failed, b.peer_id))
         log.info("promoted backup %s into %s (was %s)", b.peer_id, slot_name(*key), failed)
+        return True
 
     def _fill_free_slots(self) -> bool:
         changed = False
-        while (key := self._free_slot(0)) is not None and self._promotable():
-            self._promote_into(key, "")
-            self.epochs[0] += 1
-            changed = True
+        for stage in range(self.stages):
+            for key in self._free_slots(stage):
+                if not self._promote_into(key, ""):
+                    break
+                self.epochs[stage] += 1
+                changed = True
         return changed
 
     def touch(self, peer_id: str) -> None:
         p = self.providers.get(peer_id)
         if p is not None:
-            p.last_contact = time.monotonic()
+            p.last_contact = self.clock()
 
     def _silent_s(self, p: Provider, now: float) -> tuple[float, bool]:
-        """Seconds since we last heard from `p`, and whether it said goodbye."""
+        """Seconds since we last heard from `p` (RPC contact or status gossip, on the shared clock), and whether
+        it said goodbye."""
         last, left = p.last_contact, False
         m = self.ctx.membership
         e = m.peers.get(p.peer_id) if m is not None else None
         if e is not None:
             left = e.state == LEFT and e.left_at_unix >= p.admitted_unix
-            last = max(last, e.last_seen) if m.clock is time.monotonic else last
+            last = max(last, e.last_seen)
         return now - last, left
 
     def check_liveness(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         changed = False
         for p in list(self.providers.values()):
             if p.peer_id == self.ctx.me or p.state == GONE:
@@ -327,6 +368,10 @@ class Broker:
             self._rebuild()
 
     # -- RPC -----------------------------------------------------------------------------------------------
+    async def handle(self, method: str, caller: str, body: Any) -> Any:
+        """Answer `method` for `caller` (the RPC server does this for remote callers; the client for its own node)."""
+        return await self.handlers[method](caller, body)
+
     async def _rpc_admit(self, caller: str, body: Any) -> Any:
         return (await self.admit(caller, AdmitRequest.from_wire(body))).to_wire()
 
@@ -341,7 +386,7 @@ class Broker:
 
     async def _rpc_report_missing(self, caller: str, body: Any) -> Any:
         rep = MissingReport.from_wire(body)
-        if rep.run_id != self.ctx.run_id or caller not in self.table.members(rep.stage):
+        if rep.run_id != self.ctx.run_id or rep.stage >= self.stages or caller not in self.table.members(rep.stage):
             return {"accepted": False}
         if rep.epoch > self.epochs[rep.stage]:
             return {"accepted": False, "epoch": self.epochs[rep.stage]}
@@ -390,10 +435,15 @@ class Broker:
             self._checking.discard(key)
         if self.epochs[stage] != epoch:
             return  # the group changed meanwhile: every member's skips are reset already
-        why = f"{peer_id[:16]}… missed a round (reported by {reporter[:16]}…) but answers"
+        self.missed_round(peer_id, stage, f"{peer_id[:16]}… missed a round (reported by {reporter[:16]}…) but answers")
+
+    def missed_round(self, peer_id: str, stage: int, why: str) -> None:
+        """A member missed a round yet answers: re-form its group, or, once it has missed `straggler_misses` rounds
+        within the window and a backup of its stage can take its place, move it to the backup pool and hold it
+        there for `demote_hold_s`."""
         p = self.providers.get(peer_id)
-        if p is not None and self._straggler(p) and self._promotable():
-            p.hold_until = time.monotonic() + self.config.demote_hold_s
+        if p is not None and self._straggler(p) and self._promotable(stage):
+            p.hold_until = self.clock() + self.config.demote_hold_s
             self.mark_failed(peer_id, f"{why}: {len(p.misses)} times in {self.config.straggler_window_s:.0f} s",
                              state=BACKUP)
         else:
@@ -401,7 +451,7 @@ class Broker:
 
     def _straggler(self, p: Provider) -> bool:
         """Count one more missed round; True once it has missed `straggler_misses` within the window."""
-        now = time.monotonic()
+        now = self.clock()
         p.misses = [t for t in p.misses if now - t <= self.config.straggler_window_s] + [now]
         return len(p.misses) >= self.config.straggler_misses
 
@@ -427,7 +477,7 @@ class Broker:
 
     async def _lease_loop(self) -> None:
         while not self.deposed:
-            now = time.time()
+            now = self.ctx.wall()
             lease = BrokerLease(peer_id=self.ctx.me, run_id=self.ctx.run_id, lease_epoch=self.lease_epoch, time=now,
                                 expires_at=now + self.config.lease_timeout_s)
             self.lease_env = seal(lease, self.ctx.sh.key)
@@ -450,10 +500,8 @@ class Broker:
             self.check_liveness()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        self.ctx.register("run.admit", self._rpc_admit)
-        self.ctx.register("run.table", self._rpc_table)
-        self.ctx.register("run.leave", self._rpc_leave)
-        self.ctx.register("run.report_missing", self._rpc_report_missing)
+        for method, handler in self.handlers.items():
+            self.ctx.register(method, handler)
         async with trio.open_nursery() as n:
             n.start_soon(self._lease_loop)
             n.start_soon(self._publish_loop)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -18,9 +17,10 @@ from shoal.protocol.errors import ProtocolError
 from shoal.protocol.records import HardwareProfile
 from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig, RunContext
 from shoal.swarm.net.dht_records import lease_key, table_key
-from shoal.swarm.run.group import Group
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.rpc import RpcError, call
+from shoal.swarm.run.group import Group
+from shoal.swarm.run.schedule import group_of
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,6 @@ class RunClientConfig:
     rpc_timeout_s: float = 5.0
     admit_attempts: int = 5
     retry_s: float = 1.0
-    broker: BrokerConfig = field(default_factory=BrokerConfig)  # used when this node becomes the broker
 
     def __post_init__(self) -> None:
         if min(self.poll_s, self.rpc_timeout_s, self.retry_s) <= 0 or self.admit_attempts < 1:
@@ -60,19 +59,21 @@ class RunClient:
     """
 
     def __init__(self, ctx: RunContext, hardware: HardwareProfile, *, broker_id: str, secret: str | None = None,
-                 config: RunClientConfig = RunClientConfig(), local_broker: Broker | None = None,
-                 backup_only: bool = False):
+                 config: RunClientConfig = RunClientConfig(), broker_config: BrokerConfig = BrokerConfig(),
+                 local_broker: Broker | None = None, backup_only: bool = False):
         self.ctx = ctx
+        self.clock = ctx.clock
         self.hardware = hardware
         self.secret = secret
         self.config = config
+        self.broker_config = broker_config  # the lease timeout to watch, and the broker's settings on a takeover
         self.backup_only = backup_only
         self.local_broker = local_broker
         self._expected_broker = broker_id
         self.table: AssignmentTable | None = None
         self.table_env: bytes = b""
         self.admitted = False
-        self.broker_alive_at = time.monotonic()  # the last evidence that the table's broker renews its lease
+        self.broker_alive_at = self.clock()  # the last evidence that the table's broker renews its lease
         self.on_change: list[Callable[[AssignmentTable], None]] = []
         self.takeovers: list[float] = []  # unix times this node became the broker
         self._changed = trio.Event()
@@ -110,16 +111,22 @@ class RunClient:
             return "backup"
         return "broker" if self.is_broker() else "idle"
 
-    def epoch(self, stage: int = 0) -> int:
+    def backup_stage(self) -> int | None:
+        """The stage this node keeps warm while it is a backup (None: it is not one)."""
+        return self.table.backup_stage(self.me) if self.table else None
+
+    def epoch(self, stage: int) -> int:
         return self.table.epochs[stage] if self.table else 0
 
     def group(self) -> Group | None:
-        """This node's data-parallel group for the next round, or None when it holds no slot."""
-        s = self.slot()
-        if s is None:
-            return None
+        """This node's group under the newest table (the runtime follows switch steps: GroupSchedule)."""
+        return group_of(self.table, self.me) if self.table else None
+
+    def lease_lapsed(self) -> bool:
+        """This node is the standby and has had no evidence of the broker's lease for longer than its timeout."""
         t = self.table
-        return Group(run_id=t.run_id, stage=s[0], epoch=t.epochs[s[0]], members=t.members(s[0]), me=self.me)
+        return (t is not None and t.peer_id != self.me and t.standby == self.me
+                and self.clock() - self.broker_alive_at > self.broker_config.lease_timeout_s)
 
     async def wait_changed(self) -> AssignmentTable:
         await self._changed.wait()
@@ -140,7 +147,7 @@ class RunClient:
         new_broker = self.table is not None and t.peer_id != self.table.peer_id
         self.table, self.table_env = t, env
         if new_broker or t.peer_id == source:
-            self.broker_alive_at = time.monotonic()
+            self.broker_alive_at = self.clock()
         if new_broker:
             log.warning("run %s: broker is now %s (lease epoch %d)", t.run_id[:16], t.peer_id, t.lease_epoch)
         if self.local_broker is not None and t.peer_id != self.me and t.lease_epoch > self.local_broker.lease_epoch:
@@ -173,7 +180,7 @@ class RunClient:
         if isinstance(rec, BrokerLease):
             if self.table is not None and rec.run_id == self.ctx.run_id and rec.peer_id == self.table.peer_id \
                     and rec.lease_epoch >= self.table.lease_epoch:
-                self.broker_alive_at = time.monotonic()
+                self.broker_alive_at = self.clock()
             return True
         return False
 
@@ -181,9 +188,7 @@ class RunClient:
     async def _ask(self, method: str, body: Any) -> Any:
         b = self.local_broker
         if self.broker_id == self.me and b is not None:
-            handler = {"run.admit": b._rpc_admit, "run.leave": b._rpc_leave,
-                       "run.report_missing": b._rpc_report_missing}[method]
-            return await handler(self.me, body)
+            return await b.handle(method, self.me, body)
         return await call(self.ctx.sh, self.broker_id, method, body, timeout_s=self.config.rpc_timeout_s)
 
     async def admit(self) -> AdmitResponse:
@@ -202,7 +207,7 @@ class RunClient:
         log.info("admitted to run %s as %s", self.ctx.run_id[:16], resp.slot or resp.state)
         return resp
 
-    async def report_missing(self, missing: list[str], *, epoch: int, stage: int = 0,
+    async def report_missing(self, missing: list[str], *, epoch: int, stage: int,
                              offenders: list[str] = ()) -> bool:
         """Tell the broker that `missing` members missed a round's deadline (it checks them: a silent one is
         replaced, one that answers makes it re-form the group) or that `offenders` sent updates we rejected
@@ -240,25 +245,25 @@ class RunClient:
         if isinstance(ans.get("lease"), bytes):
             self.accept_envelope(ans["lease"], peer_id)
         if self.table is not None and peer_id == self.table.peer_id:
-            self.broker_alive_at = time.monotonic()
+            self.broker_alive_at = self.clock()
         return True
 
     async def _dht_lease_alive(self, broker: str) -> bool:
         """A last look before taking over: is there a fresh lease of `broker` in the DHT?"""
         try:
-            with trio.move_on_after(self.config.broker.dht_timeout_s):
+            with trio.move_on_after(self.broker_config.dht_timeout_s):
                 raw = await self.ctx.sh.dht.get_value(lease_key(broker))
                 if raw:
                     lease = open_envelope(raw, RUN_RECORD_TYPES).record
                     return (isinstance(lease, BrokerLease) and lease.peer_id == broker
-                            and lease.lease_epoch >= self.table.lease_epoch and lease.expires_at > time.time())
+                            and lease.lease_epoch >= self.table.lease_epoch and lease.expires_at > self.ctx.wall())
         except Exception as e:  # noqa: BLE001
             log.debug("dht lease lookup failed: %s", e)
         return False
 
     async def _dht_table(self, broker: str) -> None:
         try:
-            with trio.move_on_after(self.config.broker.dht_timeout_s):
+            with trio.move_on_after(self.broker_config.dht_timeout_s):
                 raw = await self.ctx.sh.dht.get_value(table_key(broker))
                 if raw:
                     self.accept_envelope(raw, broker)
@@ -269,12 +274,12 @@ class RunClient:
         """Become the broker from the last table we hold (we are its standby and the lease has expired)."""
         assert self.table is not None and self._nursery is not None
         old = self.table.peer_id
-        b = Broker.from_table(self.ctx, self.config.broker, self.table)
+        b = Broker.from_table(self.ctx, self.broker_config, self.table)
         self.local_broker = b
         b.on_change.append(lambda t, env: self._accept(t, env, t.peer_id))
         await self._nursery.start(b.run)
         self._accept(b.table, b.table_env, self.me)
-        self.takeovers.append(time.time())
+        self.takeovers.append(self.ctx.wall())
         log.warning("took over run %s from %s (lease epoch %d)", self.ctx.run_id[:16], old, b.lease_epoch)
 
     async def _follow_once(self) -> None:
@@ -285,15 +290,12 @@ class RunClient:
             pass
         elif t.standby and t.standby != self.me and not await self._poll(t.standby):  # it may have taken over
             await self._dht_table(t.standby)  # or we cannot reach it directly: its table may be in the DHT
-        t = self.table
-        if t.peer_id != self.me and t.standby == self.me:
-            silent = time.monotonic() - self.broker_alive_at
-            if silent > self.config.broker.lease_timeout_s:
-                if await self._dht_lease_alive(t.peer_id):
-                    self.broker_alive_at = time.monotonic()
-                else:
-                    await self.take_over()
-                    return
+        if self.lease_lapsed():
+            if await self._dht_lease_alive(self.table.peer_id):
+                self.broker_alive_at = self.clock()
+            else:
+                await self.take_over()
+                return
         if self.admitted and self.provider_state() in (None, GONE) and not self.is_broker():
             log.warning("the table no longer lists this node as a provider; asking for admission again")
             try:

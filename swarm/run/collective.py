@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 import trio
 
 from shoal.protocol.errors import DecodeError, ProtocolError
 from shoal.protocol.wire import expect_map, get_field, pack, unpack
-from shoal.swarm.net.framing import StreamClosed, close_quietly, read_frame, write_frame
+from shoal.swarm.net.framing import PREFIX_BYTES, StreamClosed, close_quietly, read_frame, write_frame
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 
@@ -18,6 +19,7 @@ log = logging.getLogger(__name__)
 COLLECTIVE_PROTOCOL = "/shoal/coll/1.0.0"
 MAX_HEADER_BYTES = 1024
 MAX_TAG_CHARS = 200
+DONE_TAGS_KEPT = 4096  # finished tags remembered, so late messages for them are dropped
 
 
 class Collective:
@@ -53,10 +55,11 @@ class Collective:
         self.bytes_recv = 0  # wire bytes of messages accepted into the inbox
         self.messages_sent = 0
         self.messages_recv = 0
+        self.late_dropped = 0  # messages for tags that had already finished
         self._inbox: OrderedDict[str, dict[str, bytes]] = OrderedDict()
         self._peer_bytes: dict[str, int] = {}
         self._total_bytes = 0
-        self._done: deque[str] = deque(maxlen=4096)
+        self._done: deque[str] = deque(maxlen=DONE_TAGS_KEPT)
         self._done_set: set[str] = set()
         self._changed = trio.Event()
         sh.set_handler(COLLECTIVE_PROTOCOL, self._serve)
@@ -75,7 +78,7 @@ class Collective:
                 tag = get_field(header, "tag", str)
                 n = get_field(header, "n", int)
                 if not tag or len(tag) > MAX_TAG_CHARS:
-                    raise DecodeError("tag must be 1..200 characters")
+                    raise DecodeError(f"tag must be 1..{MAX_TAG_CHARS} characters")
                 if not 0 < n <= self.max_frame_bytes:
                     raise DecodeError(f"announced payload of {n} bytes is outside 1..{self.max_frame_bytes}")
                 payload = await read_frame(stream, n)
@@ -89,11 +92,12 @@ class Collective:
             log.debug("collective stream from %s closed early: %s", peer, e)
             return
         await close_quietly(stream)
-        self._deliver(tag, peer, payload, wire=4 + len(raw) + 4 + n)
+        self._deliver(tag, peer, payload, wire=2 * PREFIX_BYTES + len(raw) + n)
 
     def _deliver(self, tag: str, peer: str, payload: bytes, wire: int) -> None:
         if tag in self._done_set:
             log.debug("late message for finished %s from %s dropped", tag, peer)
+            self.late_dropped += 1
             return
         box = self._inbox.setdefault(tag, {})
         if peer in box:
@@ -149,12 +153,12 @@ class Collective:
                     await write_frame(stream, payload)
                 finally:
                     await close_quietly(stream)
-        except (Exception, trio.TooSlowError) as e:  # a peer's failure is data: the round goes on without it
+        except Exception as e:  # a peer's failure (trio.TooSlowError too) is data: the round goes on without it
             log.info("collective send %s to %s failed: %s: %s", tag, peer, type(e).__name__, e)
             failed.add(peer)  # unreachable (a killed process's connections are reset): not waited for either
             self._wake()
             return
-        self.bytes_sent += 4 + len(header) + 4 + len(payload)
+        self.bytes_sent += 2 * PREFIX_BYTES + len(header) + len(payload)
         self.messages_sent += 1
         sent.add(peer)
 
@@ -168,7 +172,7 @@ class Collective:
         costs a failed dial, not a deadline). A message to self is handed over without the network.
         """
         if not tag or len(tag) > MAX_TAG_CHARS:
-            raise ValueError("tag must be 1..200 characters")
+            raise ValueError(f"tag must be 1..{MAX_TAG_CHARS} characters")
         for p, b in sends.items():
             if not 0 < len(b) <= self.max_frame_bytes:
                 raise ValueError(f"message of {len(b)} bytes for {p} is outside 1..{self.max_frame_bytes}")
@@ -190,6 +194,17 @@ class Collective:
         if self.me in sends:
             box[self.me] = sends[self.me]  # short-circuited: never counted as network bytes
         return {p: b for p, b in box.items() if p in expect}
+
+
+    def blocking(self, trio_token: trio.lowlevel.TrioToken) -> Callable[[str, dict[str, bytes], set[str], float],
+                                                                        dict[str, bytes]]:
+        """`exchange` for a worker thread (a synchronizer's round): the call blocks that thread, runs the exchange on
+        the event loop of `trio_token`, and returns its result."""
+
+        def exchange(tag: str, sends: dict[str, bytes], expect: set[str], timeout_s: float) -> dict[str, bytes]:
+            return trio.from_thread.run(self.exchange, tag, sends, expect, timeout_s, trio_token=trio_token)
+
+        return exchange
 
 
 async def _reset(stream) -> None:

@@ -35,10 +35,5 @@ class Group:
     def rank(self) -> int:
         return self.members.index(self.me)
 
-    def without(self, missing: set[str]) -> Group:
-        """The same round's group with `missing` members dropped (a deterministic re-owning of their chunks)."""
-        return Group(run_id=self.run_id, stage=self.stage, epoch=self.epoch,
-                     members=tuple(m for m in self.members if m not in missing), me=self.me)
-
     def tag(self, round_: int, phase: str) -> str:
         return f"{self.run_id[:16]}/{self.stage}/{self.epoch}/{round_}/{phase}"

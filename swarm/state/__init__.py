@@ -1,0 +1,1 @@
+"""A replica's state between nodes: snapshots and hashes, transfer, and the majority rule."""

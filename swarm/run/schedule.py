@@ -1,0 +1,73 @@
+"""Which group holds at which training step: the recent assignment tables of a run and their switch steps.
+
+A table's group for stage s takes effect at `table.switch_step(s)`, the round boundary every member of that stage
+changes at; until then the previous table's group holds. This is the one place that rule lives.
+"""
+
+from __future__ import annotations
+
+from shoal.protocol.assignment import AssignmentTable
+from shoal.swarm.run.group import Group
+
+MAX_TABLES = 64  # tables kept: enough to answer for every step a member can still be at
+
+
+def group_of(table: AssignmentTable, me: str) -> Group | None:
+    """`me`'s group under `table` (its stage's members and epoch), or None when the table gives it no slot."""
+    slot = table.slot_of(me)
+    if slot is None:
+        return None
+    stage = slot[0]
+    return Group(run_id=table.run_id, stage=stage, epoch=table.epochs[stage], members=table.members(stage), me=me)
+
+
+class GroupSchedule:
+    """The tables one node has accepted, newest last (owned by the event loop)."""
+
+    def __init__(self, me: str, *, keep: int = MAX_TABLES):
+        self.me = me
+        self.keep = keep
+        self.tables: list[AssignmentTable] = []
+
+    def add(self, table: AssignmentTable) -> bool:
+        """Keep `table` if it is newer than the last one; True if it was kept."""
+        if self.tables and not table.newer_than(self.tables[-1]):
+            return False
+        self.tables = (self.tables + [table])[-self.keep:]
+        return True
+
+    @property
+    def latest(self) -> AssignmentTable | None:
+        return self.tables[-1] if self.tables else None
+
+    def stage(self) -> int | None:
+        """The stage this node holds (or held last): the stage of its slot in the newest table that gives it one."""
+        for t in reversed(self.tables):
+            slot = t.slot_of(self.me)
+            if slot is not None:
+                return slot[0]
+        return None
+
+    def table_at(self, step: int, stage: int) -> AssignmentTable | None:
+        """The newest table whose group for `stage` has taken effect by `step`."""
+        for t in reversed(self.tables):
+            if t.switch_step(stage) <= step:
+                return t
+        return None
+
+    def group_at(self, step: int) -> Group | None:
+        """This node's group for the round of `step`, or None when it holds no slot then."""
+        stage = self.stage()
+        t = self.table_at(step, stage) if stage is not None else None
+        g = group_of(t, self.me) if t is not None else None
+        return g if g is not None and g.stage == stage else None
+
+    def entry(self) -> tuple[int, int, int] | None:
+        """(switch step, stage, replica) of this node's slot in the newest table, or None when it has none."""
+        t = self.latest
+        slot = t.slot_of(self.me) if t is not None else None
+        return (t.switch_step(slot[0]), slot[0], slot[1]) if slot is not None else None
+
+    def switch_steps(self, table: AssignmentTable) -> set[int]:
+        """The steps at which `table`'s groups take effect (members snapshot their state there for joiners)."""
+        return {table.switch_step(s) for s in range(table.stages) if table.switch_step(s) > 0}
