@@ -43,6 +43,8 @@ class _Record:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.metadata.get("omit_if_default") and v == f.default:
+                continue  # a field added later: absent at its default, so older manifests keep their run ids
             out[f.name] = v.to_dict() if isinstance(v, _Record) else list(v) if isinstance(v, tuple) else v
         return out
 
@@ -85,6 +87,9 @@ class ModelSpec(_Record):
     vocab_size: int = 256
     positions: str = "rope"  # "rope" (rotary) or "learned"
     mlp_ratio: int = 4
+    #: the head shares the embedding matrix; None: tied when the plan has one stage, untied when it is split
+    #: (a split model's last stage keeps its own head); an explicit value is written into the run id
+    tie_embeddings: bool | None = field(default=None, metadata={"omit_if_default": True})
 
     def __post_init__(self) -> None:
         check_choice("size", self.size, MODEL_SIZES + ("custom",))
@@ -96,6 +101,12 @@ class ModelSpec(_Record):
         check_int("vocab_size", self.vocab_size, 256, 1 << 20)
         check_choice("positions", self.positions, ("rope", "learned"))
         check_int("mlp_ratio", self.mlp_ratio, 1, 16)
+        if self.tie_embeddings is not None and not isinstance(self.tie_embeddings, bool):
+            raise FieldError("tie_embeddings", f"expected bool, got {type(self.tie_embeddings).__name__}")
+
+    def tied(self, stages: int) -> bool:
+        """Whether the head shares the embedding matrix in a plan of `stages` stages."""
+        return self.tie_embeddings if self.tie_embeddings is not None else stages == 1
 
     @classmethod
     def preset(cls, size: str, **overrides: Any) -> ModelSpec:
@@ -352,6 +363,9 @@ class RunManifest(_Record):
         check_int("seed", self.seed, 0, 2**63 - 1)
         if self.plan.stages > self.model.n_layers:
             raise FieldError("plan.stages", f"{self.plan.stages} stages for {self.model.n_layers} layers")
+        if self.plan.stages > 1 and self.model.tie_embeddings:
+            raise FieldError("model.tie_embeddings", "a model split into stages has its head untied from the "
+                                                     "embedding (the ends live on different nodes)")
         if self.owner:
             try:
                 public_key_from_peer_id(check_str("owner", self.owner, 64))
