@@ -125,6 +125,7 @@ class Abort(WireRecord):
 
     TYPE: ClassVar[str] = "abort"
     step: int = spec(STEP)
+    phase: str = spec(Choice(frozenset({TRAIN, EVAL})), default=TRAIN)
     reason: str = spec(Str(200), default="")
 
 
