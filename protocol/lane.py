@@ -35,7 +35,12 @@ LENGTH_PREFIX_BYTES = 4  # swarm/net/framing.py: every frame is a 4-byte length 
 
 class LaneAborted(Exception):
     """A lane's step cannot finish at this stage: a link failed, a deadline passed, a neighbour misbehaved or
-    aborted. The stage gives the step up (no update) and the lane goes on at the next step."""
+    aborted. The stage gives the step up (no update) and the lane goes on at the next step. `peer`: the neighbour
+    concerned, when one is (what the runtime reports to the broker)."""
+
+    def __init__(self, reason: str, peer: str | None = None):
+        super().__init__(reason)
+        self.peer = peer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -3,6 +3,7 @@ a 4-layer model against the unsplit untied one; a non-finite stage skips the ste
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 
@@ -78,14 +79,20 @@ def test_one_stage_lane_is_todays_trainer_bit_for_bit():
         assert torch.equal(st.model.state_dict()[k], v), k
 
 
+@functools.cache
+def unsplit_reference() -> tuple[Trainer, list]:
+    """The unsplit untied model trained STEPS steps (shared by the S=2 and S=4 cases; nobody mutates it)."""
+    ref = Trainer(run_manifest(1, tie=False))
+    return ref, [ref.step() for _ in range(STEPS)]
+
+
 @pytest.mark.parametrize("stages", [2, 4])
 def test_split_lane_is_the_unsplit_untied_model_bit_for_bit(stages):
     """Nothing differs: the boundary gradient is the same sum of two terms, and the lane's norm is combined from
     per-parameter norms in the whole model's order, as clip_grad_norm_ does (one squared norm per stage would
     change the summation order: measured, 1-ulp clip differences grew to 1e-4 in the parameters by step 50)."""
-    ref = Trainer(run_manifest(1, tie=False))
+    ref, want = unsplit_reference()
     assert not ref.model.tied
-    want = [ref.step() for _ in range(STEPS)]
     lane = train_lane(run_manifest(stages), STEPS)
     got = lane[-1].results
     assert all(r.applied and r.aborted is None for st in lane for r in st.results)
@@ -125,6 +132,29 @@ def test_a_non_finite_stage_skips_the_step_on_every_stage():
     params = lane_params(lane)
     for k, v in ref.model.state_dict().items():
         assert torch.equal(params[k], v), k
+
+
+def test_a_lane_resumed_from_its_stages_states_goes_on_bit_for_bit():
+    m = run_manifest(2)
+    straight = train_lane(m, 6)
+    first = train_lane(m, 3)
+    states = [st.state_dict() for st in first]
+    lane = LocalLane(2)
+    resumed = [StageTrainer(m, stage=s, lane=0, boundary=lane.boundary(s)) for s in range(2)]
+    for st, state in zip(resumed, states):
+        st.load_state_dict(state)
+    assert [st.step_count for st in resumed] == [3, 3]
+    threads = [threading.Thread(target=lambda st=st: st.__dict__.update(results=[st.step() for _ in range(3)]))
+               for st in resumed]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [r.loss for r in resumed[1].results] == [r.loss for r in straight[1].results[3:]]
+    for k, v in lane_params(straight).items():
+        assert torch.equal(lane_params(resumed)[k], v), k
+    with pytest.raises(Exception, match="stage"):
+        resumed[0].load_state_dict(states[1])
 
 
 def test_a_silent_neighbour_aborts_the_step_without_an_update():

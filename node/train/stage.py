@@ -14,9 +14,11 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from shoal.node.train import checkpoint
 from shoal.node.train.data import Corpus, Samples, ShardedSampler, heldout_batches, load_corpus
 from shoal.node.train.lane import Boundary
 from shoal.node.train.model import GPTConfig, GPTStage, build_stage, lm_loss
@@ -25,6 +27,7 @@ from shoal.protocol.lane import EVAL, TRAIN, LaneAborted
 from shoal.protocol.manifest import OptimSpec, RunManifest
 
 log = logging.getLogger(__name__)
+STAGE_STATE_FORMAT = 1
 
 
 def build_optimizer(model: torch.nn.Module, o: OptimSpec) -> torch.optim.Optimizer:
@@ -57,6 +60,7 @@ class StageStepResult:
     wait_s: float  # blocked on the neighbours: the pipeline bubble plus the links
     applied: bool  # False: skipped (aborted, non-finite lane, or the synchronizer said so)
     aborted: str | None = None  # why the lane's step was given up at this stage
+    failed_peer: str | None = None  # the neighbour the failure concerns, when one does (for the broker)
     eval_loss: float | None = None  # the last stage, when eval was due and went through
 
 
@@ -167,11 +171,12 @@ class StageTrainer:
         step = self.step_count
         self.model.train()
         aborted: str | None = None
+        failed_peer: str | None = None
         loss_sum = None
         try:
             loss_sum = self._pipeline_pass(step)
         except LaneAborted as e:
-            aborted = str(e)
+            aborted, failed_peer = str(e), e.peer
             self.optimizer.zero_grad(set_to_none=True)
         apply = self.sync.before_optimizer_step(self.model, self.optimizer, step)
         grad_norm = math.nan
@@ -179,7 +184,7 @@ class StageTrainer:
             try:
                 grad_norm = self._lane_clip(step, [p for p in self.model.parameters() if p.grad is not None])
             except LaneAborted as e:
-                aborted = str(e)
+                aborted, failed_peer = str(e), e.peer
         if aborted is not None:
             log.warning("stage %d lane %d step %d aborted: %s", self.stage, self.lane, step, aborted)
             self.boundary.abort(step, aborted)
@@ -204,7 +209,7 @@ class StageTrainer:
         self.last_result = StageStepResult(
             step=self.step_count, loss=None if loss_sum is None or aborted else float(loss_sum), lr=lr,
             grad_norm=grad_norm, tokens=b.batch_size * b.seq_len, seconds=seconds, wait_s=self._wait_s,
-            applied=apply, aborted=aborted, eval_loss=eval_loss)
+            applied=apply, aborted=aborted, failed_peer=failed_peer, eval_loss=eval_loss)
         return self.last_result
 
     @torch.no_grad()
@@ -227,3 +232,33 @@ class StageTrainer:
             return None
         self.last_eval_loss = total / len(self.eval_ids)
         return self.last_eval_loss
+
+    # -- state (checkpoints, hand-over)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This stage's training state: weights, optimizer, step, synchronizer (the lane's data position is the
+        step: stage 0 reads ids_at(step x batch_size))."""
+        return {
+            "format": STAGE_STATE_FORMAT,
+            "run_id": self.manifest.run_id,
+            "stage": self.stage,
+            "step": self.step_count,
+            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "sync": self.sync.state_dict(),
+            "last_eval_loss": self.last_eval_loss,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != STAGE_STATE_FORMAT:
+            raise checkpoint.CheckpointError(f"stage state format {state.get('format')!r}, "
+                                             f"expected {STAGE_STATE_FORMAT}")
+        if state["run_id"] != self.manifest.run_id or state["stage"] != self.stage:
+            raise checkpoint.CheckpointError(f"state of run {state['run_id'][:16]} stage {state['stage']}, not "
+                                             f"{self.manifest.run_id[:16]} stage {self.stage}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = state["step"]
+        self.sampler.position = self.step_count * self.manifest.batch.batch_size
+        self.sync.load_state_dict(state["sync"])
+        self.last_eval_loss = state.get("last_eval_loss")

@@ -26,8 +26,8 @@ class LinkError(LaneAborted):
     DIAL, DEADLINE, VIOLATION, CLOSED, ABORTED, LOCAL = "dial", "deadline", "violation", "closed", "aborted", "local"
 
     def __init__(self, cause: str, reason: str, peer: str | None = None):
-        super().__init__(f"{cause}: {reason}" + (f" (peer {peer})" if peer else ""))
-        self.cause, self.reason, self.peer = cause, reason, peer
+        super().__init__(f"{cause}: {reason}" + (f" (peer {peer})" if peer else ""), peer)
+        self.cause, self.reason = cause, reason
 
 
 class Violation(ProtocolError):

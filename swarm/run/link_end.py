@@ -110,8 +110,9 @@ class LinkEnd:
             return None
 
         while len(got) < self.spec.num_stages:
-            link, rec = await self._wait(f"gradient norms of stage(s) {sorted(set(range(self.spec.num_stages)) - set(got))}",
-                                         step, TRAIN, inbound, arrived, self.config.recv_timeout_s)
+            missing = sorted(set(range(self.spec.num_stages)) - set(got))
+            link, rec = await self._wait(f"gradient norms of stages {missing}", step, TRAIN, inbound, arrived,
+                                         self.config.recv_timeout_s)
             await self._grant(link, 1)
             got[rec.stage] = rec
             onward = self.act_out if link is self.act_in else self.grad_out
@@ -238,8 +239,6 @@ class LinkEnd:
             link.sent.control_bytes += 4 + len(body)
             link.recv.control_bytes += 4 + len(raw)
             if isinstance(reply, Credit):
-                if reply.n > 1024:
-                    raise LinkError(LinkError.VIOLATION, "window too large", link.peer)
                 link.stream, link.credits, link.window, link.failed = stream, reply.n, reply.n, None
                 self.hub.nursery.start_soon(self._read_credits, link, stream)
                 return
@@ -346,7 +345,7 @@ class LinkEnd:
                 return
             if isinstance(rec, Abort):
                 link.recv.control_bytes += wire
-                log.info("%s from %s: step %d (%s) aborted: %s", link.name, link.peer, rec.step, rec.phase, rec.reason)
+                log.info("%s from %s: step %d (%s) aborted: %r", link.name, link.peer, rec.step, rec.phase, rec.reason)
                 self._aborted.setdefault((rec.step, rec.phase), LinkError(
                     LinkError.ABORTED, f"a neighbour gave step {rec.step} up: {rec.reason}", link.peer))
                 self._wake()
