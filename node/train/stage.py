@@ -150,7 +150,7 @@ class StageTrainer:
 
     def _lane_clip(self, step: int, params: list[torch.nn.Parameter]) -> float:
         """Exchange gradient norms with the lane, clip to the lane's norm; returns it (inf: a stage not finite)."""
-        norms = [float(torch.linalg.vector_norm(p.grad)) for p in params]
+        norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in params]).cpu().tolist() if params else []
         finite = all(math.isfinite(x) for x in norms)
         got = self._waiting(self.boundary.exchange_norms, step, norms if finite else [], finite)
         if len(got) != self.num_stages:
