@@ -132,6 +132,11 @@ def encode_frame(header: TensorHeader, payload) -> list[bytes | memoryview]:
     return [_PREFIX.pack(MAGIC, len(hb)) + hb, mv]
 
 
+def frame_nbytes(header: TensorHeader) -> int:
+    """Bytes of the whole frame `encode_frame` writes for this header: prefix, encoded header, payload."""
+    return _PREFIX.size + len(pack(header.to_map())) + header.nbytes
+
+
 def decode_frame(
     buf, *, max_numel: int = MAX_NUMEL, max_payload: int = MAX_PAYLOAD_BYTES, verify_crc: bool = True
 ) -> tuple[TensorHeader, memoryview]:

@@ -14,7 +14,7 @@ import tomli_w
 
 from shoal.protocol.errors import DecodeError, FieldError, SignatureError
 from shoal.protocol.signing import peer_id_from_public_key, public_key_bytes, public_key_from_peer_id, sign, verify
-from shoal.protocol.schema import Bool, Bytes, Choice, Float, Int, Nested, Seq, Str, WireRecord, spec
+from shoal.protocol.schema import Bool, Bytes, Choice, Float, Int, Nested, Optional, Seq, Str, WireRecord, spec
 from shoal.protocol.wire import pack, unpack
 
 MANIFEST_VERSION = 1
@@ -50,11 +50,18 @@ class ModelSpec(WireRecord):
     vocab_size: int = spec(Int(256, 1 << 20), default=256)
     positions: str = spec(Choice(frozenset({"rope", "learned"})), default="rope")  # rotary or learned
     mlp_ratio: int = spec(Int(1, 16), default=4)
+    #: the head shares the embedding matrix; None: tied when the plan has one stage, untied when it is split
+    #: (a split model's last stage keeps its own head); an explicit value is written into the run id
+    tie_embeddings: bool | None = spec(Optional(Bool()), default=None, omit_if_default=True)
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise FieldError("n_heads", f"d_model {self.d_model} must split into an even head size")
+
+    def tied(self, stages: int) -> bool:
+        """Whether the head shares the embedding matrix in a plan of `stages` stages."""
+        return self.tie_embeddings if self.tie_embeddings is not None else stages == 1
 
     @classmethod
     def preset(cls, size: str, **overrides: Any) -> ModelSpec:
@@ -260,6 +267,9 @@ class RunManifest(WireRecord):
             raise FieldError("version", f"this build reads manifest version {MANIFEST_VERSION}, got {self.version}")
         if self.plan.stages > self.model.n_layers:
             raise FieldError("plan.stages", f"{self.plan.stages} stages for {self.model.n_layers} layers")
+        if self.plan.stages > 1 and self.model.tie_embeddings:
+            raise FieldError("model.tie_embeddings", "a model split into stages has its head untied from the "
+                                                     "embedding (the ends live on different nodes)")
         if self.owner:
             try:
                 public_key_from_peer_id(self.owner)

@@ -142,9 +142,10 @@ class Nested(Spec):
         return v.to_wire()
 
 
-def spec(s: Spec, **kw) -> Any:
-    """A dataclass field carrying its wire spec: `name: int = spec(Int(0, 10), default=0)`."""
-    return dataclasses.field(metadata={"spec": s}, **kw)
+def spec(s: Spec, *, omit_if_default: bool = False, **kw) -> Any:
+    """A dataclass field carrying its wire spec: `name: int = spec(Int(0, 10), default=0)`. `omit_if_default`: a
+    field added later is left out of the encoding at its default, so records hashed before it keep their hash."""
+    return dataclasses.field(metadata={"spec": s, "omit_if_default": omit_if_default}, **kw)
 
 
 class WireRecord:
@@ -164,7 +165,13 @@ class WireRecord:
                 object.__setattr__(self, f.name, checked)
 
     def to_wire(self) -> dict:
-        return {f.name: f.metadata["spec"].to_wire(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.metadata["omit_if_default"] and v == f.default:
+                continue
+            out[f.name] = f.metadata["spec"].to_wire(v)
+        return out
 
     @classmethod
     def from_wire(cls, m: Any) -> Self:

@@ -105,3 +105,21 @@ def test_run_client_trusts_only_the_broker_chain():
     assert c.broker_id == P2 and c.slot_name() == "s0r0" and c.group().members == (P3,)
     assert not c.accept_envelope(seal(table(version=99), K1), P1)  # the deposed broker is no longer trusted
     assert not c.accept_envelope(b"\x00garbage", P1)
+
+
+def test_the_group_schedule_follows_each_stages_switch_step():
+    from shoal.swarm.run.schedule import GroupSchedule
+
+    s = GroupSchedule(P2)
+    two = dict(stages=2, replicas=1, epochs=(1, 1), standby=None, backups=(), providers=())
+    first = table(version=1, slots=(SlotEntry(stage=0, replica=0, peer_id=P1),
+                                     SlotEntry(stage=1, replica=0, peer_id=P2)), switch_steps=(0, 0), **two)
+    assert s.add(first) and s.group_at(0).members == (P2,) and s.group_at(0).stage == 1
+    # P3 replaces P1 in stage 0 from step 10; stage 1 (this node's) is unchanged
+    moved = table(version=2, slots=(SlotEntry(stage=0, replica=0, peer_id=P3),
+                                    SlotEntry(stage=1, replica=0, peer_id=P2)),
+                  switch_steps=(10, 0), **{**two, "epochs": (2, 1)})
+    assert s.add(moved) and not s.add(first)  # an older table is not kept
+    assert s.table_at(9, 0) is first and s.table_at(10, 0) is moved and s.table_at(5, 1) is moved
+    assert s.group_at(12).epoch == 1 and s.entry() == (0, 1, 0)
+    assert s.switch_steps(moved) == {10}

@@ -108,3 +108,15 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint(tmp_path):
     assert "checkpoint saved" in err
     step = metrics(out)[-1]["step"]
     assert (out / f"ckpt-{step:010d}.pt").exists()
+
+
+def test_a_pipeline_manifest_is_refused_with_a_clear_error_until_pipelines_land(tmp_path):
+    run = tmp_path / "s2.toml"
+    shoal("run", "create", "-o", str(run), "--identity", str(tmp_path / "id.key"), "--layers", "2", "--stages", "2",
+          cwd=tmp_path)
+    for cmd in (("node", "--run", str(run), "--listen", "/ip4/127.0.0.1/tcp/0", "--identity",
+                 str(tmp_path / "id.key")), ("train", "--run", str(run), "--out", str(tmp_path / "out"))):
+        refused = shoal(*cmd, cwd=tmp_path, check=False)
+        assert refused.returncode == 2, refused.stderr
+        assert "2 pipeline stages" in refused.stderr or "one-stage plans" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr

@@ -70,7 +70,7 @@ def test_stages_compose_to_the_whole_model(num_stages):
     full_sd = whole.state_dict()
     for st in stages:
         for k, v in st.state_dict().items():
-            assert torch.equal(v, full_sd["tok_emb.weight" if k == "lm_head" else k]), k
+            assert torch.equal(v, full_sd["tok_emb.weight" if k == "lm_head.weight" else k]), k
     x = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         h = x

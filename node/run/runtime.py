@@ -413,12 +413,20 @@ class RunRuntime:
         raise ConnectionError(f"no joined peer gave the manifest of run {run_id[:16]}…")
 
     async def _find_broker(self, joined: list[str]) -> str:
-        for p in joined:
-            try:
-                return (await fetch_table(self.node.sh, p, self.manifest.run_id)).record.peer_id
-            except RpcError as e:
-                log.info("no run table from %s: %s", p, e)
-        raise ConnectionError(f"none of the joined peers knows run {self.manifest.run_id[:16]}…")
+        """The broker named by the newest table any joined peer holds, asking again for `admit_timeout_s`."""
+        cfg = self.config.client
+        deadline = self.clock() + cfg.admit_timeout_s
+        while True:
+            for p in joined:
+                try:
+                    return (await fetch_table(self.node.sh, p, self.manifest.run_id,
+                                              timeout_s=cfg.rpc_timeout_s)).record.peer_id
+                except RpcError as e:
+                    log.info("no run table from %s: %s", p, e)
+            if self.clock() + cfg.retry_s > deadline:
+                raise ConnectionError(f"none of the joined peers knows run {self.manifest.run_id[:16]}… "
+                                      f"(asked for {cfg.admit_timeout_s:.0f} s)")
+            await trio.sleep(cfg.retry_s)
 
     async def run(self, joined: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         node = self.node

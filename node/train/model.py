@@ -22,6 +22,7 @@ class GPTConfig:
     seq_len: int = 128  # the longest sequence the position tables cover
     positions: str = "rope"
     mlp_ratio: int = 4
+    tie_embeddings: bool = True  # when one stage holds both ends, the head reuses the embedding matrix
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, seq_len: int) -> GPTConfig:
@@ -33,6 +34,7 @@ class GPTConfig:
             seq_len=seq_len,
             positions=spec.positions,
             mlp_ratio=spec.mlp_ratio,
+            tie_embeddings=spec.tie_embeddings is not False,  # None: the whole model in one piece is tied
         )
 
     @property
@@ -88,8 +90,9 @@ class GPTStage(nn.Module):
 
     The whole model is the stage (0, n_layers, embedding, head). Parameter names are global
     (`blocks.5.attn.qkv.weight` is layer 5 in every stage), so a stage's state_dict is a slice of the
-    whole model's. When one stage holds both ends the head reuses the embedding matrix (tied); a
-    separate last stage keeps its own `lm_head.weight`, initialized equal to the embedding.
+    whole model's. When one stage holds both ends and `cfg.tie_embeddings`, the head reuses the embedding
+    matrix (tied); otherwise the head is its own `lm_head.weight`, initialized equal to the embedding
+    (a separate last stage always is: the untied whole model is the reference for a split one).
     Input: token ids (B, T) if `has_embedding`, else hidden states (B, T, D).
     Output: logits (B, T, vocab) if `has_head`, else hidden states (B, T, D).
     """
@@ -100,6 +103,7 @@ class GPTStage(nn.Module):
             raise ValueError(f"bad layer range [{first_layer}, {last_layer}) for {cfg.n_layers} layers")
         self.cfg, self.first_layer, self.last_layer = cfg, first_layer, last_layer
         self.has_embedding, self.has_head = has_embedding, has_head
+        self.tied = has_embedding and has_head and cfg.tie_embeddings
         if has_embedding:
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
             if cfg.positions == "learned":
@@ -107,8 +111,9 @@ class GPTStage(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(first_layer, last_layer)})
         if has_head:
             self.norm_f = nn.RMSNorm(cfg.d_model)
-            if not has_embedding:
-                self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+            if not self.tied:
+                # a module registered last, so parameters come in the same order split or whole
+                self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.positions == "rope":
             cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -127,7 +132,7 @@ class GPTStage(nn.Module):
         for block in self.blocks.values():
             x = block(x, rope)
         if self.has_head:
-            w = self.tok_emb.weight if self.has_embedding else self.lm_head
+            w = self.tok_emb.weight if self.tied else self.lm_head.weight
             x = F.linear(self.norm_f(x), w)
         return x
 
@@ -140,7 +145,7 @@ def init_weights(module: nn.Module, seed: int) -> None:
     n_layers = getattr(module, "cfg").n_layers
     with torch.no_grad():
         for name, p in module.named_parameters():
-            key = "tok_emb.weight" if name == "lm_head" else name
+            key = "tok_emb.weight" if name == "lm_head.weight" else name
             g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
             if "norm" in name:
                 p.fill_(1.0)

@@ -29,11 +29,13 @@ log = logging.getLogger(__name__)
 class RunClientConfig:
     poll_s: float = 3.0  # how often the broker is asked for the table (gossip is the fast path; this also beats)
     rpc_timeout_s: float = 5.0
-    admit_attempts: int = 5
+    # a broker that cannot be reached is asked again every retry_s for this long: as long as a standby's takeover
+    # can take (the lease timeout, then a poll), so a node that joins meanwhile finds the new broker
+    admit_timeout_s: float = 40.0
     retry_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if min(self.poll_s, self.rpc_timeout_s, self.retry_s) <= 0 or self.admit_attempts < 1:
+        if min(self.poll_s, self.rpc_timeout_s, self.retry_s, self.admit_timeout_s) <= 0:
             raise ValueError("positive intervals and at least one admission attempt are required")
 
 
@@ -286,10 +288,8 @@ class RunClient:
         t = self.table
         if t is None or self.is_broker():
             return
-        if await self._poll(t.peer_id):
-            pass
-        elif t.standby and t.standby != self.me and not await self._poll(t.standby):  # it may have taken over
-            await self._dht_table(t.standby)  # or we cannot reach it directly: its table may be in the DHT
+        if not await self._poll(t.peer_id):
+            await self._follow_standby()  # it may have taken over
         if self.lease_lapsed():
             if await self._dht_lease_alive(self.table.peer_id):
                 self.broker_alive_at = self.clock()
@@ -303,6 +303,30 @@ class RunClient:
             except (RpcError, AdmissionError) as e:
                 log.info("re-admission failed: %s", e)
 
+    async def _admit_until_deadline(self) -> None:
+        """Ask for admission until admitted (AdmissionError: refused, at once), retrying an unreachable broker for
+        `admit_timeout_s`; meanwhile a takeover by the standby shows up as a new table (gossip or a poll of it)."""
+        deadline = self.clock() + self.config.admit_timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await self.admit()
+                return
+            except RpcError as e:
+                if self.clock() + self.config.retry_s > deadline:
+                    raise RpcError(f"no answer from the run's broker for {self.config.admit_timeout_s:.0f} s "
+                                   f"({attempt} attempts): {e}") from e
+                log.info("admission attempt %d failed: %s", attempt, e)
+            await trio.sleep(self.config.retry_s)
+            await self._follow_standby()
+
+    async def _follow_standby(self) -> None:
+        """While the broker does not answer, look for a takeover: the standby's table, by RPC or from the DHT."""
+        t = self.table
+        if t is not None and t.standby and t.standby != self.me and not await self._poll(t.standby):
+            await self._dht_table(t.standby)
+
     async def _rpc_ping(self, caller: str, body: Any) -> Any:
         return {"ok": True}
 
@@ -315,15 +339,7 @@ class RunClient:
             self.ctx.register("run.table", self._rpc_table)
         async with trio.open_nursery() as n:
             self._nursery = n
-            for attempt in range(self.config.admit_attempts):
-                try:
-                    await self.admit()
-                    break
-                except RpcError as e:
-                    if attempt + 1 == self.config.admit_attempts:
-                        raise
-                    log.info("admission attempt %d failed: %s", attempt + 1, e)
-                    await trio.sleep(self.config.retry_s)
+            await self._admit_until_deadline()
             task_status.started(self)
             while True:
                 await trio.sleep(self.config.poll_s)

@@ -1,0 +1,158 @@
+"""A stage's links to its lane neighbours: one persistent stream per directed link, credit windows, deadlines, byte
+counters, and strict checks of everything that arrives (a violation penalizes the sender and aborts only that lane's
+step; the node keeps serving everything else).
+
+Stage s dials s+1 for activations (forward) and s-1 for gradients (backward); each stream's receiver sends credits
+back on it. Gradient norms are relayed along the lane's own links (a stage forwards what it hears from one side to
+the other), so a lane needs no connections beyond its S-1 boundaries and every stage hears every stage's norms after
+at most S-1 hops of a few dozen bytes. `Abort` needs no credit, so it passes a full window.
+
+Here: `LinkHub`, the node's service that accepts inbound links and hands them to the open ends, and
+`BlockingLinkEnd`, an end's calls for the trainer's worker thread (a node.train.lane.Boundary). `LinkEnd` (this
+stage's side, async, on the event loop) is in link_end.py; config, spec, errors and tensor frames in link_base.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from contextlib import asynccontextmanager
+
+import trio
+
+from shoal.protocol.errors import ProtocolError
+from shoal.protocol.lane import (LANE_PROTOCOL, MAX_RECORD_BYTES, TRAIN, LinkHello, Refuse, decode_message,
+                                 encode_message)
+from shoal.swarm.net.framing import close_quietly, read_frame
+from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.penalty import Penalties
+from shoal.swarm.run.link_base import (LEN, LaneSpec, LinkConfig, LinkCounters, LinkError, decode_tensor_frame,
+                                       encode_tensor_frame, reset_quietly)
+from shoal.swarm.run.link_end import LinkEnd, _Link
+
+__all__ = ["BlockingLinkEnd", "LaneSpec", "LinkConfig", "LinkCounters", "LinkEnd", "LinkError", "LinkHub",
+           "decode_tensor_frame", "encode_tensor_frame", "open_link_hub"]
+log = logging.getLogger(__name__)
+
+
+class LinkHub:
+    """The node's lane-link service: one handler for LANE_PROTOCOL that hands inbound links to the open LinkEnds.
+    Create with `open_link_hub` (its nursery runs the outbound links' credit readers)."""
+
+    def __init__(self, sh: SwarmHost, penalties: Penalties, config: LinkConfig, nursery: trio.Nursery):
+        self.sh, self.penalties, self.config, self.nursery = sh, penalties, config, nursery
+        self._inbound: dict[tuple[str, int, int, str], tuple[LinkEnd, _Link]] = {}
+        self._ends: list[LinkEnd] = []
+        sh.set_handler(LANE_PROTOCOL, self._serve)
+
+    def open(self, spec: LaneSpec) -> LinkEnd:
+        """This stage's end of its lane's links; neighbours may dial it from now on (call on the event loop)."""
+        end = LinkEnd(self, spec)
+        keys = [((spec.run_id, link.boundary, spec.lane, link.direction), link) for link in end.links
+                if not link.outbound]
+        if any(k in self._inbound for k, _ in keys):
+            raise ValueError(f"a link of lane {spec.lane} of this run is already open here")
+        for k, link in keys:
+            self._inbound[k] = (end, link)
+        self._ends.append(end)
+        return end
+
+    def _forget(self, end: LinkEnd) -> None:
+        self._inbound = {k: v for k, v in self._inbound.items() if v[0] is not end}
+        self._ends = [e for e in self._ends if e is not end]
+
+    def _plausible(self, hello: LinkHello) -> bool | None:
+        """None: no open end serves this run; else whether its boundary and lane exist in the run's plan."""
+        specs = [e.spec for e in self._ends if e.spec.run_id == hello.run]
+        if not specs:
+            return None
+        return hello.boundary < specs[0].num_stages - 1 and hello.lane < specs[0].replicas
+
+    async def _serve(self, stream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
+        if self.penalties.is_banned(peer):
+            await reset_quietly(stream)
+            return
+        try:
+            with trio.fail_after(self.config.dial_timeout_s):
+                raw = await read_frame(stream, MAX_RECORD_BYTES)
+                hello = decode_message(raw, frozenset({LinkHello.TYPE}))
+        except (ProtocolError, trio.TooSlowError) as e:
+            self.penalties.penalize(peer, f"lane link: bad hello: {type(e).__name__}: {e}")
+            await reset_quietly(stream)
+            return
+        except Exception as e:  # noqa: BLE001 - the dialer went away
+            log.debug("lane hello from %s: %s: %s", peer, type(e).__name__, e)
+            await reset_quietly(stream)
+            return
+        found = self._inbound.get((hello.run, hello.boundary, hello.lane, hello.direction))
+        plausible = self._plausible(hello)
+        if found is None and plausible:  # our end of it is not open (yet): the dialer retries, no penalty
+            log.info("lane link b%d/%s lane %d from %s refused: not open here", hello.boundary, hello.direction,
+                     hello.lane, peer)
+            await _refuse(stream, "this link is not open here")
+            return
+        if found is None or found[1].peer != peer or hello.peers != (peer, self.sh.peer_id):
+            why = ("wrong run" if plausible is None else "unknown lane or boundary" if found is None
+                   else "not the peer this link expects")
+            self.penalties.penalize(peer, f"lane link: hello for run {hello.run[:16]} b{hello.boundary}/"
+                                          f"{hello.direction} lane {hello.lane}: {why}")
+            await reset_quietly(stream)
+            return
+        end, link = found
+        await end._attach(link, stream, 4 + len(raw))
+
+
+@asynccontextmanager
+async def open_link_hub(sh: SwarmHost, penalties: Penalties, config: LinkConfig = LinkConfig()):
+    async with trio.open_nursery() as nursery:
+        hub = LinkHub(sh, penalties, config, nursery)
+        try:
+            yield hub
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                for end in list(hub._ends):
+                    await end.aclose()
+            nursery.cancel_scope.cancel()
+
+
+class BlockingLinkEnd:
+    """A LinkEnd's calls from the trainer's worker thread (a node.train.lane.Boundary): each one runs on the event
+    loop through `trio.from_thread.run` and blocks until it is done; `abort` never raises."""
+
+    def __init__(self, end: LinkEnd, trio_token: trio.lowlevel.TrioToken):
+        self.end, self.trio_token = end, trio_token
+
+    def _run(self, fn, *args, **kw):
+        return trio.from_thread.run(functools.partial(fn, *args, **kw), trio_token=self.trio_token)
+
+    def send_act(self, step, micro, ids, acts_BTD, *, phase=TRAIN):
+        self._run(self.end.send_act, step, micro, ids, acts_BTD, phase=phase)
+
+    def recv_act(self, step, micro, *, phase=TRAIN):
+        return self._run(self.end.recv_act, step, micro, phase=phase)
+
+    def send_grad(self, step, micro, grad_BTD):
+        self._run(self.end.send_grad, step, micro, grad_BTD)
+
+    def recv_grad(self, step, micro):
+        return self._run(self.end.recv_grad, step, micro)
+
+    def exchange_norms(self, step, norms, finite):
+        return self._run(self.end.exchange_norms, step, norms, finite)
+
+    def abort(self, step, reason, *, phase=TRAIN):
+        try:
+            self._run(self.end.abort, step, reason, phase=phase)
+        except Exception as e:  # noqa: BLE001 - the loop is shutting down: nothing left to tell
+            log.debug("abort of step %d not delivered: %s", step, e)
+
+
+async def _refuse(stream, reason: str) -> None:
+    try:
+        body = encode_message(Refuse(reason=reason))
+        with trio.move_on_after(1.0):
+            await stream.write(LEN.pack(len(body)) + body)
+    except Exception:  # noqa: BLE001
+        pass
+    await close_quietly(stream)

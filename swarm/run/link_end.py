@@ -1,0 +1,433 @@
+"""One stage's side of its lane's links: dialing, credits, the inbox of what arrived, waits with deadlines, checks."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+import trio
+
+from shoal.protocol.errors import DecodeError, ProtocolError, TooLargeError
+from shoal.protocol.frames import MAX_HEADER_BYTES
+from shoal.protocol.lane import (BWD, DATA_TYPES, FWD, LANE_PROTOCOL, MAX_RECORD_BYTES, TENSOR_TYPES, TRAIN, Abort,
+                                 Act, Credit, Grad, LaneNorm, LinkHello, Refuse, decode_message, encode_message,
+                                 payload_nbytes)
+from shoal.protocol.schema import WireRecord
+from shoal.swarm.net.framing import close_quietly, read_exactly, read_frame
+from shoal.swarm.run.link_base import (LEN, MAX_CONTROL_BYTES, LaneSpec, LinkCounters, LinkError, Violation,
+                                       decode_tensor_frame, encode_tensor_frame, reset_quietly)
+
+if TYPE_CHECKING:
+    from shoal.swarm.run.link import LinkHub
+
+log = logging.getLogger(__name__)
+
+
+class _Link:
+    """One directed link as this end sees it: outbound (we send data, read credits) or inbound (the reverse)."""
+
+    def __init__(self, boundary: int, direction: str, peer: str, outbound: bool):
+        self.boundary, self.direction, self.peer, self.outbound = boundary, direction, peer, outbound
+        self.name = f"b{boundary}/{direction}"
+        self.sent, self.recv = LinkCounters(), LinkCounters()
+        self.stream = None
+        self.write_lock = trio.Lock()
+        self.credits = 0  # outbound: messages we may still send
+        self.window = 0  # outbound: the receiver's window (its first credit)
+        self.inbox: dict[tuple, tuple[WireRecord, torch.Tensor | None]] = {}  # inbound: arrived, not consumed
+        # broke: every step up to this one fails here (None: the next step a call is made for)
+        self.failed: tuple[int | None, LinkError] | None = None
+
+
+class LinkEnd:
+    """Stage `spec.stage`'s side of its lane's links. Every call takes the step it belongs to; a call raises
+    LinkError (a LaneAborted) when that step cannot finish here. Calls come one at a time (the stage's worker)."""
+
+    def __init__(self, hub: LinkHub, spec: LaneSpec):
+        self.hub, self.spec, self.config = hub, spec, hub.config
+        self.me = hub.sh.peer_id
+        self.step: int | None = None  # the newest step a call was made for
+        self._changed = trio.Event()
+        self._aborted: dict[tuple[int, str], LinkError] = {}  # (step, phase) given up, by us or a neighbour
+        s, prev, nxt = spec.stage, spec.prev_peer, spec.next_peer
+        self.act_in = _Link(s - 1, FWD, prev, False) if prev else None
+        self.grad_out = _Link(s - 1, BWD, prev, True) if prev else None
+        self.act_out = _Link(s, FWD, nxt, True) if nxt else None
+        self.grad_in = _Link(s, BWD, nxt, False) if nxt else None
+        self.links = [x for x in (self.act_in, self.grad_out, self.act_out, self.grad_in) if x is not None]
+
+    def counters(self) -> dict[str, dict[str, Any]]:
+        """Per link ("b0/fwd"...): the neighbour and what was sent and received on it, for status and benchmarks."""
+        return {x.name: {"peer": x.peer, "sent": asdict(x.sent), "recv": asdict(x.recv)} for x in self.links}
+
+    # -- the calls -----------------------------------------------------------------------------------------
+
+    async def send_act(self, step: int, micro: int, ids: Sequence[int] | torch.Tensor, acts_BTD: torch.Tensor, *,
+                       phase: str = TRAIN) -> None:
+        link = _need(self.act_out, "the last stage sends no activations")
+        await self._enter(step)
+        kind = self.spec.kind if phase == TRAIN else self.spec.eval_kind
+        header, frame = await trio.to_thread.run_sync(encode_tensor_frame, kind, acts_BTD)
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        await self._send(link, Act(step=step, micro=micro, kind=kind, ids=tuple(ids), phase=phase), step, phase,
+                         header=header, frame=frame)
+
+    async def recv_act(self, step: int, micro: int, *, phase: str = TRAIN) -> tuple[torch.Tensor, torch.Tensor]:
+        link = _need(self.act_in, "the first stage receives no activations")
+        await self._enter(step)
+        rec, x = await self._take(link, ("act", step, micro, phase), step, phase, f"activations {micro}")
+        return torch.tensor(rec.ids, dtype=torch.long), x
+
+    async def send_grad(self, step: int, micro: int, grad_BTD: torch.Tensor) -> None:
+        link = _need(self.grad_out, "the first stage sends no gradients")
+        await self._enter(step)
+        header, frame = await trio.to_thread.run_sync(encode_tensor_frame, self.spec.kind, grad_BTD)
+        await self._send(link, Grad(step=step, micro=micro), step, TRAIN, header=header, frame=frame)
+
+    async def recv_grad(self, step: int, micro: int) -> torch.Tensor:
+        link = _need(self.grad_in, "the last stage receives no gradients")
+        await self._enter(step)
+        return (await self._take(link, ("grad", step, micro, TRAIN), step, TRAIN, f"gradients {micro}"))[1]
+
+    async def exchange_norms(self, step: int, norms: Sequence[float], finite: bool) -> list[tuple[list[float], bool]]:
+        """Send this stage's norms both ways, relay what arrives from one side to the other, return all stages'."""
+        await self._enter(step)
+        mine = LaneNorm(step=step, stage=self.spec.stage, norms=tuple(float(x) for x in norms), finite=finite)
+        got: dict[int, LaneNorm] = {mine.stage: mine}
+        for out in (self.act_out, self.grad_out):
+            if out is not None:
+                await self._send(out, mine, step, TRAIN)
+        inbound = [x for x in (self.act_in, self.grad_in) if x is not None]
+
+        def arrived() -> tuple[_Link, LaneNorm] | None:
+            for link in inbound:
+                for key in link.inbox:
+                    if key[0] == "norm" and key[1] == step:
+                        return link, link.inbox.pop(key)[0]
+            return None
+
+        while len(got) < self.spec.num_stages:
+            missing = sorted(set(range(self.spec.num_stages)) - set(got))
+            link, rec = await self._wait(f"gradient norms of stages {missing}", step, TRAIN, inbound, arrived,
+                                         self.config.recv_timeout_s)
+            await self._grant(link, 1)
+            got[rec.stage] = rec
+            onward = self.act_out if link is self.act_in else self.grad_out
+            if onward is not None:
+                await self._send(onward, rec, step, TRAIN)
+        return [(list(got[k].norms), got[k].finite) for k in range(self.spec.num_stages)]
+
+    async def abort(self, step: int, reason: str, *, phase: str = TRAIN) -> None:
+        """Give (step, phase) up here and tell both neighbours (best effort; never raises)."""
+        self._aborted.setdefault((step, phase), LinkError(LinkError.ABORTED, f"step {step} given up: {reason}"))
+        for link in self.links:
+            if not link.outbound:
+                stale = [k for k in link.inbox if k[1] == step and k[3] == phase]
+                for k in stale:
+                    del link.inbox[k]
+                await self._grant(link, len(stale))
+        self._wake()
+        rec = Abort(step=step, phase=phase, reason=reason[:200])
+        for link in self.links:
+            if link.outbound:
+                with trio.move_on_after(self.config.abort_timeout_s):
+                    try:
+                        await self._open(link)
+                        await self._write(link, [encode_message(rec)], control=True)
+                    except Exception as e:  # noqa: BLE001 - best effort: the neighbour times out instead
+                        log.debug("abort of step %d to %s not sent: %s", step, link.peer, e)
+
+    async def aclose(self) -> None:
+        self.hub._forget(self)
+        for link in self.links:
+            stream, link.stream = link.stream, None
+            if stream is not None:
+                await reset_quietly(stream)
+        self._wake()
+
+    # -- waiting --------------------------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _enter(self, step: int) -> None:
+        """A call for `step`: messages of older steps are dropped (their credit returned)."""
+        if self.step is not None and step <= self.step:
+            return
+        self.step = step
+        self._aborted = {k: v for k, v in self._aborted.items() if k[0] >= step - 1}
+        for link in self.links:
+            if not link.outbound:
+                stale = [k for k in link.inbox if k[1] < step]
+                for k in stale:
+                    del link.inbox[k]
+                await self._grant(link, len(stale))
+                far = [k for k in link.inbox if k[1] > step + 1]
+                if far:  # arrived before this end knew its step
+                    await self._reject(link, f"message for step {far[0][1]} while the lane is at step {step}", step)
+
+    def _check(self, step: int, phase: str, links: list[_Link]) -> None:
+        if (step, phase) in self._aborted:
+            raise self._aborted[step, phase]
+        for link in links:
+            if link.failed is None:
+                continue
+            at, err = link.failed
+            if at is None:
+                link.failed = (step, err)
+            elif at < step:
+                link.failed = None  # broke in an older step; a new stream serves this one
+                continue
+            raise err
+
+    async def _wait(self, what: str, step: int, phase: str, links: list[_Link], ready: Callable[[], Any],
+                    timeout_s: float) -> Any:
+        deadline = trio.current_time() + timeout_s
+        while True:
+            got = ready()
+            if got is not None:
+                return got
+            self._check(step, phase, links)
+            if trio.current_time() >= deadline:
+                peers = ",".join(sorted({x.peer for x in links}))
+                raise LinkError(LinkError.DEADLINE, f"no {what} for step {step} within {timeout_s:g} s", peers)
+            with trio.move_on_at(deadline):
+                await self._changed.wait()
+
+    async def _take(self, link: _Link, key: tuple, step: int, phase: str, what: str):
+        item = await self._wait(what, step, phase, [link], lambda: link.inbox.pop(key, None),
+                                self.config.recv_timeout_s)
+        await self._grant(link, 1)
+        return item
+
+    # -- sending --------------------------------------------------------------------------------------------
+
+    async def _open(self, link: _Link) -> None:
+        """Dial the neighbour, say hello, get the first credit; retried while it refuses, until the dial deadline."""
+        if link.stream is not None:
+            return
+        if self.hub.penalties.is_banned(link.peer):
+            raise LinkError(LinkError.DIAL, "the neighbour is banned", link.peer)
+        hello = LinkHello(run=self.spec.run_id, boundary=link.boundary, lane=self.spec.lane,
+                          direction=link.direction, peers=(self.me, link.peer))
+        deadline = trio.current_time() + self.config.dial_timeout_s
+        refused = ""
+        while True:
+            stream = None
+            try:
+                with trio.fail_at(deadline):
+                    stream = await self.hub.sh.open_stream(link.peer, LANE_PROTOCOL)
+                    body = encode_message(hello)
+                    await stream.write(LEN.pack(len(body)) + body)
+                    raw = await read_frame(stream, MAX_CONTROL_BYTES)
+                    reply = decode_message(raw, frozenset({Credit.TYPE, Refuse.TYPE}))
+            except trio.TooSlowError:
+                await reset_quietly(stream)
+                why = f"refused: {refused}" if refused else f"no answer within {self.config.dial_timeout_s:g} s"
+                raise LinkError(LinkError.DIAL, why, link.peer) from None
+            except ProtocolError as e:
+                await reset_quietly(stream)
+                self.hub.penalties.penalize(link.peer, f"lane link: bad answer to hello: {e}")
+                raise LinkError(LinkError.VIOLATION, f"bad answer to hello: {e}", link.peer) from e
+            except Exception as e:  # noqa: BLE001 - dial errors come as many types from py-libp2p
+                await reset_quietly(stream)
+                raise LinkError(LinkError.DIAL, f"{type(e).__name__}: {e}", link.peer) from e
+            link.sent.control_bytes += 4 + len(body)
+            link.recv.control_bytes += 4 + len(raw)
+            if isinstance(reply, Credit):
+                link.stream, link.credits, link.window, link.failed = stream, reply.n, reply.n, None
+                self.hub.nursery.start_soon(self._read_credits, link, stream)
+                return
+            await close_quietly(stream)
+            refused = reply.reason
+            if trio.current_time() + self.config.retry_interval_s >= deadline:
+                raise LinkError(LinkError.DIAL, f"refused: {refused}", link.peer)
+            await trio.sleep(self.config.retry_interval_s)
+
+    async def _read_credits(self, link: _Link, stream) -> None:
+        try:
+            while link.stream is stream:
+                raw = await read_frame(stream, MAX_CONTROL_BYTES)
+                rec = decode_message(raw, frozenset({Credit.TYPE}))
+                if link.credits + rec.n > link.window:
+                    raise Violation(f"credit {link.credits} + {rec.n} beyond its window {link.window}")
+                link.credits += rec.n
+                link.recv.control_bytes += 4 + len(raw)
+                self._wake()
+        except ProtocolError as e:
+            if link.stream is stream:
+                await self._reject(link, str(e), None)
+        except Exception as e:  # noqa: BLE001 - closed or reset: the link is gone
+            if link.stream is stream:
+                await self._lost(link, f"{type(e).__name__}: {e}")
+
+    async def _send(self, link: _Link, rec: WireRecord, step: int, phase: str, *, header=None,
+                    frame: bytes | None = None) -> None:
+        await self._open(link)
+        await self._wait(f"credit on {link.name}", step, phase, [link], lambda: link.credits > 0 or None,
+                         self.config.send_timeout_s)
+        link.credits -= 1
+        body = encode_message(rec)
+        parts = [body] if frame is None else [body, frame]
+        await self._write(link, parts)
+        link.sent.messages += 1
+        link.sent.wire_bytes += sum(4 + len(p) for p in parts)
+        link.sent.payload_bytes += header.nbytes if header is not None else 0
+
+    async def _write(self, link: _Link, parts: list[bytes], *, control: bool = False) -> None:
+        stream = link.stream
+        if stream is None:
+            raise LinkError(LinkError.CLOSED, f"{link.name} is closed", link.peer)
+        data = b"".join(LEN.pack(len(p)) + p for p in parts)
+        try:
+            with trio.fail_after(self.config.send_timeout_s):
+                async with link.write_lock:
+                    await stream.write(data)
+        except trio.TooSlowError:
+            await self._lost(link, f"write not done within {self.config.send_timeout_s:g} s")
+            raise LinkError(LinkError.DEADLINE, f"write on {link.name} not done within "
+                                                f"{self.config.send_timeout_s:g} s", link.peer) from None
+        except Exception as e:  # noqa: BLE001 - a reset or closed stream
+            await self._lost(link, f"{type(e).__name__}: {e}")
+            raise LinkError(LinkError.CLOSED, f"write on {link.name} failed: {type(e).__name__}", link.peer) from e
+        if control:
+            link.sent.control_bytes += len(data)
+
+    async def _grant(self, link: _Link, n: int) -> None:
+        """Give `n` credits back on an inbound link (consumed or dropped messages); a dead stream is left alone."""
+        if n <= 0 or link.stream is None:
+            return
+        try:
+            await self._write(link, [encode_message(Credit(n=n))], control=True)
+        except LinkError as e:
+            log.debug("credit on %s not sent: %s", link.name, e)
+
+    # -- receiving ------------------------------------------------------------------------------------------
+
+    async def _attach(self, link: _Link, stream, hello_nbytes: int) -> None:
+        """Serve one inbound stream (in its handler's task) until it ends or misbehaves."""
+        old, link.stream, link.failed = link.stream, stream, None
+        if old is not None:  # the neighbour dialed again: its old stream failed on its side, and what came on it
+            link.inbox.clear()  # belongs to a step it gave up
+            await reset_quietly(old)
+        link.recv.control_bytes += hello_nbytes
+        await self._grant(link, self.config.credit_window)
+        while link.stream is stream:
+            rec = None
+            try:
+                head = await read_exactly(stream, 4)  # an idle link waits here between steps: no deadline
+                with trio.fail_after(self.config.send_timeout_s):  # a message once begun must finish
+                    (n,) = LEN.unpack(head)
+                    if n > MAX_RECORD_BYTES:
+                        raise TooLargeError(f"record frame of {n} bytes exceeds {MAX_RECORD_BYTES}")
+                    if n == 0:
+                        raise DecodeError("empty frame")
+                    raw = await read_exactly(stream, n)
+                    rec = decode_message(raw, DATA_TYPES[link.direction])
+                    kind = self._check_record(link, rec)
+                    tensor, wire, payload = None, 4 + n, 0
+                    if rec.TYPE in TENSOR_TYPES:
+                        expected = payload_nbytes(kind, *self.spec.shape)
+                        buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
+                        tensor = await trio.to_thread.run_sync(decode_tensor_frame, buf, kind, self.spec.shape)
+                        wire, payload = wire + 4 + len(buf), expected
+            except (ProtocolError, trio.TooSlowError) as e:
+                if link.stream is stream:
+                    await self._reject(link, f"{type(e).__name__}: {e}", None if rec is None else rec.step)
+                return
+            except Exception as e:  # noqa: BLE001 - closed or reset by the neighbour (or replaced by us)
+                if link.stream is stream:
+                    await self._lost(link, f"{type(e).__name__}: {e}")
+                return
+            if isinstance(rec, Abort):
+                link.recv.control_bytes += wire
+                log.info("%s from %s: step %d (%s) aborted: %r", link.name, link.peer, rec.step, rec.phase, rec.reason)
+                self._aborted.setdefault((rec.step, rec.phase), LinkError(
+                    LinkError.ABORTED, f"a neighbour gave step {rec.step} up: {rec.reason}", link.peer))
+                self._wake()
+                continue
+            link.recv.messages += 1
+            link.recv.wire_bytes += wire
+            link.recv.payload_bytes += payload
+            try:
+                await self._admit(link, rec, tensor)
+            except Violation as e:
+                await self._reject(link, str(e), rec.step)
+                return
+
+    def _check_record(self, link: _Link, rec: WireRecord) -> str | None:
+        """Checks that need this lane's spec; returns the tensor kind that follows (None: no tensor)."""
+        sp = self.spec
+        if isinstance(rec, Act):
+            train = rec.phase == TRAIN
+            kind, count, n_ids = (sp.kind, sp.micro_batches, sp.train_samples) if train else (
+                sp.eval_kind, sp.eval_batches, sp.eval_samples)
+            if rec.kind != kind:
+                raise Violation(f"{rec.phase} activations at {rec.kind}, this run sends {kind}")
+            if rec.micro >= count:
+                raise Violation(f"{rec.phase} micro-batch {rec.micro} of {count}")
+            if len(rec.ids) != sp.micro_batch or max(rec.ids) >= n_ids:
+                raise Violation(f"sample ids: {len(rec.ids)} of them (expected {sp.micro_batch}), "
+                                f"largest {max(rec.ids)} (the {rec.phase} set has {n_ids})")
+            return kind
+        if isinstance(rec, Grad):
+            if rec.micro >= sp.micro_batches:
+                raise Violation(f"gradients of micro-batch {rec.micro} of {sp.micro_batches}")
+            return sp.kind
+        if isinstance(rec, LaneNorm):
+            ok = rec.stage < sp.stage if link.direction == FWD else sp.stage < rec.stage < sp.num_stages
+            if not ok:
+                raise Violation(f"norms of stage {rec.stage} cannot come from this side of stage {sp.stage}")
+            return None
+        if isinstance(rec, Abort):
+            return None
+        raise Violation(f"{rec.TYPE} is not used on a {sp.kind} link")
+
+    async def _admit(self, link: _Link, rec: WireRecord, tensor: torch.Tensor | None) -> None:
+        phase = rec.phase if isinstance(rec, Act) else TRAIN
+        if (self.step is not None and rec.step < self.step) or (rec.step, phase) in self._aborted:
+            await self._grant(link, 1)  # a step already over or given up: dropped, its credit returned
+            return
+        if self.step is not None and rec.step > self.step + 1:
+            raise Violation(f"message for step {rec.step} while the lane is at step {self.step}")
+        key = ((rec.TYPE, rec.step, rec.stage, TRAIN) if isinstance(rec, LaneNorm)
+               else (rec.TYPE, rec.step, rec.micro, phase))
+        if key in link.inbox:
+            raise Violation(f"{rec.TYPE} for step {rec.step} #{key[2]} sent twice")
+        if len(link.inbox) >= self.config.credit_window:
+            raise Violation(f"more than its credit of {self.config.credit_window} unconsumed messages")
+        link.inbox[key] = (rec, tensor)
+        self._wake()
+
+    async def _reject(self, link: _Link, reason: str, claimed_step: int | None) -> None:
+        """A neighbour broke the protocol: penalize it, drop its stream, abort the step the message belongs to."""
+        cur = self.step  # the stream is gone: the step in progress fails, and the next one if the message was for it
+        plausible = claimed_step is not None and (cur is None or cur <= claimed_step <= cur + 1)
+        step = claimed_step if plausible else cur
+        log.warning("lane %d stage %d: %s from %s rejected: %s; step %s of this lane aborted", self.spec.lane,
+                    self.spec.stage, link.name, link.peer, reason, step)
+        self.hub.penalties.penalize(link.peer, f"lane link {link.name}: {reason}")
+        link.failed = (step, LinkError(LinkError.VIOLATION, f"{link.name}: {reason}", link.peer))
+        link.inbox.clear()
+        stream, link.stream = link.stream, None
+        await reset_quietly(stream)
+        self._wake()
+
+    async def _lost(self, link: _Link, reason: str) -> None:
+        """The stream broke (closed, reset, timed out): the step in progress cannot use it."""
+        log.info("lane %d stage %d: %s to/from %s lost: %s", self.spec.lane, self.spec.stage, link.name, link.peer,
+                 reason)
+        link.failed = (self.step, LinkError(LinkError.CLOSED, f"{link.name} lost: {reason}", link.peer))
+        stream, link.stream = link.stream, None
+        await reset_quietly(stream)
+        self._wake()
+
+
+def _need(link: _Link | None, why: str) -> _Link:
+    if link is None:
+        raise ValueError(why)
+    return link
