@@ -11,7 +11,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.protocol.assignment import ACTIVE, BACKUP, DRAINING, GONE
 from shoal.protocol.manifest import JoinPolicy, ParallelPlan, RunManifest, SyncSpec
-from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig, RunContext
+from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig
+from shoal.swarm.run.context import RunContext
 from shoal.swarm.net.identity import peer_id_of
 from shoal.swarm.net.rpc import RpcServer
 from shoal.swarm.run.client import RunClient, RunClientConfig, fetch_table

@@ -20,7 +20,8 @@ from shoal.protocol.assignment import RUN_RECORD_TYPES
 from shoal.protocol.manifest import ParallelPlan, RunManifest, SyncSpec
 from shoal.swarm.net.identity import peer_id_of
 from shoal.swarm.net.penalty import Penalties
-from shoal.swarm.run.broker import Broker, BrokerConfig, RunContext
+from shoal.swarm.run.broker import Broker, BrokerConfig
+from shoal.swarm.run.context import RunContext
 from shoal.swarm.run.client import RunClient
 from shoal.swarm.run.group import Group
 from tests.swarm_helpers import HW

@@ -29,7 +29,8 @@ from shoal.protocol.assignment import AssignmentTable
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HardwareProfile
 from shoal.swarm.net.rpc import RpcError, call
-from shoal.swarm.run.broker import Broker, RunContext
+from shoal.swarm.run.broker import Broker
+from shoal.swarm.run.context import RunContext
 from shoal.swarm.run.client import RunClient, fetch_table
 from shoal.swarm.run.collective import Collective
 from shoal.swarm.run.group import Group

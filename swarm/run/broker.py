@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,19 +15,14 @@ from shoal.protocol.assignment import (
     ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_PROVIDERS, REGISTERED, AdmitRequest, AdmitResponse,
     AssignmentTable, BrokerLease, MissingReport, ProviderEntry, SlotEntry, slot_name)
 from shoal.protocol.envelope import seal
-from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HardwareProfile
 from shoal.swarm.net.dht_records import lease_key, table_key
-from shoal.swarm.net.host import SwarmHost
-from shoal.swarm.net.membership import LEFT, Membership
-from shoal.swarm.net.penalty import Penalties
+from shoal.swarm.net.membership import LEFT
 from shoal.swarm.net.rpc import RpcError, call
-
-Clock = Callable[[], float]
+from shoal.swarm.run.context import Handler, RunContext
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[str, Any], Awaitable[Any]]
 MAX_GONE_KEPT = 32  # gone providers listed in the table, newest first; older ones are forgotten
 
 
@@ -62,33 +57,6 @@ class BrokerConfig:
         d = cls()
         return cls(fail_after_s=fail_after_s, lease_timeout_s=fail_after_s,
                    heartbeat_s=min(d.heartbeat_s, fail_after_s / 3), lease_renew_s=min(d.lease_renew_s, fail_after_s / 4))
-
-
-@dataclass(kw_only=True, slots=True)
-class RunContext:
-    """What the broker and the run client need from the node that hosts them."""
-
-    sh: SwarmHost
-    manifest: RunManifest
-    register: Callable[[str, Handler], None]  # RpcServer.register
-    publish: Callable[[bytes], Awaitable[None]]  # gossip publish of a sealed envelope (must not raise)
-    membership: Membership | None = None  # liveness from status gossip; RPC contact counts too
-    penalties: Penalties | None = None
-    # stage -> the first step at which a group change can safely take effect (every member must hear of the
-    # new table before it reaches that step); None: changes take effect from step 0 (nothing trains yet)
-    switch_step: Callable[[int], int] | None = None
-    # monotonic seconds for every timeout, lease and backoff (the membership's clock: liveness compares both);
-    # wall-clock seconds only for what records carry (issue times, lease expiry)
-    clock: Clock = time.monotonic
-    wall: Clock = time.time
-
-    @property
-    def run_id(self) -> str:
-        return self.manifest.run_id
-
-    @property
-    def me(self) -> str:
-        return self.sh.peer_id
 
 
 @dataclass(slots=True)

@@ -15,7 +15,8 @@ from shoal.protocol.assignment import (
 from shoal.protocol.envelope import Signed, open_envelope
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.records import HardwareProfile
-from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig, RunContext
+from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig
+from shoal.swarm.run.context import RunContext
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.rpc import RpcError, call

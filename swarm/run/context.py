@@ -1,0 +1,43 @@
+"""What the broker and the run client need from the node that hosts them: its host, the run, its clocks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.protocol.manifest import RunManifest
+from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.membership import Membership
+from shoal.swarm.net.penalty import Penalties
+
+Handler = Callable[[str, Any], Awaitable[Any]]
+Clock = Callable[[], float]
+
+
+@dataclass(kw_only=True, slots=True)
+class RunContext:
+    """What the broker and the run client need from the node that hosts them."""
+
+    sh: SwarmHost
+    manifest: RunManifest
+    register: Callable[[str, Handler], None]  # RpcServer.register
+    publish: Callable[[bytes], Awaitable[None]]  # gossip publish of a sealed envelope (must not raise)
+    membership: Membership | None = None  # liveness from status gossip; RPC contact counts too
+    penalties: Penalties | None = None
+    # stage -> the first step at which a group change can safely take effect (every member must hear of the
+    # new table before it reaches that step); None: changes take effect from step 0 (nothing trains yet)
+    switch_step: Callable[[int], int] | None = None
+    # monotonic seconds for every timeout, lease and backoff (the membership's clock: liveness compares both);
+    # wall-clock seconds only for what records carry (issue times, lease expiry)
+    clock: Clock = time.monotonic
+    wall: Clock = time.time
+
+    @property
+    def run_id(self) -> str:
+        return self.manifest.run_id
+
+    @property
+    def me(self) -> str:
+        return self.sh.peer_id
