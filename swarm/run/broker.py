@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
