@@ -3,6 +3,7 @@ identity. Each returns a Check with a verdict and, when it is not ok, the fix.""
 
 from __future__ import annotations
 
+import errno
 import os
 import platform
 import shutil
@@ -191,6 +192,9 @@ def check_listen(listen: str) -> Check:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
     except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return Check(name="listen", verdict="warn", summary=f"TCP port {port} is taken on {host}",
+                         fix="fine if it is this machine's running shoal node; otherwise pick another port", data=data)
         return Check(name="listen", verdict="fail", summary=f"cannot listen on {host}:{port}: {e.strerror}",
                      fix="pick a free port (another shoal node may hold this one) or an address of this machine",
                      data=data)
@@ -232,7 +236,11 @@ def check_disk(home: Path) -> Check:
 
 
 def check_identity(path: Path) -> Check:
-    from shoal.swarm.net.identity import IdentityError, load_or_create_identity, peer_id_of
+    """The key file: present, a valid Ed25519 seed, readable by its owner only. Read without libp2p, so this
+    check works when libp2p does not import."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from shoal.protocol.signing import peer_id_from_public_key, public_key_bytes
 
     data: dict[str, Any] = {"path": str(path)}
     if not path.exists():
@@ -242,10 +250,13 @@ def check_identity(path: Path) -> Check:
     mode = stat.S_IMODE(st.st_mode)
     data.update(mode=oct(mode), owner_uid=st.st_uid)
     try:
-        peer_id = peer_id_of(load_or_create_identity(path))
-    except (IdentityError, OSError) as e:
+        seed = path.read_bytes()
+        if len(seed) != 32:
+            raise ValueError(f"expected a 32-byte Ed25519 seed, found {len(seed)} bytes")
+        peer_id = peer_id_from_public_key(public_key_bytes(Ed25519PrivateKey.from_private_bytes(seed)))
+    except (ValueError, OSError) as e:
         return Check(name="identity", verdict="fail", summary=f"{path}: {e}",
-                     fix=f"move it away; `shoal node` then creates a new identity (a new peer id)", data=data)
+                     fix="move it away; `shoal node` then creates a new identity (a new peer id)", data=data)
     data["peer_id"] = peer_id
     if mode & 0o077:
         return Check(name="identity", verdict="fail",
