@@ -66,17 +66,27 @@ else
 fi
 
 # -- 2. the wheelhouse: every wheel the image installs, built or fetched by this host's pip ---------------------
-phase_start "wheelhouse ($TORCH and the project's dependencies)"
-mkdir -p "$CACHE/wheelhouse"
-"$PYTHON" -m pip wheel -q --wheel-dir "$CACHE/wheelhouse" --find-links "$CACHE/wheelhouse" \
-    "$TORCH" "setuptools>=68" wheel "$ROOT" > "$CACHE/wheelhouse.log" 2>&1 \
-    || die "pip wheel failed, see $CACHE/wheelhouse.log: $(tail -3 "$CACHE/wheelhouse.log")"
-rm -f "$CACHE"/wheelhouse/shoal-*.whl  # the image builds shoal from the source it is given
+# torch, the project's dependencies (from pyproject.toml) and the build tools; remade only when that list changes
+requirements=$("$PYTHON" -c 'import sys, tomllib
+deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
+print(*[sys.argv[2], *deps, "setuptools>=68", "wheel"], sep="\n")' "$ROOT/pyproject.toml" "$TORCH")
+stamp=$(printf '%s\n' "$requirements" "$("$PYTHON" -V)" | sha256sum | cut -c1-16)
+if [ "$(cat "$CACHE/wheelhouse/.stamp" 2>/dev/null)" = "$stamp" ]; then
+    say "wheelhouse in $CACHE/wheelhouse is up to date"
+else
+    phase_start "wheelhouse ($TORCH and the project's dependencies)"
+    rm -rf "$CACHE/wheelhouse"
+    mkdir -p "$CACHE/wheelhouse"
+    printf '%s\n' "$requirements" > "$CACHE/requirements.txt"
+    "$PYTHON" -m pip wheel -q --wheel-dir "$CACHE/wheelhouse" -r "$CACHE/requirements.txt" > "$CACHE/wheelhouse.log" 2>&1 \
+        || die "pip wheel failed, see $CACHE/wheelhouse.log: $(tail -3 "$CACHE/wheelhouse.log")"
+    echo "$stamp" > "$CACHE/wheelhouse/.stamp"
+    phase_end "wheelhouse ($(ls "$CACHE"/wheelhouse/*.whl | wc -l) wheels, $(du -sh "$CACHE/wheelhouse" | cut -f1))"
+fi
 # the build context's copy; hard links when the cache is on the same file system
 find "$WHEELHOUSE" -name '*.whl' -delete 2>/dev/null || true
 mkdir -p "$WHEELHOUSE"
 cp -l "$CACHE"/wheelhouse/*.whl "$WHEELHOUSE"/ 2>/dev/null || cp "$CACHE"/wheelhouse/*.whl "$WHEELHOUSE"/
-phase_end "wheelhouse ($(ls "$WHEELHOUSE"/*.whl | wc -l) wheels, $(du -sh "$WHEELHOUSE" | cut -f1))"
 
 # -- 3. the image -----------------------------------------------------------------------------------------------
 phase_start "docker build $IMAGE"

@@ -159,6 +159,11 @@ def test_compose_swarm_trains_replaces_a_killed_worker_and_leaves_nothing():
             assert by["join"]["data"]["swarm_peers"] == 3 and "/shoal/rpc/1.0.0" in by["join"]["data"]["protocols"]
             assert by["clock"]["verdict"] == "ok" and len(by["clock"]["data"]["peers"]) == 3
 
+            # the dash service's container reaches the swarm the same way (its observer, without the terminal UI)
+            peers = json.loads(compose(engine, "run", "--rm", "-T", "dash", "peers", "--join", "@/shared/bootstrap.addrs",
+                                       "--json", timeout_s=120))
+            assert {p["peer_id"] for p in peers} == {st["peer_id"] for st in watch.last.values()}
+
             # kill the active worker: the broker promotes the backup, training goes on, states agree again
             engine.docker("kill", victim)
             t_kill = time.monotonic()

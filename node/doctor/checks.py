@@ -54,7 +54,7 @@ def check_python() -> Check:
 
 
 def check_shoal() -> Check:
-    from shoal.node.cli import shoal_version
+    from shoal.node.version import shoal_version
 
     import shoal.node
 
