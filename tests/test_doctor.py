@@ -93,15 +93,19 @@ def test_join_addresses_that_do_not_answer(tmp_path, silent_tcp):
     with socket.create_server(("127.0.0.1", 0)) as s:
         closed = s.getsockname()[1]  # closed again at once: nothing listens there
     t0 = time.monotonic()
-    code, by = doctor(tmp_path / "home", "--timeout", "2", "--join", f"/ip4/127.0.0.1/tcp/{closed}/p2p/{PEER}")
-    assert code == 1 and by["join"]["verdict"] == "fail" and "connection refused" in by["join"]["summary"]
-    assert "clock" not in by
-    code, by = doctor(tmp_path / "home", "--timeout", "2", "--join", f"/ip4/127.0.0.1/tcp/{silent_tcp}/p2p/{PEER}")
-    assert code == 1 and by["join"]["verdict"] == "fail"
-    assert "answers TCP" in by["join"]["summary"] and "handshake" in by["join"]["summary"]
-    assert time.monotonic() - t0 < 60
-    code, by = doctor(tmp_path / "home", "--join", "/ip4/127.0.0.1/tcp/4001")  # no peer id: refused at parse
-    assert code == 1 and "/p2p/" in by["join"]["summary"]
+    r = subprocess.run([*SHOAL, "doctor", "--json", "--timeout", "2",
+                        "--join", f"/ip4/127.0.0.1/tcp/{closed}/p2p/{PEER}",
+                        "--join", f"/ip4/127.0.0.1/tcp/{silent_tcp}/p2p/{PEER}",
+                        "--join", "/ip4/127.0.0.1/tcp/4001"],  # no peer id
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "SHOAL_HOME": str(tmp_path)})
+    assert r.returncode == 1 and not json.loads(r.stdout)["ok"]
+    joins = [c for c in json.loads(r.stdout)["checks"] if c["name"] in ("join", "clock")]
+    assert [c["name"] for c in joins] == ["join"] * 3 and all(c["verdict"] == "fail" and c["fix"] for c in joins)
+    refused, silent, bad = joins
+    assert "connection refused" in refused["summary"]
+    assert "answers TCP" in silent["summary"] and "handshake" in silent["summary"]
+    assert "/p2p/" in bad["summary"]
+    assert time.monotonic() - t0 < 60  # every wait is bounded by --timeout
 
 
 @pytest.mark.slow
