@@ -190,3 +190,20 @@ def test_the_model_fit_counts_the_real_models_parameters():
     assert fit("tiny", 0).max_micro_batch == 0 and not fit("base", 2 * 10**9).fits
     big = fit("base", 80 * 10**9)
     assert big.fits and 1 <= big.max_micro_batch <= 16
+
+
+def test_run_create_if_missing_keeps_the_first_manifest(tmp_path):
+    """The compose `init` service runs this on every `up`: the run (and so its id) must survive restarts."""
+    args = [*SHOAL, "run", "create", "--if-missing", "-o", str(tmp_path / "run.toml"), "--identity",
+            str(tmp_path / "id.key"), "--replicas", "2"]
+    env = {**os.environ, "SHOAL_HOME": str(tmp_path)}
+    first = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
+    text = (tmp_path / "run.toml").read_text()
+    again = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
+    assert first.returncode == 0 and again.returncode == 0, again.stderr
+    assert "wrote" in first.stdout and "kept" in again.stdout and (tmp_path / "run.toml").read_text() == text
+    run_id = [ln.split()[-1] for ln in first.stdout.splitlines() if ln.startswith("run id")]
+    assert run_id and run_id == [ln.split()[-1] for ln in again.stdout.splitlines() if ln.startswith("run id")]
+    (tmp_path / "run.toml").write_text(text.replace("replicas = 2", "replicas = 3"))  # no longer what was signed
+    bad = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and "not a valid manifest" in bad.stderr
