@@ -25,27 +25,35 @@ TOOLS = {"dockerd": "docker.io", "docker-compose": "docker-compose", "debootstra
 NETNS_PREFIX = "sh13dk"
 
 
+POLICY_RC = Path("/usr/sbin/policy-rc.d")
+
+
 def ensure_tools() -> None:
     """Install the engine, compose and debootstrap from Debian's packages when missing (CI machines start bare).
 
-    Package scripts must not start a system-wide daemon (it would add host firewall rules): POLICYRCD points
-    invoke-rc.d at a policy that refuses every service start."""
+    docker.io's install script must not start a system-wide daemon (it would add host firewall rules): invoke-rc.d
+    asks /usr/sbin/policy-rc.d, so when there is none, one that refuses every service start stands there for the
+    install (this machine's image already has such a one)."""
     missing = sorted({pkg for cmd, pkg in TOOLS.items() if shutil.which(cmd) is None})
     if not missing:
         return
     if os.geteuid() != 0:
         raise RuntimeError(f"missing {missing} and not root to install them: apt-get install {' '.join(missing)}")
-    with tempfile.TemporaryDirectory() as tmp:
-        policy = Path(tmp, "policy-rc.d")
-        policy.write_text("#!/bin/sh\nexit 101\n")
-        policy.chmod(0o755)
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive", "POLICYRCD": str(policy)}
+    placed = not POLICY_RC.exists()
+    if placed:
+        POLICY_RC.write_text("#!/bin/sh\n# placed by shoal's tests for one apt-get install: start no services\nexit 101\n")
+        POLICY_RC.chmod(0o755)
+    try:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         for cmd in (["apt-get", "update", "-q"],
                     ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=300",
                      *missing]):
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             if r.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-2000:]}")
+    finally:
+        if placed:
+            POLICY_RC.unlink(missing_ok=True)
     still = sorted(cmd for cmd in TOOLS if shutil.which(cmd) is None)
     if still:
         raise RuntimeError(f"installed {missing} but {still} are still not on PATH")
