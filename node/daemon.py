@@ -124,6 +124,10 @@ class Node:
     async def _rpc_announce(self, caller: str, body: Any) -> Any:
         return self._announcement
 
+    async def _rpc_time(self, caller: str, body: Any) -> Any:
+        """This node's wall clock (unix seconds), so a peer can measure its clock offset (`shoal doctor`)."""
+        return time.time()
+
     async def publish(self, envelope: bytes) -> None:
         assert self.gossip is not None
         try:
@@ -183,6 +187,7 @@ class Node:
             rpc = self.rpc = RpcServer(sh, self.penalties)
             rpc.register("members", self._rpc_members)
             rpc.register("announce", self._rpc_announce)
+            rpc.register("time", self._rpc_time)
             self._announcement = seal(Announcement(
                 peer_id=sh.peer_id, addrs=tuple(sh.addrs), software_version=shoal_version(),
                 protocol_version=PROTOCOL_VERSION, hardware=self.hardware, started_at=self.started_at), self.key)

@@ -19,6 +19,8 @@ COMMANDS: dict[str, str] = {
     "train": "shoal.node.cli.train",
     "bench": "shoal.node.cli.bench",
     "dash": "shoal.node.cli.dash",
+    "doctor": "shoal.node.cli.doctor",
+    "health": "shoal.node.cli.health",
 }
 
 

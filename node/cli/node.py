@@ -27,9 +27,17 @@ def shoal_home() -> Path:
     return Path(os.environ.get("SHOAL_HOME", "~/.shoal")).expanduser()
 
 
+def train_device(device_flag: str) -> str:
+    """The device `shoal node --device device_flag` trains on: auto trains on the CPU (a GPU is used when asked)."""
+    return "cpu" if device_flag == "auto" else device_flag
+
+
 def add_common_network_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--join", action="append", default=[], metavar="MULTIADDR",
-                   help="address of a node in the swarm, with its /p2p/ peer id (repeatable)")
+    p.add_argument("--join", action="append", default=[], metavar="MULTIADDR|@FILE",
+                   help="address of a node in the swarm, with its /p2p/ peer id (repeatable); @FILE reads them "
+                        "from a file, one per line (another node's --address-file)")
+    p.add_argument("--join-wait", type=float, default=60.0, metavar="SECONDS",
+                   help="how long to wait for a --join @FILE to appear (default: 60)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--identity", type=Path, default=None, metavar="PATH",
                    help="Ed25519 key file, created on first run (default: $SHOAL_HOME/identity.key)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    p.add_argument("--address-file", type=Path, default=None, metavar="PATH",
+                   help="once ready, write the addresses others join this node with to PATH (for --join @PATH)")
     p.add_argument("--status-file", type=Path, default=None, metavar="PATH",
                    help="rewrite a JSON file with peer_id, addrs, peers and state every few seconds")
     p.add_argument("--status-interval", type=float, default=2.0, metavar="SECONDS",
@@ -69,6 +79,7 @@ def main(args: argparse.Namespace) -> int:
 
     import trio
 
+    from shoal.node.cli.joinfile import expand_join, write_address_file
     from shoal.node.daemon import Node, NodeConfig
     from shoal.swarm.run.broker import AdmissionError
     from shoal.swarm.net.rpc import RpcError
@@ -78,6 +89,7 @@ def main(args: argparse.Namespace) -> int:
 
     home = shoal_home()
     try:
+        args.join = expand_join(args.join, args.join_wait)
         run = None
         if args.run is not None:
             run = run_config(args)
@@ -107,10 +119,14 @@ def main(args: argparse.Namespace) -> int:
                     print(f"shoal node: {e}", file=sys.stderr)
                     return 1
                 join_addr = next((a for a in node.sh.addrs if "/127.0.0.1/" not in a), node.sh.addrs[0])
+                if args.address_file is not None:
+                    write_address_file(args.address_file, node.sh.addrs)
                 print(f"shoal node {node.peer_id} ready ({hardware.device_kind}: {hardware.device_name}); "
                       f"others join with: shoal node --join {join_addr}", flush=True)
                 async for _ in signals:
                     print("leaving the swarm…", file=sys.stderr, flush=True)
+                    if args.address_file is not None:
+                        args.address_file.unlink(missing_ok=True)
                     node.stop()
                     break
         return 0
@@ -138,6 +154,6 @@ def run_config(args: argparse.Namespace):
         run_id = args.run
     broker = BrokerConfig.for_fail_after(args.fail_after)
     return RunConfig(manifest=manifest, run_id=run_id, secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"),
-                     device="cpu" if args.device == "auto" else args.device, threads=args.threads,
+                     device=train_device(args.device), threads=args.threads,
                      max_steps=args.steps, round_timeout_s=args.round_timeout, broker=broker,
                      backup_refresh_s=args.backup_refresh)

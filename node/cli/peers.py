@@ -28,10 +28,15 @@ def resolve_join(args: argparse.Namespace, prog: str) -> list[str] | None:
     """--join addresses, or with --local those of the swarm `shoal swarm up` runs here; None (said why) if none."""
     import sys
 
+    from shoal.node.cli.joinfile import expand_join
     from shoal.node.cli.node import shoal_home
     from shoal.swarm.net.observer import find_local_swarm
 
-    join = list(args.join)
+    try:
+        join = expand_join(args.join, args.join_wait)
+    except (ValueError, OSError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None
     if getattr(args, "local", False):
         join += find_local_swarm(shoal_home())
         if not join:

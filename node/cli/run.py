@@ -17,6 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="run_command", metavar="ACTION", required=True)
     c = sub.add_parser("create", help="write a new signed manifest", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     c.add_argument("-o", "--output", required=True, help="where to write the manifest (TOML)")
+    c.add_argument("--if-missing", action="store_true",
+                   help="keep a manifest already at --output (verified) instead of writing a new one")
     c.add_argument("--name", default="shoal-run")
     c.add_argument("--identity", default=None,
                    help="Ed25519 key file that signs (created if missing; default: $SHOAL_HOME/identity.key)")
@@ -128,6 +130,16 @@ def main(args: argparse.Namespace) -> int:
     console = Console(soft_wrap=True)
     if args.run_command == "create":
         from shoal.swarm.net.identity import load_or_create_identity
+
+        if args.if_missing and os.path.exists(args.output):
+            try:
+                manifest = read_manifest(args.output)
+                manifest.verify()
+            except (OSError, ProtocolError) as e:
+                print(f"shoal run create: {args.output} exists but is not a valid manifest: {e}", file=sys.stderr)
+                return 2
+            console.print(f"kept {args.output}\nrun id  {manifest.run_id}\nowner   {manifest.owner}")
+            return 0
 
         try:
             manifest = build_manifest(args)

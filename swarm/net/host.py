@@ -24,6 +24,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
+from shoal.swarm.net.addresses import expand_wildcard
 from shoal.swarm.net.identity import libp2p_key_pair, peer_id_of
 
 log = logging.getLogger(__name__)
@@ -63,12 +64,13 @@ class SwarmHost:
 
     @property
     def addrs(self) -> list[str]:
-        """Full multiaddrs (with /p2p/ID) that others can --join."""
+        """Full multiaddrs (with /p2p/ID) that others can --join: a wildcard listen address (0.0.0.0) becomes one
+        per local interface address, non-loopback first."""
         out = []
         for a in self.host.get_addrs():
             s = str(a)
             out.append(s if "/p2p/" in s else f"{s}/p2p/{self.peer_id}")
-        return out
+        return expand_wildcard(out)
 
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p in self.host.get_connected_peers()]

@@ -1,0 +1,66 @@
+"""This machine's IP addresses, their scope (loopback, private, public), and wildcard listen addresses made dialable."""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import logging
+import socket
+import struct
+
+log = logging.getLogger(__name__)
+SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+SCOPES = ("loopback", "link-local", "private", "shared", "public")
+
+
+def scope(ip: str) -> str:
+    """loopback | link-local | private (RFC 1918, ULA) | shared (CGNAT 100.64/10) | public."""
+    a = ipaddress.ip_address(ip)
+    if a.is_loopback:
+        return "loopback"
+    if a.is_link_local:
+        return "link-local"
+    if a.version == 4 and a in ipaddress.ip_network("100.64.0.0/10"):
+        return "shared"  # carrier-grade NAT: reachable only inside the provider's network
+    if a.is_private:
+        return "private"
+    return "public"
+
+
+def local_ipv4() -> list[str]:
+    """Every IPv4 address of this machine's interfaces (loopback included), sorted non-loopback first."""
+    found: set[str] = set()
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        names = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:
+                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface (or not Linux)
+                continue
+            found.add(socket.inet_ntoa(raw[20:24]))
+    if not found:  # other systems: whatever the host name resolves to
+        try:
+            found.update(ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET))
+        except OSError as e:
+            log.debug("no addresses from the host name: %s", e)
+        found.add("127.0.0.1")
+    return sorted(found, key=lambda ip: (scope(ip) == "loopback", ipaddress.ip_address(ip)))
+
+
+def expand_wildcard(addrs: list[str], local: list[str] | None = None, limit: int = 16) -> list[str]:
+    """Multiaddrs with /ip4/0.0.0.0/ replaced by one per local IPv4 address (non-loopback first), at most `limit`.
+
+    A wildcard listen address cannot be dialed; these are the ones that can."""
+    local = local_ipv4() if local is None else local
+    out: list[str] = []
+    for a in addrs:
+        if a.startswith("/ip4/0.0.0.0/"):
+            rest = a[len("/ip4/0.0.0.0"):]
+            out += [f"/ip4/{ip}{rest}" for ip in local]
+        else:
+            out.append(a)
+    out.sort(key=lambda a: a.startswith("/ip4/127."))  # stable: keeps each group's order
+    return list(dict.fromkeys(out))[:limit]
