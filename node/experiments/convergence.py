@@ -12,6 +12,7 @@ so the gap it leaves to gradient all-reduce is not the compressor's).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 from contextlib import AsyncExitStack
@@ -126,6 +127,12 @@ def run_solo(manifest: RunManifest, corpus, init: dict | None, steps: int) -> di
             "rounds": 0, "state_hashes_equal": True, "seconds": time.perf_counter() - t0}
 
 
+def bench_key(seed: int, replica: int) -> Ed25519PrivateKey:
+    """A replica's identity derived from the seed: the same peer ids every run, so chunk ownership (and with it each
+    owner's summation order and outlier-clip reference) and hence the numbers repeat for the same seed."""
+    return Ed25519PrivateKey.from_private_bytes(hashlib.sha256(f"shoal-bench/{seed}/{replica}".encode()).digest())
+
+
 async def run_variant(manifest: RunManifest, corpus, init: dict | None, *, steps: int, replicas: int,
                       timeout_s: float) -> dict:
     """One configuration: `replicas` hosts and trainer threads in this process, all traffic on 127.0.0.1."""
@@ -133,7 +140,7 @@ async def run_variant(manifest: RunManifest, corpus, init: dict | None, *, steps
         hosts = []
         for i in range(replicas):
             join = (hosts[0].addrs[0],) if hosts else ()
-            sh = await stack.enter_async_context(open_host(Ed25519PrivateKey.generate(), HostConfig(join=join)))
+            sh = await stack.enter_async_context(open_host(bench_key(manifest.seed, i), HostConfig(join=join)))
             await sh.bootstrap()
             hosts.append(sh)
         for i, h in enumerate(hosts):
