@@ -58,6 +58,8 @@ class StatusRecord(WireRecord):
     bytes_sent: int = spec(Int(0, 2**62), default=0)
     bytes_recv: int = spec(Int(0, 2**62), default=0)
     compression_ratio: float | None = spec(Optional(Float(0.0, 1e9)), default=None)
+    link_bytes_sent: int = spec(Int(0, 2**62), default=0)  # a pipeline stage: wire bytes to its lane neighbours
+    link_bytes_recv: int = spec(Int(0, 2**62), default=0)
     state_hash: str | None = spec(Optional(Str(80)), default=None)
     peers_seen: int = spec(Int(0, 1 << 20), default=0)
     error: str | None = spec(Optional(Str(200)), default=None)  # the most recent error, for the dashboard
