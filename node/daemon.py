@@ -40,6 +40,7 @@ class NodeConfig:
     status_interval_s: float = 2.0
     announce_interval_s: float = 15.0
     rpc_timeout_s: float = 5.0
+    nat_settle_s: float = 15.0  # with NAT traversal: at most this long for the first reachability verdict
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     run: RunConfig | None = None  # train in this run (None: a plain swarm member)
 
@@ -62,6 +63,7 @@ class Node:
         self.state = "starting"
         self.role = "idle"
         self.started_at = time.time()
+        self._t0 = time.monotonic()
         self._seq = 0
         self._announcement: bytes = b""
         self.events: list[tuple[float, Event]] = []
@@ -70,6 +72,7 @@ class Node:
         self.runtime: RunRuntime | None = None
         self.extra_ingest: list = []  # more consumers of verified records (the run client)
         self._stop = trio.Event()
+        self._revision = 0
 
     @property
     def peer_id(self) -> str:
@@ -81,6 +84,11 @@ class Node:
         assert self.membership is not None
         for ev in self.membership.observe(signed, age_s=age_s):
             self._event(ev)
+        rec = signed.record
+        if isinstance(rec, Announcement) and self.sh is not None and self.sh.nat is not None:
+            entry = self.membership.peers.get(rec.peer_id)
+            if entry is not None and entry.announcement is signed:  # the newest one we hold
+                self.sh.nat.learn(rec.peer_id, rec.reachability, rec.addrs)
         for consumer in self.extra_ingest:
             try:
                 consumer(signed)
@@ -144,6 +152,41 @@ class Node:
             await trio.sleep(self.config.announce_interval_s)
             await self.publish(self._announcement)
 
+    # -- reachability (NAT traversal) ------------------------------------------------------------------------
+    def _seal_announcement(self) -> bytes:
+        sh = self.sh
+        nat = sh.nat
+        self._revision += 1
+        return seal(Announcement(
+            peer_id=sh.peer_id, addrs=tuple(nat.advertised_addrs() if nat else sh.addrs),
+            software_version=shoal_version(), protocol_version=PROTOCOL_VERSION, hardware=self.hardware,
+            started_at=self.started_at, reachability=nat.reachability if nat else "unknown",
+            relay=bool(nat and nat.relay.serving), revision=self._revision), self.key)
+
+    def relay_candidates(self) -> list[tuple[str, tuple[str, ...]]]:
+        """Live peers that announce a relay service, for a node that needs one (the newest first)."""
+        out = []
+        for e in self.membership.live_peers() if self.membership else []:
+            a = e.announcement_record
+            if a is not None and a.relay and a.reachability == "public":
+                out.append((e.first_seen, a.peer_id, tuple(x for x in a.addrs if "/p2p-circuit" not in x)))
+        return [(pid, addrs) for _, pid, addrs in sorted(out)]
+
+    async def _reannounce_loop(self) -> None:
+        """Announce again whenever the reachability, the relay service or the advertised addresses change."""
+        nat = self.sh.nat
+        while True:
+            await nat.changed.wait()
+            await trio.sleep(0.2)  # one announcement for a burst of changes
+            env = self._announcement = self._seal_announcement()
+            log.info("reachability now %s", nat.describe())
+            await self.publish(env)
+            try:
+                with trio.move_on_after(self.config.rpc_timeout_s):
+                    await self.sh.dht.put_value(announcement_key(self.sh.peer_id), env)
+            except Exception as e:  # noqa: BLE001 - the DHT copy is a convenience
+                log.info("announcement not stored in the DHT: %s", e)
+
     async def sync_from(self, peer_id: str) -> int:
         try:
             rows = await call(self.sh, peer_id, "members", timeout_s=self.config.rpc_timeout_s)
@@ -162,6 +205,14 @@ class Node:
             "peers": [e.peer_id for e in live], "pid": os.getpid(), "time": time.time(),
             "version": shoal_version(),
         }
+        nat = self.sh.nat
+        if nat is not None:
+            doc["nat"] = {"reachability": nat.reachability, "relay": nat.relay.serving,
+                          "relays": sorted(nat.reservations), "addrs": nat.advertised_addrs(),
+                          "relayed_after_s": None if nat.relayed_since is None else nat.relayed_since - self._t0,
+                          "direct_peers": self.sh.direct_peers(), "punch": [nat.paths.stats.attempts,
+                                                                     nat.paths.stats.successes],
+                          "relay_bytes": nat.relay.bytes_relayed, "relay_cut": nat.relay.circuits_cut}
         if self.runtime is not None:
             doc.update(self._last_fields)  # what the last status record said
             doc["refetches"] = self.runtime.refetches
@@ -182,9 +233,7 @@ class Node:
             rpc = self.rpc = RpcServer(sh, self.penalties)
             rpc.register("members", self._rpc_members)
             rpc.register("announce", self._rpc_announce)
-            self._announcement = seal(Announcement(
-                peer_id=sh.peer_id, addrs=tuple(sh.addrs), software_version=shoal_version(),
-                protocol_version=PROTOCOL_VERSION, hardware=self.hardware, started_at=self.started_at), self.key)
+            self._announcement = self._seal_announcement()
             self._last_status = seal(self.status_record(), self.key)
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.gossip.run)
@@ -193,6 +242,10 @@ class Node:
                     raise ConnectionError(f"could not reach any of {list(self.config.host.join)}")
                 for pid in joined:
                     await self.sync_from(pid)
+                if sh.nat is not None:
+                    sh.nat.relay_candidates = self.relay_candidates
+                    await sh.nat.settle(joined, self.config.nat_settle_s)
+                    self._announcement = self._seal_announcement()
                 try:
                     await sh.dht.put_value(announcement_key(sh.peer_id), self._announcement)
                 except Exception as e:  # noqa: BLE001 - the DHT copy is a convenience, gossip carries it too
@@ -202,6 +255,9 @@ class Node:
                 async with trio.open_nursery() as periodic:
                     periodic.start_soon(self._status_loop)
                     periodic.start_soon(self._announce_loop)
+                    if sh.nat is not None:
+                        await periodic.start(sh.nat.run)
+                        periodic.start_soon(self._reannounce_loop)
                     if self.config.run is not None:
                         from shoal.node.run.runtime import RunRuntime
 
