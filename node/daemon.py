@@ -247,7 +247,8 @@ class Node:
                     await sh.nat.settle(joined, self.config.nat_settle_s)
                     self._announcement = self._seal_announcement()
                 try:
-                    await sh.dht.put_value(announcement_key(sh.peer_id), self._announcement)
+                    with trio.move_on_after(self.config.rpc_timeout_s):  # a peer that cannot be dialed stalls it
+                        await sh.dht.put_value(announcement_key(sh.peer_id), self._announcement)
                 except Exception as e:  # noqa: BLE001 - the DHT copy is a convenience, gossip carries it too
                     log.info("announcement not stored in the DHT: %s", e)
                 self.state = "ready"

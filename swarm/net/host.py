@@ -38,6 +38,7 @@ class HostConfig:
     listen: str = "/ip4/127.0.0.1/tcp/0"
     join: tuple[str, ...] = ()
     connect_timeout_s: float = 10.0
+    refresh_timeout_s: float = 3.0  # the routing-table refresh after joining; best effort (the DHT refreshes later)
     gossip_heartbeat_s: int = 1  # GossipSub mesh maintenance; the library default (120 s) leaves meshes unformed
     dht_mode_server: bool = True  # observers run the DHT as clients
     nat: NatConfig | None = None  # reachability, relays, hole punching (None: a plain host, as in most tests)
@@ -51,8 +52,8 @@ class HostConfig:
         for a in self.join:
             if "/p2p/" not in a:
                 raise ValueError(f"--join needs the peer id in the address (…/p2p/12D3Koo…): {a!r}")
-        if self.connect_timeout_s <= 0:
-            raise ValueError("connect_timeout_s must be positive")
+        if self.connect_timeout_s <= 0 or self.refresh_timeout_s <= 0:
+            raise ValueError("connect_timeout_s and refresh_timeout_s must be positive")
 
 
 class SwarmHost:
@@ -113,7 +114,7 @@ class SwarmHost:
                 n.start_soon(one, a)
         if joined:
             try:
-                with trio.move_on_after(self.config.connect_timeout_s):
+                with trio.move_on_after(self.config.refresh_timeout_s):
                     await self.dht.refresh_routing_table()
             except Exception as e:
                 log.warning("routing table refresh failed: %s", e)
@@ -135,6 +136,12 @@ class SwarmHost:
                     pass
 
         self.host.set_stream_handler(TProtocol(protocol), guarded)
+
+    async def prepare_path(self, peer_id: str) -> None:
+        """Make the direct path a bulk stream to `peer_id` needs (a relayed dial and a hole punch for a NATed
+        peer; nothing otherwise), so that a caller can bound opening the stream itself tightly."""
+        if self.nat is not None:
+            await self.nat.paths.ensure(peer_id, bulk=True)
 
     async def open_stream(self, peer_id: str, protocol: str, *, bulk: bool = False):
         """A stream to `peer_id`, on a direct connection when there is one.

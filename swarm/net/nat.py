@@ -202,6 +202,8 @@ class NatTraversal:
         if self.sh.dht.mode != want:
             try:
                 await self.sh.dht.switch_mode(want)
+                # tell connected peers at once (identify push), so they stop keeping us in their routing tables
+                await self.host._push_identify_to_all_peers()
             except Exception as e:  # noqa: BLE001 - the DHT mode is an optimisation
                 log.info("DHT mode switch to %s failed: %s", want, e)
 

@@ -111,6 +111,7 @@ class Paths(INotifee):
         self._punching: dict[ID, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self._dial_locks: dict[str, trio.Lock] = {}
+        self._preparing: set[str] = set()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as n:
@@ -146,6 +147,23 @@ class Paths(INotifee):
             relayed = True
         if relayed and bulk:
             await self.wait_direct(peer)
+
+    def prepare(self, peer_ids) -> None:
+        """Start making direct paths to these peers in the background (e.g. a run's group as it forms), so that
+        the first bulk stream does not pay for the relayed dial and the hole punch."""
+        for p in peer_ids:
+            if p != self.me.to_base58() and p not in self._preparing and self._nursery is not None:
+                self._preparing.add(p)
+                self._nursery.start_soon(self._prepare_one, p)
+
+    async def _prepare_one(self, peer_id: str) -> None:
+        try:
+            with trio.move_on_after(self.config.relay_dial_timeout_s + self.config.punch_timeout_s):
+                await self.ensure(peer_id, bulk=True)
+        except (Exception, trio.TooSlowError) as e:  # noqa: BLE001 - the stream that needs it will say so
+            log.debug("path to %s not prepared: %s: %s", peer_id, type(e).__name__, e)
+        finally:
+            self._preparing.discard(peer_id)
 
     async def dial_relayed(self, peer_id: str) -> None:
         """A relayed connection through the first of the peer's relays that takes us (one dial at a time)."""

@@ -93,7 +93,7 @@ def classify(dialed_back: Iterable[str]) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DialBackConfig:
-    dial_timeout_s: float = 4.0  # one dial-back; a NAT that drops the SYN costs exactly this
+    dial_timeout_s: float = 3.0  # one dial-back (a SYN and two retransmissions); a NAT that drops SYNs costs this
     per_peer_interval_s: float = 2.0  # a peer asking more often is refused
     max_concurrent: int = 4
 
