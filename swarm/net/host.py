@@ -129,6 +129,9 @@ class SwarmHost:
             except trio.Cancelled:
                 raise
             except BaseException as e:  # noqa: BLE001 - one escaped exception kills a py-libp2p host
+                if isinstance(e, BaseExceptionGroup) and e.subgroup(lambda x: not isinstance(x, trio.Cancelled)) \
+                        is None:
+                    raise  # only cancellations, from a nursery inside the handler: the host is shutting down
                 log.warning("handler %s failed: %s: %s", protocol, type(e).__name__, e)
                 try:
                     await stream.reset()

@@ -192,7 +192,7 @@ async def ask_dialback(service: DialBackService, servers: list[str], candidates:
             return
         if status == Message.OK and addr:
             try:
-                reached.append(str(multiaddr.Multiaddr(addr)))
+                reached.append(str(multiaddr.Multiaddr(addr)).split("/p2p/")[0])
             except Exception:  # noqa: BLE001
                 pass
         elif status == Message.E_DIAL_ERROR:

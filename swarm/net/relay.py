@@ -79,6 +79,7 @@ class RelayService(CircuitV2Protocol):
         self.bytes_relayed = 0
         self.circuits_opened = 0
         self.circuits_cut = 0  # ended by a limit (bytes, duration, budget)
+        self._cut: set[int] = set()
 
     def serve(self, on: bool, set_handler) -> None:
         """Start or stop relaying for others; `set_handler` is SwarmHost.set_handler (guarded handlers)."""
@@ -101,11 +102,12 @@ class RelayService(CircuitV2Protocol):
     async def _handle_hop_stream(self, stream) -> None:
         if _is_relayed_stream(stream):
             await self._send_status(stream, StatusCode.PERMISSION_DENIED, "no relaying over a relayed connection")
-            await stream.reset()
+            await self._close_stream(stream)
             return
         with trio.fail_after(self.config.timeout_s):
             msg = await read_delimited_msg(stream, HopMessage)
         if msg.type == HopMessage.RESERVE:
+            msg.ClearField("peer")  # a reservation is for the peer that asks (0.8.1 would take any peer id given)
             await self._handle_reserve(stream, msg)
             await self._close_stream(stream)
         elif msg.type == HopMessage.CONNECT:
@@ -113,13 +115,13 @@ class RelayService(CircuitV2Protocol):
             if self._spent(source) >= self.config.peer_bytes_per_window:
                 log.warning("relay: %s is over its byte budget; circuit refused", source)
                 await self._send_status(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, "byte budget used up")
-                await stream.reset()
+                await self._close_stream(stream)  # a close, not a reset: the status must reach the peer
                 return
             self.circuits_opened += 1
             await self._handle_connect(stream, msg)
         else:
             await self._send_status(stream, StatusCode.MALFORMED_MESSAGE, "unexpected message type")
-            await stream.reset()
+            await self._close_stream(stream)
 
     async def _relay_data(self, src_stream, dst_stream, peer_id, deadline=None, circuit_data_limit=None) -> None:
         # the circuit's initiator pays: its stream is the inbound HOP stream, the other one is our STOP stream
@@ -151,8 +153,12 @@ class RelayService(CircuitV2Protocol):
             log.debug("relay circuit %s: %s: %s", source, type(e).__name__, e)
         finally:
             if cut is not None:
-                self.circuits_cut += 1
-                log.info("relay circuit from %s cut: %s limit", source, cut)
+                if id(hop_side) not in self._cut:  # both directions may hit the limit: one circuit, one count
+                    if len(self._cut) > 4096:
+                        self._cut.clear()
+                    self._cut.add(id(hop_side))
+                    self.circuits_cut += 1
+                    log.info("relay circuit from %s cut: %s limit", source, cut)
                 for s in (src_stream, dst_stream):
                     try:
                         await s.reset()
