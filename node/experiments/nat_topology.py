@@ -206,11 +206,11 @@ class Topology:
         return p
 
     def start_node(self, ns: str, ip: str, workdir: Path, name: str, join: list[str] = (),
-                   extra: tuple[str, ...] = (), home: Path | None = None) -> NodeProcess:
-        """`shoal node` inside namespace `ns`, listening on `ip` port 4001, status and log in `workdir`."""
+                   extra: tuple[str, ...] = (), home: Path | None = None, port: int = 4001) -> NodeProcess:
+        """`shoal node` inside namespace `ns`, listening on `ip`:`port`, status and log in `workdir`."""
         status, logf = workdir / f"{name}.json", workdir / f"{name}.log"
         status.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "shoal.node.cli", "-v", "node", "--listen", f"/ip4/{ip}/tcp/4001",
+        cmd = [sys.executable, "-m", "shoal.node.cli", "-v", "node", "--listen", f"/ip4/{ip}/tcp/{port}",
                "--identity", str(workdir / f"{name}.key"), "--status-file", str(status), "--device", "cpu",
                "--status-interval", "0.5", "--gone-after", "6", *extra]
         for a in join:
