@@ -203,7 +203,8 @@ class NatTraversal:
             try:
                 await self.sh.dht.switch_mode(want)
                 # tell connected peers at once (identify push), so they stop keeping us in their routing tables
-                await self.host._push_identify_to_all_peers()
+                with trio.move_on_after(self.config.probe_timeout_s):
+                    await self.host._push_identify_to_all_peers()
             except Exception as e:  # noqa: BLE001 - the DHT mode is an optimisation
                 log.info("DHT mode switch to %s failed: %s", want, e)
 

@@ -33,7 +33,7 @@ class NoDirectPath(ConnectionError):
 class PathConfig:
     hole_punch: bool = True
     punch_timeout_s: float = 10.0  # a bulk stream waits this long for a hole punch
-    retry_punch_after_s: float = 60.0  # after a failed punch, bulk streams to that peer fail at once this long
+    retry_punch_after_s: float = 15.0  # after a failed punch, bulk streams to that peer fail at once this long
     relay_dial_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -71,8 +71,11 @@ class HolePuncher(DCUtRProtocol):
         await trio.sleep_forever()
 
     async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
-        addrs = [a for a in self.host.get_peerstore().addrs(peer_id)
-                 if (ipp := ip_port(str(a))) is not None and not is_private_ip(ipp[0])]
+        try:
+            known = self.host.get_peerstore().addrs(peer_id)
+        except Exception:  # noqa: BLE001 - PeerStoreError: no address known (identify has not run over the relay)
+            return False
+        addrs = [a for a in known if (ipp := ip_port(str(a))) is not None and not is_private_ip(ipp[0])]
         if not addrs:
             return False
         with trio.move_on_after(self.unilateral_timeout_s):

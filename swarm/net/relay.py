@@ -104,8 +104,13 @@ class RelayService(CircuitV2Protocol):
             await self._send_status(stream, StatusCode.PERMISSION_DENIED, "no relaying over a relayed connection")
             await self._close_stream(stream)
             return
-        with trio.fail_after(self.config.timeout_s):
-            msg = await read_delimited_msg(stream, HopMessage)
+        try:
+            with trio.fail_after(self.config.timeout_s):
+                msg = await read_delimited_msg(stream, HopMessage)
+        except (Exception, trio.TooSlowError) as e:  # noqa: BLE001 - a peer's garbage or silence
+            log.info("relay: bad HOP request from %s: %s: %s", stream.muxed_conn.peer_id, type(e).__name__, e)
+            await stream.reset()
+            return
         if msg.type == HopMessage.RESERVE:
             msg.ClearField("peer")  # a reservation is for the peer that asks (0.8.1 would take any peer id given)
             await self._handle_reserve(stream, msg)
