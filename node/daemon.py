@@ -73,6 +73,7 @@ class Node:
         self.extra_ingest: list = []  # more consumers of verified records (the run client)
         self._stop = trio.Event()
         self._revision = 0
+        self._paths_for = None  # the run table whose replicas we last prepared direct paths to
 
     @property
     def peer_id(self) -> str:
@@ -84,16 +85,30 @@ class Node:
         assert self.membership is not None
         for ev in self.membership.observe(signed, age_s=age_s):
             self._event(ev)
-        rec = signed.record
-        if isinstance(rec, Announcement) and self.sh is not None and self.sh.nat is not None:
-            entry = self.membership.peers.get(rec.peer_id)
-            if entry is not None and entry.announcement is signed:  # the newest one we hold
-                self.sh.nat.learn(rec.peer_id, rec.reachability, rec.addrs)
         for consumer in self.extra_ingest:
             try:
                 consumer(signed)
             except Exception as e:  # noqa: BLE001 - a consumer's bug must not stop record intake
                 log.warning("record consumer failed: %s: %s", type(e).__name__, e)
+        if self.sh is not None and self.sh.nat is not None:
+            rec = signed.record
+            if isinstance(rec, Announcement):
+                entry = self.membership.peers.get(rec.peer_id)
+                if entry is not None and entry.announcement is signed:  # the newest one we hold
+                    self.sh.nat.learn(rec.peer_id, rec.reachability, rec.addrs)
+            self._prepare_paths()
+
+    def _prepare_paths(self) -> None:
+        """When our run's table changes: start direct paths (relayed dial + hole punch) to the replicas we will
+        exchange tensors with, so the first round does not wait for them."""
+        client = self.runtime.client if self.runtime is not None else None
+        table = client.table if client is not None else None
+        if table is None or table is self._paths_for:
+            return
+        self._paths_for = table
+        slots = {s.peer_id for s in table.slots}
+        if self.peer_id in slots or self.peer_id in table.backups:
+            self.sh.nat.paths.prepare(sorted(slots - {self.peer_id}))
 
     def _event(self, ev: Event) -> None:
         log.info("peer %s: %s %s", ev.peer_id, ev.kind, ev.detail)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import trio
 from libp2p.kad_dht.kad_dht import DHTMode
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
 
 from shoal.swarm.net.paths import Paths, PathConfig, HolePuncher, connection_kinds
 from shoal.swarm.net.reachability import (DIALBACK_PROTOCOL, LAN, PUBLIC, RELAYED, UNKNOWN, UNREACHABLE,
@@ -65,7 +66,9 @@ class NatTraversal:
         self._probed_peers: frozenset[str] = frozenset()
         self._last_probe = -1e18
         self._failed_relays: dict[str, float] = {}
+        self.undialable: set[str] = set()  # peers that announced they cannot be dialed
         sh.set_handler(DIALBACK_PROTOCOL, self.dialback.handle_stream)
+        guard_routing_table(sh.dht, lambda pid: pid.to_base58() in self.undialable)
 
     # -- what we tell others -------------------------------------------------------------------------------
     def advertised_addrs(self) -> list[str]:
@@ -102,14 +105,19 @@ class NatTraversal:
         self.changed = trio.Event()
 
     def learn(self, peer_id: str, reachability: str, addrs: tuple[str, ...]) -> None:
-        """A peer's announcement: how to reach it. Peers that nobody can dial leave our DHT routing table (their
-        private addresses would cost every lookup a failed dial); they run their DHT as clients anyway."""
+        """A peer's announcement: how to reach it. Peers that nobody can dial leave our DHT routing table and stay
+        out of it (their private addresses would cost every lookup a failed dial); they run their DHT as clients."""
         self.paths.learn(peer_id, reachability, addrs)
         if reachability in (RELAYED, UNREACHABLE):
+            self.undialable.add(peer_id)
+            if len(self.undialable) > 65536:
+                self.undialable.clear()
             try:
                 self.sh.dht.routing_table.remove_peer(ID.from_base58(peer_id))
             except Exception as e:  # noqa: BLE001 - not in the table
                 log.debug("routing table: %s", e)
+        else:
+            self.undialable.discard(peer_id)
 
     # -- probing ------------------------------------------------------------------------------------------------
     def _direct_peers(self) -> list[str]:
@@ -233,3 +241,21 @@ class NatTraversal:
             except (Exception, trio.TooSlowError) as e:  # noqa: BLE001 - one bad pass must not stop the loop
                 log.warning("NAT traversal pass failed: %s: %s", type(e).__name__, e)
             await trio.sleep(self.config.check_s)
+
+
+def guard_routing_table(dht, excluded: Callable[[ID], bool]) -> None:
+    """Keep `excluded` peers out of the DHT routing table.
+
+    py-libp2p 0.8.1 adds every peer that sends it a DHT request to its routing table, unchecked ("the peer
+    initiated a KAD stream, so it must support server mode"): a NATed node running its DHT as a client lands in
+    every table it queries, and each lookup then stalls dialing its private address. This wraps the table's
+    `add_peer` (the one entry for every path that adds peers) on this DHT instance."""
+    table = dht.routing_table
+    add = table.add_peer
+
+    async def add_peer(peer, *args, **kw):
+        if excluded(peer.peer_id if isinstance(peer, PeerInfo) else peer):
+            return False
+        return await add(peer, *args, **kw)
+
+    table.add_peer = add_peer
