@@ -57,7 +57,8 @@ async def reach(sh, args, out: dict) -> None:
     peer = ID.from_base58(args.target)
     out["first_path"] = "direct" if connection_kinds(sh.host, peer)[0] else "relayed"
     try:
-        await sh.nat.paths.wait_direct(peer) if out["first_path"] == "relayed" else None
+        if out["first_path"] == "relayed":
+            await sh.nat.paths.wait_direct(peer)
         out["direct"] = True
     except NoDirectPath as e:
         out["direct"], out["why"] = False, str(e)

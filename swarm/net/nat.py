@@ -22,7 +22,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from shoal.swarm.net.paths import Paths, PathConfig, HolePuncher, connection_kinds
 from shoal.swarm.net.reachability import (DIALBACK_PROTOCOL, LAN, PUBLIC, RELAYED, UNKNOWN, UNREACHABLE,
                                           DialBackConfig, DialBackService, ask_dialback, candidate_addrs)
-from shoal.swarm.net.relay import RelayConfig, RelayError, RelayService, Reservation, reserve
+from shoal.swarm.net.relay import RelayConfig, RelayService, Reservation, reserve
 
 log = logging.getLogger(__name__)
 
