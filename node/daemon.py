@@ -41,6 +41,7 @@ class NodeConfig:
     status_interval_s: float = 2.0
     announce_interval_s: float = 15.0
     rpc_timeout_s: float = 5.0
+    nat_settle_s: float = 15.0  # with NAT traversal: at most this long for the first reachability verdict
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     run: RunConfig | None = None  # train in this run (None: a plain swarm member)
 
@@ -63,6 +64,7 @@ class Node:
         self.state = "starting"
         self.role = "idle"
         self.started_at = time.time()
+        self._t0 = time.monotonic()
         self._seq = 0
         self._announcement: bytes = b""
         self.events: list[tuple[float, Event]] = []
@@ -71,6 +73,8 @@ class Node:
         self.runtime: RunRuntime | None = None
         self.extra_ingest: list = []  # more consumers of verified records (the run client)
         self._stop = trio.Event()
+        self._revision = 0
+        self._paths_for = None  # the run table whose replicas we last prepared direct paths to
 
     @property
     def peer_id(self) -> str:
@@ -87,6 +91,25 @@ class Node:
                 consumer(signed)
             except Exception as e:  # noqa: BLE001 - a consumer's bug must not stop record intake
                 log.warning("record consumer failed: %s: %s", type(e).__name__, e)
+        if self.sh is not None and self.sh.nat is not None:
+            rec = signed.record
+            if isinstance(rec, Announcement):
+                entry = self.membership.peers.get(rec.peer_id)
+                if entry is not None and entry.announcement is signed:  # the newest one we hold
+                    self.sh.nat.learn(rec.peer_id, rec.reachability, rec.addrs)
+            self._prepare_paths()
+
+    def _prepare_paths(self) -> None:
+        """When our run's table changes: start direct paths (relayed dial + hole punch) to the replicas we will
+        exchange tensors with, so the first round does not wait for them."""
+        client = self.runtime.client if self.runtime is not None else None
+        table = client.table if client is not None else None
+        if table is None or table is self._paths_for:
+            return
+        self._paths_for = table
+        slots = {s.peer_id for s in table.slots}
+        if self.peer_id in slots or self.peer_id in table.backups:
+            self.sh.nat.paths.prepare(sorted(slots - {self.peer_id}))
 
     def _event(self, ev: Event) -> None:
         log.info("peer %s: %s %s", ev.peer_id, ev.kind, ev.detail)
@@ -149,6 +172,41 @@ class Node:
             await trio.sleep(self.config.announce_interval_s)
             await self.publish(self._announcement)
 
+    # -- reachability (NAT traversal) ------------------------------------------------------------------------
+    def _seal_announcement(self) -> bytes:
+        sh = self.sh
+        nat = sh.nat
+        self._revision += 1
+        return seal(Announcement(
+            peer_id=sh.peer_id, addrs=tuple(nat.advertised_addrs() if nat else sh.addrs),
+            software_version=shoal_version(), protocol_version=PROTOCOL_VERSION, hardware=self.hardware,
+            started_at=self.started_at, reachability=nat.reachability if nat else "unknown",
+            relay=bool(nat and nat.relay.serving), revision=self._revision), self.key)
+
+    def relay_candidates(self) -> list[tuple[str, tuple[str, ...]]]:
+        """Live peers that announce a relay service, for a node that needs one (the newest first)."""
+        out = []
+        for e in self.membership.live_peers() if self.membership else []:
+            a = e.announcement_record
+            if a is not None and a.relay and a.reachability == "public":
+                out.append((e.first_seen, a.peer_id, tuple(x for x in a.addrs if "/p2p-circuit" not in x)))
+        return [(pid, addrs) for _, pid, addrs in sorted(out)]
+
+    async def _reannounce_loop(self) -> None:
+        """Announce again whenever the reachability, the relay service or the advertised addresses change."""
+        nat = self.sh.nat
+        while True:
+            await nat.changed.wait()
+            await trio.sleep(0.2)  # one announcement for a burst of changes
+            env = self._announcement = self._seal_announcement()
+            log.info("reachability now %s", nat.describe())
+            await self.publish(env)
+            try:
+                with trio.move_on_after(self.config.rpc_timeout_s):
+                    await self.sh.dht.put_value(announcement_key(self.sh.peer_id), env)
+            except Exception as e:  # noqa: BLE001 - the DHT copy is a convenience
+                log.info("announcement not stored in the DHT: %s", e)
+
     async def sync_from(self, peer_id: str) -> int:
         try:
             rows = await call(self.sh, peer_id, "members", timeout_s=self.config.rpc_timeout_s)
@@ -167,6 +225,14 @@ class Node:
             "peers": [e.peer_id for e in live], "pid": os.getpid(), "time": time.time(),
             "version": shoal_version(),
         }
+        nat = self.sh.nat
+        if nat is not None:
+            doc["nat"] = {"reachability": nat.reachability, "relay": nat.relay.serving,
+                          "relays": sorted(nat.reservations), "addrs": nat.advertised_addrs(),
+                          "relayed_after_s": None if nat.relayed_since is None else nat.relayed_since - self._t0,
+                          "direct_peers": self.sh.direct_peers(), "punch": [nat.paths.stats.attempts,
+                                                                     nat.paths.stats.successes],
+                          "relay_bytes": nat.relay.bytes_relayed, "relay_cut": nat.relay.circuits_cut}
         if self.runtime is not None:
             doc.update(self._last_fields)  # what the last status record said
             doc["refetches"] = self.runtime.refetches
@@ -188,9 +254,7 @@ class Node:
             rpc.register("members", self._rpc_members)
             rpc.register("announce", self._rpc_announce)
             rpc.register("time", self._rpc_time)
-            self._announcement = seal(Announcement(
-                peer_id=sh.peer_id, addrs=tuple(sh.addrs), software_version=shoal_version(),
-                protocol_version=PROTOCOL_VERSION, hardware=self.hardware, started_at=self.started_at), self.key)
+            self._announcement = self._seal_announcement()
             self._last_status = seal(self.status_record(), self.key)
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.gossip.run)
@@ -199,8 +263,13 @@ class Node:
                     raise ConnectionError(f"could not reach any of {list(self.config.host.join)}")
                 for pid in joined:
                     await self.sync_from(pid)
+                if sh.nat is not None:
+                    sh.nat.relay_candidates = self.relay_candidates
+                    await sh.nat.settle(joined, self.config.nat_settle_s)
+                    self._announcement = self._seal_announcement()
                 try:
-                    await sh.dht.put_value(announcement_key(sh.peer_id), self._announcement)
+                    with trio.move_on_after(self.config.rpc_timeout_s):  # a peer that cannot be dialed stalls it
+                        await sh.dht.put_value(announcement_key(sh.peer_id), self._announcement)
                 except Exception as e:  # noqa: BLE001 - the DHT copy is a convenience, gossip carries it too
                     log.info("announcement not stored in the DHT: %s", e)
                 self.state = "ready"
@@ -208,6 +277,9 @@ class Node:
                 async with trio.open_nursery() as periodic:
                     periodic.start_soon(self._status_loop)
                     periodic.start_soon(self._announce_loop)
+                    if sh.nat is not None:
+                        await periodic.start(sh.nat.run)
+                        periodic.start_soon(self._reannounce_loop)
                     if self.config.run is not None:
                         from shoal.node.run.runtime import RunRuntime
 

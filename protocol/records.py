@@ -13,6 +13,9 @@ TIME_S = Float(0.0, 1e11)  # unix seconds
 DEVICE_KINDS = frozenset({"cpu", "cuda", "mps", "xpu"})
 ROLES = frozenset({"idle", "active", "backup", "broker", "observer"})
 STATES = frozenset({"starting", "ready", "joining", "training", "syncing", "done", "draining", "leaving"})
+# how others reach a node: dialable from anywhere; dialable only from its own network (a LAN, this machine);
+# only through a relay (behind a NAT); not at all (behind a NAT, no relay yet); not known (nobody dialed it back)
+REACHABILITY = ("public", "lan", "relayed", "unreachable", "unknown")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,6 +38,9 @@ class Announcement(WireRecord):
     hardware: HardwareProfile = spec(Nested(HardwareProfile))
     started_at: float = spec(TIME_S)
     observer: bool = spec(Bool(), default=False)  # observers (dashboard, `shoal peers`) never take a slot
+    reachability: str = spec(Choice(frozenset(REACHABILITY)), default="unknown")  # see REACHABILITY
+    relay: bool = spec(Bool(), default=False)  # offers a circuit relay (v2) to peers that are not reachable
+    revision: int = spec(Int(0, 2**31), default=0)  # re-announcements of one start: a higher one replaces a lower
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

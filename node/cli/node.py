@@ -55,6 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how often to publish status (default: 2)")
     p.add_argument("--gone-after", type=float, default=12.0, metavar="SECONDS",
                    help="a peer silent this long is marked gone (default: 12)")
+    n = p.add_argument_group("behind a NAT")
+    n.add_argument("--relay", default="auto", choices=("auto", "on", "off"),
+                   help="relay for peers behind NATs: auto (when this node is publicly dialable), on, off "
+                        "(default: auto)")
+    n.add_argument("--no-hole-punch", action="store_true",
+                   help="do not try to upgrade relayed connections to direct ones (DCUtR)")
+    n.add_argument("--no-nat", action="store_true",
+                   help="no reachability checks, relays or hole punching at all (a plain host)")
     t = p.add_argument_group("training (with --run)")
     t.add_argument("--run", default=None, metavar="RUN.toml|RUN_ID",
                    help="train in this run: a manifest file (the first node with it hosts the broker) or, with "
@@ -95,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
             run = run_config(args)
         config = NodeConfig(
             run=run,
-            host=HostConfig(listen=args.listen, join=tuple(args.join)),
+            host=HostConfig(listen=args.listen, join=tuple(args.join), nat=nat_config(args)),
             identity=args.identity or home / "identity.key",
             device=args.device,
             home=home,
@@ -119,10 +127,14 @@ def main(args: argparse.Namespace) -> int:
                     print(f"shoal node: {e}", file=sys.stderr)
                     return 1
                 join_addr = next((a for a in node.sh.addrs if "/127.0.0.1/" not in a), node.sh.addrs[0])
+                if node.sh.nat is not None and node.sh.nat.reachability in ("public", "relayed"):
+                    join_addr = node.sh.nat.advertised_addrs()[0]  # where a peer dialed us, or our relay
                 if args.address_file is not None:
                     write_address_file(args.address_file, node.sh.addrs)
                 print(f"shoal node {node.peer_id} ready ({hardware.device_kind}: {hardware.device_name}); "
                       f"others join with: shoal node --join {join_addr}", flush=True)
+                if node.sh.nat is not None:
+                    print(f"reachability: {node.sh.nat.describe()}", flush=True)
                 async for _ in signals:
                     print("leaving the swarm…", file=sys.stderr, flush=True)
                     if args.address_file is not None:
@@ -132,6 +144,17 @@ def main(args: argparse.Namespace) -> int:
         return 0
 
     return trio.run(run)
+
+
+def nat_config(args: argparse.Namespace):
+    """Reachability, relays and hole punching for --relay / --no-hole-punch (None with --no-nat)."""
+    from shoal.swarm.net.nat import NatConfig
+    from shoal.swarm.net.paths import PathConfig
+    from shoal.swarm.net.relay import RelayConfig
+
+    if args.no_nat:
+        return None
+    return NatConfig(relay=RelayConfig(service=args.relay), paths=PathConfig(hole_punch=not args.no_hole_punch))
 
 
 def run_config(args: argparse.Namespace):

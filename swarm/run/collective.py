@@ -146,8 +146,9 @@ class Collective:
         header = pack({"tag": tag, "n": len(payload)})
         try:
             with trio.fail_after(self.send_timeout_s):
+                await self.sh.prepare_path(peer)  # through a relay and a hole punch, for a NATed peer: not "opening"
                 with trio.fail_after(self.open_timeout_s):  # a dead peer's stale connection hangs here
-                    stream = await self.sh.open_stream(peer, COLLECTIVE_PROTOCOL)
+                    stream = await self.sh.open_stream(peer, COLLECTIVE_PROTOCOL, bulk=True)
                 try:
                     await write_frame(stream, header)
                     await write_frame(stream, payload)

@@ -158,7 +158,7 @@ async def pull_state(sh: SwarmHost, peer_id: str, *, config: StateTransferConfig
     with `Snapshot.merged`; its hash covers what was sent). Raises StateTransferError."""
     try:
         with trio.fail_after(config.timeout_s):
-            stream = await sh.open_stream(peer_id, STATE_PROTOCOL)
+            stream = await sh.open_stream(peer_id, STATE_PROTOCOL, bulk=True)
             try:
                 req = {"want": "state", "revision": revision}
                 if only is not None:
