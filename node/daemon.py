@@ -119,7 +119,11 @@ class Node:
         self._seq = max(self._seq + 1, int(time.time() * 1000))  # increasing across restarts too
         fields: dict[str, Any] = {"role": self.role, "state": self.state}
         if self.runtime is not None and self.state not in ("starting", "leaving"):
-            fields.update(self.runtime.status_fields())
+            try:
+                fields.update(self.runtime.status_fields())
+            except Exception:  # noqa: BLE001 - a bug in reporting must not stop the node: say so and go on
+                log.exception("run status unavailable")
+                fields["error"] = "run status unavailable (see the node's log)"
         self._last_fields = fields
         return StatusRecord(peer_id=self.peer_id, seq=self._seq, time=time.time(),
                             peers_seen=len(self.membership.live_peers()) if self.membership else 0, **fields)
@@ -238,6 +242,7 @@ class Node:
             doc["refetches"] = self.runtime.refetches
             doc["entries"] = self.runtime.entries[-4:]
             doc["warm_revision"] = self.runtime.warm.revision if self.runtime.warm is not None else None
+            doc["links"] = self.runtime.link_counters()
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, path)

@@ -55,6 +55,7 @@ class StatusRecord(WireRecord):
     state: str = spec(Choice(STATES), default="ready")
     run_id: str | None = spec(Optional(Str(80)), default=None)
     slot: str | None = spec(Optional(Str(32)), default=None)  # e.g. "s0r2": stage 0, replica 2
+    warm_stage: int | None = spec(Optional(Int(0, 1023)), default=None)  # a backup: the stage it keeps warm
     step: int = spec(Int(0, 2**62), default=0)
     loss: float | None = spec(Optional(Float(-1e9, 1e9)), default=None)
     eval_loss: float | None = spec(Optional(Float(-1e9, 1e9)), default=None)

@@ -76,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)g)")
     t.add_argument("--fail-after", type=float, default=defaults.FAIL_AFTER_S, metavar="SECONDS",
                    help="an active node (or the broker) silent this long is replaced (default: %(default)g)")
+    t.add_argument("--dissolve-after", type=float, default=defaults.DISSOLVE_AFTER_S, metavar="SECONDS",
+                   help="a pipeline lane whose empty slot no backup can fill for this long is dissolved and its "
+                        "nodes return to the backup pool (default: %(default)g; the broker's setting)")
     t.add_argument("--backup-refresh", type=float, default=defaults.BACKUP_REFRESH_S, metavar="SECONDS",
                    help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
                         "the group's synchronized state (default: %(default)g; raise it for big models)")
@@ -168,14 +171,15 @@ def run_config(args: argparse.Namespace):
     if path.exists():
         manifest = RunManifest.from_toml(path.read_text())
         manifest.verify()
-        if manifest.plan.stages > 1:
-            raise ValueError(f"--run {args.run}: the run has {manifest.plan.stages} pipeline stages; this version "
-                             f"of shoal trains one-stage (data-parallel) runs only")
+        pipe = manifest.plan.pipeline
+        if manifest.plan.stages > 1 and pipe.compression != "none":
+            raise ValueError(f"--run {args.run}: the run asks for {pipe.compression} between its stages; this "
+                             f"version of shoal sends activations uncompressed only (pipeline.compression = 'none')")
     elif not args.join:
         raise ValueError(f"--run {args.run}: no such manifest file (a run id needs --join)")
     else:
         run_id = args.run
-    broker = BrokerConfig.for_fail_after(args.fail_after)
+    broker = BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after)
     return RunConfig(manifest=manifest, run_id=run_id, secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"),
                      device=train_device(args.device), threads=args.threads,
                      max_steps=args.steps, round_timeout_s=args.round_timeout, broker=broker,

@@ -14,7 +14,7 @@ import torch
 
 from shoal.protocol.lane import TRAIN, LaneAborted
 
-__all__ = ["Boundary", "LaneAborted", "LocalLane", "LocalBoundary", "SoloLane"]
+__all__ = ["Boundary", "LaneAborted", "LocalLane", "LocalBoundary", "SoloLane", "Unconnected"]
 
 
 @runtime_checkable
@@ -55,6 +55,18 @@ class SoloLane(Boundary):
 
     def exchange_norms(self, step, norms, finite):
         return [([float(x) for x in norms], bool(finite))]
+
+    def abort(self, step, reason, *, phase=TRAIN):
+        pass
+
+
+class Unconnected(Boundary):
+    """A stage whose links are not open (yet): every exchange with the lane aborts the step."""
+
+    def _none(self, *args, **kw):
+        raise LaneAborted("this stage's lane links are not open")
+
+    send_act = recv_act = send_grad = recv_grad = exchange_norms = _none
 
     def abort(self, step, reason, *, phase=TRAIN):
         pass

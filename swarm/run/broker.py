@@ -55,12 +55,13 @@ class BrokerConfig:
             raise ValueError("straggler_misses >= 1, straggler_window_s > 0 and demote_hold_s >= 0 are required")
 
     @classmethod
-    def for_fail_after(cls, fail_after_s: float) -> BrokerConfig:
+    def for_fail_after(cls, fail_after_s: float, **more: float) -> BrokerConfig:
         """Settings scaled to one failure-detection time: the lease lapses after it too, liveness is checked three
         times within it and the lease renewed four times (never less often than the defaults)."""
         d = cls()
         return cls(fail_after_s=fail_after_s, lease_timeout_s=fail_after_s,
-                   heartbeat_s=min(d.heartbeat_s, fail_after_s / 3), lease_renew_s=min(d.lease_renew_s, fail_after_s / 4))
+                   heartbeat_s=min(d.heartbeat_s, fail_after_s / 3), lease_renew_s=min(d.lease_renew_s, fail_after_s / 4),
+                   **more)
 
 
 @dataclass(slots=True)
@@ -194,12 +195,19 @@ class Broker:
     def _fits(self, hw: HardwareProfile | None, stage: int) -> bool:
         return hw is None or hw.memory_bytes <= 0 or self.ctx.manifest.stage_memory_bytes(stage) <= hw.memory_bytes
 
+    def _training(self) -> bool:
+        """Whether the run has begun training (a group change then takes effect at a step past 0)."""
+        return self.ctx.switch_step is not None and self.ctx.switch_step(0) > 0
+
     def _placement(self, hw: HardwareProfile | None) -> tuple[int, int] | None:
         """Where a newcomer goes: the first free slot of the lowest lane, the busiest stage (most parameters) first,
-        among the stages it has the memory for (None: no such slot)."""
+        among the stages it has the memory for (None: no such slot). With several stages, once training has begun,
+        only a slot of a part-filled lane: an empty lane is re-formed from the pool, whole (`_fill_free_slots`)."""
         m = self.ctx.manifest
+        lanes_in_use = {r for _, r in self.slots}
         free = [(r, -m.stage_params(st), st) for st in range(self.stages) if self._fits(hw, st)
-                for _, r in self._free_slots(st)]
+                for _, r in self._free_slots(st)
+                if self.stages == 1 or r in lanes_in_use or not self._training()]
         if not free:
             return None
         r, _, st = min(free)
@@ -323,11 +331,8 @@ class Broker:
             free = [(st, r) for st in range(self.stages) if (st, r) not in self.slots]
             if not free:
                 continue
-            if self.stages > 1:
-                if len(free) == self.stages:
-                    continue  # an empty lane is not re-formed from the pool while the run trains
-                if any(not self._promotable(st) for st, _ in free):
-                    continue
+            if self.stages > 1 and any(not self._promotable(st) for st, _ in free):
+                continue  # not every free slot of the lane can be filled now
             for key in free:
                 if self._promote_into(key, ""):
                     self._empty_since.pop(key, None)
