@@ -66,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
 
     import trio
 
-    from shoal.node.daemon import Node, NodeConfig
+    from shoal.node.daemon import Node, NodeConfig, status_gossip_s
     from shoal.swarm.run.broker import AdmissionError
     from shoal.swarm.net.rpc import RpcError
     from shoal.node.train.hardware import hardware_profile
@@ -86,8 +86,10 @@ def main(args: argparse.Namespace) -> int:
             home=home,
             status_file=args.status_file,
             status_interval_s=args.status_interval,
-            membership=MembershipConfig(suspect_after_s=min(3 * args.status_interval, args.gone_after),
-                                        gone_after_s=args.gone_after),
+            membership=MembershipConfig(  # suspect once a gossiped status is overdue by half a period
+                suspect_after_s=min(1.5 * status_gossip_s(args.status_interval, args.gone_after,
+                                                          run.broker.fail_after_s if run else None), args.gone_after),
+                gone_after_s=args.gone_after),
         )
         hardware = hardware_profile(args.device, home)
     except (ValueError, RuntimeError, OSError) as e:
@@ -134,8 +136,9 @@ def run_config(args: argparse.Namespace):
         raise ValueError(f"--run {args.run}: no such manifest file (a run id needs --join)")
     else:
         run_id = args.run
+    # the lease is renewed four times per timeout (each renewal is gossiped and put in the DHT)
     broker = BrokerConfig(fail_after_s=args.fail_after, heartbeat_s=min(5.0, args.fail_after / 3),
-                          lease_timeout_s=args.fail_after, lease_renew_s=min(3.0, args.fail_after / 4))
+                          lease_timeout_s=args.fail_after, lease_renew_s=args.fail_after / 4)
     return RunConfig(manifest=manifest, run_id=run_id, secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"),
                      device="cpu" if args.device == "auto" else args.device, threads=args.threads,
                      max_steps=args.steps, round_timeout_s=args.round_timeout, broker=broker,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -27,6 +28,11 @@ from libp2p.tools.anyio_service import background_trio_service
 from shoal.swarm.net.identity import libp2p_key_pair, peer_id_of
 
 log = logging.getLogger(__name__)
+
+# py-libp2p's yamux answers every read with a WINDOW_UPDATE frame unless told otherwise (a packet each, and an
+# acknowledgement back: more than a compressed round's payload); credit is then released as go-yamux does it.
+# The library reads this knob from the environment only.
+os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
