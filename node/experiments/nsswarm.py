@@ -45,7 +45,8 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
         for tid in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 comm, cpu = _cpu_fields(f.read())
-            kind = "loop" if int(tid) == pid else "worker" if comm.startswith("Trio") else "other"
+            # trio names its worker threads after the job in flight ("step from ...") or "Trio thread N"
+            kind = "loop" if int(tid) == pid else "worker" if comm.startswith("Trio") or " from " in comm else "other"
             out[kind] += cpu
         out["children"] = sum(_tree_total(c) for c in _children(pid))  # e.g. hivemind's p2pd daemon
         out["total"] += out["children"]

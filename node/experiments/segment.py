@@ -123,8 +123,10 @@ def _run(swarm, cfg: SegmentConfig, progress, *, tokens_per_step: int, local_key
             if b is None and min(steps) >= w1:
                 b = s
             reached = cfg.target_loss is None or any(loss <= cfg.target_loss for _, _, loss in evals)
-            done = all(st.get("state") == "done" for st in s.status)
-            dead = [n.index for n in swarm.nodes if not n.alive]
+            done = all(st.get("state") == "done" for st in s.status) or (
+                any(st.get("state") == "done" for st in s.status) and not all(n.alive for n in swarm.nodes))
+            dead = [n.index for n, st in zip(swarm.nodes, s.status)
+                    if not n.alive and not (n.proc.returncode == 0 and st.get("state") == "done")]
             errs = [f"node {i}: {st['error']}" for i, st in enumerate(s.status) if st.get("error")]
             if time.monotonic() >= next_note:
                 next_note = time.monotonic() + 15
