@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunClientConfig:
-    poll_s: float = 3.0  # how often the table's broker is checked on; asked by RPC when no lease came by gossip
+    poll_s: float = 3.0  # how often the broker is asked for the table (gossip is the fast path; this also beats)
     rpc_timeout_s: float = 5.0
     admit_attempts: int = 5
     retry_s: float = 1.0
@@ -281,9 +281,7 @@ class RunClient:
         t = self.table
         if t is None or self.is_broker():
             return
-        if time.monotonic() - self.broker_alive_at < self.config.broker.lease_renew_s + self.config.poll_s:
-            pass  # the broker's lease (or table) came by gossip as often as it renews it: no need to ask
-        elif await self._poll(t.peer_id):
+        if await self._poll(t.peer_id):
             pass
         elif t.standby and t.standby != self.me and not await self._poll(t.standby):  # it may have taken over
             await self._dht_table(t.standby)  # or we cannot reach it directly: its table may be in the DHT
