@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure throughput, bytes and CPU from step A to B (tiny 20,80; small 5,20)")
     n.add_argument("--target-loss", type=float, default=None,
                    help="held-out loss to time (tiny 2.8; small: none)")
+    n.add_argument("--no-target", action="store_true", help="time no target loss (throughput and bytes only)")
+    n.add_argument("--hivemind-compression", default="none,8bit",
+                   help="hivemind variants: none (its default), fp16, 8bit (default: none,8bit)")
     n.add_argument("--lr", type=float, default=3e-3)
     n.add_argument("--segment-time", type=float, default=None, help="training seconds per segment at most "
                                                                      "(tiny 240, small 420)")
@@ -322,7 +325,8 @@ def network(args: argparse.Namespace) -> int:
     try:
         w0, w1 = (int(x) for x in window.split(","))
         seg = SegmentConfig(size=args.size, nodes=args.nodes, max_steps=steps, window_steps=(w0, min(w1, steps)),
-                            target_loss=args.target_loss if args.target_loss is not None else (None if small else 2.8),
+                            target_loss=None if args.no_target else args.target_loss if args.target_loss is not None
+                            else None if small else 2.8,
                             eval_every=10, lr=args.lr, status_interval_s=args.status_interval,
                             time_limit_s=args.segment_time or (420.0 if small else 240.0),
                             round_timeout_s=300.0 if small else 20.0, start_timeout_s=180.0 if small else 120.0)
@@ -330,7 +334,8 @@ def network(args: argparse.Namespace) -> int:
             scenarios=tuple(x for x in args.scenario.split(",") if x), workloads=tuple(x for x in args.sync.split(",") if x),
             baselines=tuple(x for x in args.baseline.split(",") if x), segment=seg,
             workdir=args.workdir or Path(tempfile.mkdtemp(prefix="shoal-bench-network-")), prefix=args.prefix,
-            subnet=args.subnet, limit=not args.no_limit, hivemind_python=args.hivemind_python, budget_s=args.budget)
+            subnet=args.subnet, limit=not args.no_limit, hivemind_python=args.hivemind_python, budget_s=args.budget,
+            hivemind_compressions=tuple(x for x in args.hivemind_compression.split(",") if x))
     except ValueError as e:
         print(f"shoal bench network: {e}", file=sys.stderr)
         return 2

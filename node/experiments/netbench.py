@@ -51,6 +51,8 @@ class NetBenchConfig:
             raise ValueError("nothing to run: no scenario and no unshaped limit")
         if self.budget_s <= 0:
             raise ValueError("budget_s must be positive")
+        if not set(self.hivemind_compressions) <= {"none", "fp16", "8bit"} or not self.hivemind_compressions:
+            raise ValueError("hivemind compressions: none, fp16, 8bit")
 
 
 def run(config: NetBenchConfig, progress: Callable[[str], None] = log.info) -> dict:
