@@ -87,8 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--prefix", default="shnet", help="names of the namespaces, veths and bridge start with this")
     n.add_argument("--subnet", default="10.15.0", help="the /24 inside the namespaces (first three octets)")
     n.add_argument("--workdir", type=Path, default=None, help="node logs and status files (default: a temp dir)")
-    n.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    n.add_argument("--name", default=None, help="basename of the result files (default: network-<scenarios>)")
+    n.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "network")
+    n.add_argument("--name", default=None, help="basename of the result files (default: the scenario names)")
 
 
 def _scenario_names() -> list[str]:
@@ -352,7 +352,7 @@ def network(args: argparse.Namespace) -> int:
     doc["command"] = command_line()
     doc["machine"] = f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, 1 torch thread per node"
     doc["targets"] = netreport.targets(doc["rows"])
-    name = args.name or "network-" + "-".join(config.scenarios)
+    name = args.name or "-".join(config.scenarios)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
     md = netreport.markdown(doc)
