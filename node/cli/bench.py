@@ -68,9 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--baseline", default="", help="hivemind: also train with hivemind (default averaging and 8-bit)")
     n.add_argument("--size", default="tiny", choices=("tiny", "small"))
     n.add_argument("--nodes", type=int, default=4)
-    n.add_argument("--steps", type=int, default=None, help="steps per segment at most (tiny 120, small 30)")
+    n.add_argument("--steps", type=int, default=None, help="steps per segment at most (tiny 120, small 6)")
     n.add_argument("--window", default=None, metavar="A,B",
-                   help="measure throughput, bytes and CPU from step A to B (tiny 20,80; small 5,20)")
+                   help="measure throughput, bytes and CPU from step A to B (tiny 20,80; small 2,5)")
     n.add_argument("--target-loss", type=float, default=None,
                    help="held-out loss to time (tiny 2.8; small: none)")
     n.add_argument("--no-target", action="store_true", help="time no target loss (throughput and bytes only)")
@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hivemind variants: none (its default), fp16, 8bit (default: none,8bit)")
     n.add_argument("--lr", type=float, default=3e-3)
     n.add_argument("--segment-time", type=float, default=None, help="training seconds per segment at most "
-                                                                     "(tiny 240, small 420)")
+                                                                     "(tiny 240, small 900)")
     n.add_argument("--status-interval", type=float, default=2.0, help="the nodes' --status-interval (default 2)")
     n.add_argument("--no-limit", action="store_true", help="skip the unshaped segments")
     n.add_argument("--hivemind-python", default=None, help="python of a venv with hivemind (default: "
@@ -320,16 +320,16 @@ def network(args: argparse.Namespace) -> int:
     from shoal.node.experiments.segment import SegmentConfig
 
     small = args.size == "small"
-    steps = args.steps or (30 if small else 120)
-    window = args.window or ("5,20" if small else "20,80")
+    steps = args.steps or (6 if small else 120)
+    window = args.window or ("2,5" if small else "20,80")
     try:
         w0, w1 = (int(x) for x in window.split(","))
         seg = SegmentConfig(size=args.size, nodes=args.nodes, max_steps=steps, window_steps=(w0, min(w1, steps)),
                             target_loss=None if args.no_target else args.target_loss if args.target_loss is not None
                             else None if small else 2.8,
                             eval_every=10, lr=args.lr, status_interval_s=args.status_interval,
-                            time_limit_s=args.segment_time or (420.0 if small else 240.0),
-                            round_timeout_s=300.0 if small else 20.0, start_timeout_s=180.0 if small else 120.0)
+                            time_limit_s=args.segment_time or (900.0 if small else 240.0),
+                            round_timeout_s=300.0 if small else 20.0, start_timeout_s=300.0 if small else 120.0)
         config = netbench.NetBenchConfig(
             scenarios=tuple(x for x in args.scenario.split(",") if x), workloads=tuple(x for x in args.sync.split(",") if x),
             baselines=tuple(x for x in args.baseline.split(",") if x), segment=seg,

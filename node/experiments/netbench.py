@@ -69,7 +69,7 @@ def run(config: NetBenchConfig, progress: Callable[[str], None] = log.info) -> d
             progress(notes[-1])
     plan = [name for name in config.scenarios if name != "unshaped"]
     if config.limit or "unshaped" in config.scenarios:
-        plan.append("unshaped")
+        plan.insert(0, "unshaped")  # the limit first: a run cut short by its budget still has every ratio's base
     rows: list[dict] = []
     probes: dict[str, list[dict]] = {}
     shaped_by: dict[str, list[dict]] = {}

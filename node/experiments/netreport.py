@@ -29,6 +29,9 @@ def where_time_goes(row: dict, base: dict | None) -> str:
     up = [n["uplink_busy"] for n in nodes if n.get("uplink_busy") is not None]
     down = [n["downlink_busy"] for n in nodes if n.get("downlink_busy") is not None]
     parts = [f"{row['s_per_step']:.3f} s/step"]
+    w = row.get("window") or {}
+    if not row.get("window_complete") and w:
+        parts.append(f"window cut at step {w['to_step']:.0f} by the time limit")
     if base and base.get("s_per_step"):
         parts[0] += f" (unshaped {base['s_per_step']:.3f})"
     if up:

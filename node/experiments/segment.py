@@ -67,6 +67,10 @@ def shoal_segment(topo: Topology, workload: Workload, cfg: SegmentConfig, workdi
     numel = _param_count(m)
     res.update(kind="shoal", workload=workload.name, run_id=m.run_id, params=numel,
                payload_formula_bytes=workload.payload_formula(numel, cfg.nodes))
+    if workload.stages > 1 and not any(s and not s.startswith("s0") for s in res["slots"]):
+        res["errors"].append(f"no node held a slot past stage 0: this build's runtime does not run {workload.stages}"
+                             "-stage pipelines yet, so nothing was measured")
+        res.update(tokens_per_s=None, s_per_step=None, time_to_target_s=None)
     return res
 
 
@@ -159,6 +163,7 @@ def _run(swarm, cfg: SegmentConfig, progress, *, tokens_per_step: int, local_key
         eval_curve=[[round(t - t0, 2) if t0 else None, k, round(loss, 4)] for t, k, loss in evals],
         final_eval_loss=evals[-1][2] if evals else None,
         steps_done=[st.get("step") for st in (last.status if last else [])],
+        slots=[st.get("slot") for st in (last.status if last else [])],
         training_s=round(last.time - t0, 2) if last and t0 else None,
         errors=errors + [f"node {i}: {st['error']}" for i, st in enumerate(last.status if last else [])
                          if st.get("error")],

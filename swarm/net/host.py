@@ -29,9 +29,9 @@ from shoal.swarm.net.identity import libp2p_key_pair, peer_id_of
 
 log = logging.getLogger(__name__)
 
-# py-libp2p's yamux answers every read with a WINDOW_UPDATE frame unless told otherwise (a packet each, and an
-# acknowledgement back: more than a compressed round's payload); credit is then released as go-yamux does it.
-# The library reads this knob from the environment only.
+# py-libp2p's yamux by default also releases receive credit on reads its go-yamux-like rule would defer: a
+# WINDOW_UPDATE frame (a packet, and an acknowledgement back) on nearly every read. Off, it sends about a third as
+# many (measured: bench/results/network/overhead.md). The library reads this knob from the environment only.
 os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
 
 
