@@ -32,10 +32,11 @@ log = logging.getLogger(__name__)
 
 
 def status_gossip_s(status_interval_s: float, gone_after_s: float, fail_after_s: float | None = None) -> float:
-    """How often an unchanged status record is gossiped: up to every third status interval, but at least twice
-    per `gone_after_s` (and three times per the broker's `fail_after_s`), so silence still means what it meant.
+    """How often an unchanged status record is gossiped: every second status interval, but at least twice per
+    `gone_after_s` (and three times per the broker's `fail_after_s`), so silence still means what it meant (and a
+    dashboard, which shows a peer stale after ~3 intervals of silence, never sees a live one go stale).
     A record whose role, state, slot, run or error changed goes out at once."""
-    bounds = [3 * status_interval_s, gone_after_s / 2] + ([fail_after_s / 3] if fail_after_s else [])
+    bounds = [2 * status_interval_s, gone_after_s / 2] + ([fail_after_s / 3] if fail_after_s else [])
     return max(status_interval_s, min(bounds))
 
 

@@ -19,7 +19,7 @@ from shoal.protocol.records import Announcement, LeaveNotice, StatusRecord
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ViewConfig:
-    stale_after_s: float = 9.0  # 1.5 status gossip periods (6 s at the node's defaults): shown as stale
+    stale_after_s: float = 6.0  # ~3 status intervals of silence: the peer is shown as stale
     gone_after_s: float = 15.0  # this long silent: gone (no longer counted)
     run_id: str | None = None  # follow only this run (peers reporting another run are ignored)
     loss_points: int = 2000  # steps of loss history kept for the plot

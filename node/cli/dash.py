@@ -23,8 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_network_arguments(p)
     p.add_argument("--local", action="store_true", help="follow the swarm `shoal swarm up` started on this machine")
     p.add_argument("--run", default=None, metavar="RUN_ID", help="show only peers of this run")
-    p.add_argument("--stale-after", type=float, default=9.0, metavar="SECONDS",
-                   help="a peer silent this long is shown as stale (default: 9)")
+    p.add_argument("--stale-after", type=float, default=6.0, metavar="SECONDS",
+                   help="a peer silent this long is shown as stale (default: 6)")
     p.add_argument("--gone-after", type=float, default=15.0, metavar="SECONDS",
                    help="a peer silent this long is shown as gone (default: 15)")
 

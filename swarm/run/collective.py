@@ -172,7 +172,9 @@ class Collective:
         sent.add(peer)
 
     async def _write(self, peer: str, message: bytes) -> None:
-        """Write one message on the peer's kept stream; on failure, once more on a new stream."""
+        """Write one message on the peer's kept stream; on failure, once more on a new stream. A write that did not
+        finish (an error, or a deadline that cancelled it) leaves part of a message on the stream: that stream is
+        reset, so the peer sees it end instead of reading the next message as the rest of this one."""
         stream = self._out.get(peer)
         if stream is not None:
             try:
@@ -180,16 +182,24 @@ class Collective:
                 return
             except Exception as e:  # noqa: BLE001 - a stale stream: try a fresh one
                 log.debug("collective stream to %s failed (%s): opening a new one", peer, e)
-                self._out.pop(peer, None)
-                await _reset(stream)
+                await self._discard(peer, stream)
+            except BaseException:
+                await self._discard(peer, stream)
+                raise
         with trio.fail_after(self.open_timeout_s):  # a dead peer's stale connection hangs here
             stream = await self.sh.open_stream(peer, COLLECTIVE_PROTOCOL)
+        self._out[peer] = stream
         try:
             await stream.write(message)
         except BaseException:
-            await _reset(stream)
+            await self._discard(peer, stream)
             raise
-        self._out[peer] = stream
+
+    async def _discard(self, peer: str, stream) -> None:
+        if self._out.get(peer) is stream:
+            del self._out[peer]
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            await _reset(stream)
 
     async def exchange(
         self, tag: str, sends: dict[str, bytes], expect: set[str], timeout_s: float
