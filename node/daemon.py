@@ -82,6 +82,7 @@ class Node:
         self._last_fields: dict[str, Any] = {}
         self.runtime: RunRuntime | None = None
         self.extra_ingest: list = []  # more consumers of verified records (the run client)
+        self._gossip_due = True  # publish the status at the next interval even if unchanged
         self._stop = trio.Event()
 
     @property
@@ -102,6 +103,8 @@ class Node:
 
     def _event(self, ev: Event) -> None:
         log.info("peer %s: %s %s", ev.peer_id, ev.kind, ev.detail)
+        if ev.kind in ("join", "back"):
+            self._gossip_due = True  # a newcomer learns of us from our next status, not one gossip period later
         self.events = (self.events + [(time.time(), ev)])[-200:]
 
     def status_record(self) -> StatusRecord:
@@ -157,8 +160,9 @@ class Node:
             record = self.status_record()
             self._last_status = seal(record, self.key)
             changed = (record.role, record.state, record.run_id, record.slot, record.error)
-            if changed != published or trio.current_time() - published_at >= self.gossip_period_s - 0.05:
-                published_at, published = trio.current_time(), changed
+            if (changed != published or self._gossip_due
+                    or trio.current_time() - published_at >= self.gossip_period_s - 0.05):
+                published_at, published, self._gossip_due = trio.current_time(), changed, False
                 await self.publish(self._last_status)
             for ev in self.membership.sweep():
                 self._event(ev)
