@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def status_gossip_s(status_interval_s: float, gone_after_s: float, fail_after_s: float | None = None) -> float:
+    """How often an unchanged status record is gossiped: every second status interval, but at least twice per
+    `gone_after_s` (and three times per the broker's `fail_after_s`), so silence still means what it meant (and a
+    dashboard, which shows a peer stale after ~3 intervals of silence, never sees a live one go stale).
+    A record whose role, state, slot, run or error changed goes out at once."""
+    bounds = [2 * status_interval_s, gone_after_s / 2] + ([fail_after_s / 3] if fail_after_s else [])
+    return max(status_interval_s, min(bounds))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeConfig:
     host: HostConfig = field(default_factory=HostConfig)
@@ -38,8 +48,9 @@ class NodeConfig:
     device: str = "auto"
     home: Path = Path("~/.shoal")
     status_file: Path | None = None
-    status_interval_s: float = 2.0
-    announce_interval_s: float = 15.0
+    status_interval_s: float = 2.0  # the status is refreshed (file, RPC answers) this often
+    status_gossip_s: float | None = None  # an unchanged status is gossiped this often (None: status_gossip_s())
+    announce_interval_s: float = 60.0  # re-gossip of the announcement (joiners also fetch it with `members`)
     rpc_timeout_s: float = 5.0
     nat_settle_s: float = 15.0  # with NAT traversal: at most this long for the first reachability verdict
     membership: MembershipConfig = field(default_factory=MembershipConfig)
@@ -48,6 +59,8 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if not 0.1 <= self.status_interval_s <= 60:
             raise ValueError("status_interval_s must be within [0.1, 60]")
+        if self.status_gossip_s is not None and not self.status_interval_s <= self.status_gossip_s <= 600:
+            raise ValueError("status_gossip_s must be within [status_interval_s, 600]")
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
 
@@ -72,6 +85,7 @@ class Node:
         self._last_fields: dict[str, Any] = {}
         self.runtime: RunRuntime | None = None
         self.extra_ingest: list = []  # more consumers of verified records (the run client)
+        self._gossip_due = True  # publish the status at the next interval even if unchanged
         self._stop = trio.Event()
         self._revision = 0
         self._paths_for = None  # the run table whose replicas we last prepared direct paths to
@@ -113,6 +127,8 @@ class Node:
 
     def _event(self, ev: Event) -> None:
         log.info("peer %s: %s %s", ev.peer_id, ev.kind, ev.detail)
+        if ev.kind in ("join", "back"):
+            self._gossip_due = True  # a newcomer learns of us from our next status, not one gossip period later
         self.events = (self.events + [(time.time(), ev)])[-200:]
 
     def status_record(self) -> StatusRecord:
@@ -162,10 +178,24 @@ class Node:
         except Exception as e:  # noqa: BLE001 - a gossip hiccup must not stop the node
             log.warning("publish failed: %s: %s", type(e).__name__, e)
 
+    @property
+    def gossip_period_s(self) -> float:
+        c = self.config
+        if c.status_gossip_s is not None:
+            return c.status_gossip_s
+        return status_gossip_s(c.status_interval_s, c.membership.gone_after_s,
+                               c.run.broker.fail_after_s if c.run is not None else None)
+
     async def _status_loop(self) -> None:
+        published_at, published = -math.inf, None
         while True:
-            self._last_status = seal(self.status_record(), self.key)
-            await self.publish(self._last_status)
+            record = self.status_record()
+            self._last_status = seal(record, self.key)
+            changed = (record.role, record.state, record.run_id, record.slot, record.error)
+            if (changed != published or self._gossip_due
+                    or trio.current_time() - published_at >= self.gossip_period_s - 0.05):
+                published_at, published, self._gossip_due = trio.current_time(), changed, False
+                await self.publish(self._last_status)
             for ev in self.membership.sweep():
                 self._event(ev)
             self.write_status_file()

@@ -91,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
     import trio
 
     from shoal.node.cli.joinfile import expand_join, write_address_file
-    from shoal.node.daemon import Node, NodeConfig
+    from shoal.node.daemon import Node, NodeConfig, status_gossip_s
     from shoal.swarm.run.broker import AdmissionError
     from shoal.swarm.net.rpc import RpcError
     from shoal.node.train.hardware import hardware_profile
@@ -112,8 +112,10 @@ def main(args: argparse.Namespace) -> int:
             home=home,
             status_file=args.status_file,
             status_interval_s=args.status_interval,
-            membership=MembershipConfig(suspect_after_s=min(3 * args.status_interval, args.gone_after),
-                                        gone_after_s=args.gone_after),
+            membership=MembershipConfig(  # suspect once a gossiped status is overdue by half a period
+                suspect_after_s=min(1.5 * status_gossip_s(args.status_interval, args.gone_after,
+                                                          run.broker.fail_after_s if run else None), args.gone_after),
+                gone_after_s=args.gone_after),
         )
         hardware = hardware_profile(args.device, home)
     except (ValueError, RuntimeError, OSError) as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -32,6 +33,11 @@ if TYPE_CHECKING:
     from shoal.swarm.net.nat import NatConfig, NatTraversal
 
 log = logging.getLogger(__name__)
+
+# py-libp2p's yamux by default also releases receive credit on reads its go-yamux-like rule would defer: a
+# WINDOW_UPDATE frame (a packet, and an acknowledgement back) on nearly every read. Off, it sends about a third as
+# many (measured: bench/results/network/overhead.md). The library reads this knob from the environment only.
+os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -57,11 +57,11 @@ class BrokerConfig:
     @classmethod
     def for_fail_after(cls, fail_after_s: float, **more: float) -> BrokerConfig:
         """Settings scaled to one failure-detection time: the lease lapses after it too, liveness is checked three
-        times within it and the lease renewed four times (never less often than the defaults)."""
+        times within it (never less often than the default) and the lease renewed four times (each renewal is
+        gossiped and put in the DHT: no more often than that)."""
         d = cls()
         return cls(fail_after_s=fail_after_s, lease_timeout_s=fail_after_s,
-                   heartbeat_s=min(d.heartbeat_s, fail_after_s / 3), lease_renew_s=min(d.lease_renew_s, fail_after_s / 4),
-                   **more)
+                   heartbeat_s=min(d.heartbeat_s, fail_after_s / 3), lease_renew_s=fail_after_s / 4, **more)
 
 
 @dataclass(slots=True)
