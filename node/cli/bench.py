@@ -56,6 +56,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                          "(all-reduce, the baseline, always runs)")
     v.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     v.add_argument("--name", default="convergence", help="basename of the result files")
+    pl = sub.add_parser("pipeline", help="one lane of S stages over real links: tokens/s, loss, bytes, bubble",
+                        description="One lane of S = 1, 2, 4 stages, each a real libp2p host on 127.0.0.1 with its "
+                                    "own trainer thread, activations at fp32 and fp16 on the wire: tokens/s and "
+                                    "held-out loss at equal steps, bytes per micro-batch per link against the "
+                                    "formula, the measured bubble against GPipe's (S-1)/(M+S-1).")
+    pl.add_argument("--stages", default="1,2,4", help="comma-separated stage counts (default: 1,2,4)")
+    pl.add_argument("--wire", default="fp32,fp16", help="comma-separated wire dtypes (default: fp32,fp16)")
+    pl.add_argument("--steps", type=int, default=60, help="optimizer steps per configuration (default: 60)")
+    pl.add_argument("--layers", type=int, default=4, help="model layers (default: 4)")
+    pl.add_argument("--d-model", type=int, default=128, help="model width (default: 128)")
+    pl.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for the result files")
+    pl.add_argument("--name", default="pipeline", help="basename of the result files (default: pipeline)")
     n = sub.add_parser("network", help="nodes in network namespaces on shaped links, unshaped, and hivemind beside",
                        description="N shoal nodes, each in its own network namespace, train over links shaped by tbf "
                                    "(per node and direction) for each scenario, then unshaped (the limit), and "
@@ -228,6 +240,8 @@ def main(args: argparse.Namespace) -> int:
         return convergence(args)
     if args.bench == "network":
         return network(args)
+    if args.bench == "pipeline":
+        return pipeline(args)
     if args.bench != "codecs":
         return 2
     if args.threads > 0:
@@ -272,6 +286,22 @@ def main(args: argparse.Namespace) -> int:
     md = markdown(result)
     (args.out / f"{args.name}.md").write_text(md)
     print(md)
+    return 0
+
+
+def pipeline(args: argparse.Namespace) -> int:
+    """`shoal bench pipeline`: the runner lives in node/experiments/pipeline_bench.py."""
+    from shoal.node.experiments import pipeline_bench
+
+    try:
+        config = pipeline_bench.PipelineBenchConfig(
+            stages=tuple(int(x) for x in args.stages.split(",")), wire=tuple(args.wire.split(",")),
+            steps=args.steps, layers=args.layers, d_model=args.d_model)
+    except ValueError as e:
+        print(f"shoal bench pipeline: {e}", file=sys.stderr)
+        return 2
+    pipeline_bench.run(config, args.out, args.name, command_line())
+    print(f"wrote {args.out / (args.name + '.md')}")
     return 0
 
 

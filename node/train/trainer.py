@@ -18,6 +18,7 @@ import math
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +57,27 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def build_optimizer(model: torch.nn.Module, o: OptimSpec) -> torch.optim.Optimizer:
-    """AdamW or SGD: weight decay on matrices, none on vectors."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExecOptions:
+    """How the trainer runs on its device (not what it computes: the results are the same up to kernel rounding).
+    auto: compile the model and fuse AdamW on CUDA, plain eager torch elsewhere."""
+
+    compile: str = "auto"  # auto | on | off: torch.compile the model (a failure falls back to eager, logged)
+    fused: str = "auto"  # auto | on | off: the fused AdamW kernel (CUDA)
+
+    def __post_init__(self) -> None:
+        if self.compile not in ("auto", "on", "off") or self.fused not in ("auto", "on", "off"):
+            raise ValueError("compile and fused are auto, on or off")
+
+
+def build_optimizer(model: torch.nn.Module, o: OptimSpec, *, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW or SGD: weight decay on matrices, none on vectors; `fused`: AdamW's fused kernel."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if o.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr_at(o, 0))
-    return torch.optim.AdamW(groups, lr=lr_at(o, 0), betas=(o.beta1, o.beta2), eps=o.eps)
+    return torch.optim.AdamW(groups, lr=lr_at(o, 0), betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None)
 
 
 def lane_norm(norms: list[tuple[list[float], bool]]) -> torch.Tensor:
@@ -88,6 +102,44 @@ def copy_state(state: Any) -> Any:
     return state
 
 
+class PinnedRing:
+    """Page-locked host buffers reused round-robin for asynchronous copies (allocating pinned memory each step
+    costs more than the copy): a buffer is reused only once the copy that last used it has finished."""
+
+    SLOTS = 8
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, list[list]] = {}  # (shape, dtype) -> [buffer, event or None] per slot
+        self._next: dict[tuple, int] = {}
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        key = (tuple(like.shape), like.dtype)
+        ring = self._bufs.setdefault(key, [])
+        if len(ring) < self.SLOTS:
+            ring.append([torch.empty(like.shape, dtype=like.dtype, pin_memory=True), None])
+            return ring[-1][0]
+        i = self._next[key] = (self._next.get(key, -1) + 1) % self.SLOTS
+        buf, event = ring[i]
+        if event is not None:
+            event.synchronize()  # long done in practice: the slot was used SLOTS copies ago
+        return buf
+
+    def used(self, buf: torch.Tensor, event) -> None:
+        for slot in self._bufs.get((tuple(buf.shape), buf.dtype), ()):
+            if slot[0] is buf:
+                slot[1] = event
+
+    def to_device(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`x` copied to `device` asynchronously, through a pinned buffer."""
+        buf = self.take(x)
+        buf.copy_(x)
+        out = buf.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()  # after the copy: once it has happened, the buffer may be written again
+        self.used(buf, event)
+        return out
+
+
 class Trainer:
     """Trains stage `stage` of lane `replica` of a run (stage 0 of a one-stage plan is the whole model)."""
 
@@ -101,6 +153,7 @@ class Trainer:
         boundary: Boundary | None = None,
         synchronizer: Synchronizer | None = None,
         corpus: Corpus | None = None,
+        options: ExecOptions = ExecOptions(),
     ):
         plan, b = manifest.plan, manifest.batch
         if not 0 <= stage < plan.stages or not 0 <= replica < plan.replicas:
@@ -122,7 +175,14 @@ class Trainer:
         self.micro_batches = b.batch_size // b.micro_batch_size
         self.model_config = GPTConfig.from_spec(manifest.model, b.seq_len)
         self.model: GPTStage = build_stage(self.model_config, stage, plan.stages, seed=manifest.seed).to(self.device)
-        self.optimizer = build_optimizer(self.model, manifest.optim)
+        cuda = self.device.type == "cuda"
+        self.fused = manifest.optim.optimizer == "adamw" and (options.fused == "on" or (options.fused == "auto" and cuda))
+        self.optimizer = build_optimizer(self.model, manifest.optim, fused=self.fused)
+        # the forward: the compiled model when asked (checked at the first call; a failure falls back to eager)
+        self._forward_model: torch.nn.Module = self.model
+        self.compiled = options.compile == "on" or (options.compile == "auto" and cuda)
+        if self.compiled:
+            self._forward_model = torch.compile(self.model)
         self.autocast_dtype: torch.dtype | None = None
         self.scaler: torch.amp.GradScaler | None = None
         if self.device.type == "cuda":
@@ -137,6 +197,8 @@ class Trainer:
         self.last: StepResult | None = None
         self.last_eval_loss: float | None = None
         self._wait_s = 0.0
+        self._staged: tuple[int, list] | None = None  # (sampler position, micro-batches on the device) next step
+        self._pinned = PinnedRing() if self.device.type == "cuda" else None
 
     @property
     def tokens_per_step(self) -> int:
@@ -156,21 +218,51 @@ class Trainer:
 
     # -- one micro-batch through this stage
 
-    def _forward(self, step: int, micro: int, ids: torch.Tensor | None, samples: Samples, phase: str):
+    def _micro_batches(self, ids: torch.Tensor, samples: Samples) -> list[tuple[torch.Tensor, torch.Tensor,
+                                                                             torch.Tensor]]:
+        """(ids, inputs, targets) of each micro-batch of `ids`, on the device (from pinned memory, asynchronously,
+        on a GPU)."""
+        x, y = samples.get(ids)
+        if self._pinned is not None:
+            x, y = self._pinned.to_device(x, self.device), self._pinned.to_device(y, self.device)
+        else:
+            x, y = x.to(self.device), y.to(self.device)
+        mb = self.manifest.batch.micro_batch_size
+        return list(zip(ids.split(mb), x.split(mb), y.split(mb)))
+
+    def _stage_next(self) -> None:
+        """A GPU first stage: load the next step's batch now, while the device still runs this step."""
+        if self.is_first and self.device.type == "cuda":
+            pos = self.sampler.position
+            self._staged = (pos, self._micro_batches(self.sampler.ids_at(pos, self.manifest.batch.batch_size),
+                                                     self.train_samples))
+
+    def _forward(self, step: int, micro: int, batch: tuple | None, samples: Samples, phase: str):
         """(input leaf or None, output) of this stage for one micro-batch: the loss at the last stage, else the
-        activations, sent on to the next stage."""
+        activations, sent on to the next stage. `batch`: (ids, inputs, targets) at the first stage."""
         if self.is_first:
-            inp = samples.get(ids)[0].to(self.device, non_blocking=True)
+            ids, inp, targets = batch
         else:
             ids, acts = self._waiting(self.boundary.recv_act, step, micro, phase=phase)
             inp = acts.to(self.device).requires_grad_(phase == TRAIN)
+            targets = samples.get(ids)[1].to(self.device, non_blocking=True) if self.is_last else None
         with self._autocast():
-            out = self.model(inp)
+            out = self._run_model(inp)
             if self.is_last:
-                out = lm_loss(out, samples.get(ids)[1].to(self.device, non_blocking=True))
+                out = lm_loss(out, targets)
         if not self.is_last:
             self._waiting(self.boundary.send_act, step, micro, ids, out.detach().float(), phase=phase)
         return (None if self.is_first else inp), out
+
+    def _run_model(self, inp: torch.Tensor) -> torch.Tensor:
+        if self._forward_model is self.model:
+            return self.model(inp)
+        try:
+            return self._forward_model(inp)
+        except Exception as e:  # noqa: BLE001 - torch.compile cannot handle this setup: train eagerly
+            log.warning("torch.compile failed (%s: %s); training without it", type(e).__name__, str(e)[:300])
+            self._forward_model, self.compiled = self.model, False
+            return self.model(inp)
 
     def _backward(self, step: int, micro: int, inp: torch.Tensor | None, out: torch.Tensor) -> None:
         if self.is_last:
@@ -185,11 +277,17 @@ class Trainer:
         stage of a longer lane does all forwards, then the backwards in order 0..M-1. The summed loss at the last
         stage."""
         b, M = self.manifest.batch, self.micro_batches
-        ids = self.sampler.next_ids(b.batch_size).split(b.micro_batch_size) if self.is_first else None
+        batches = None
+        if self.is_first:
+            pos = self.sampler.position
+            staged, self._staged = self._staged, None
+            batches = staged[1] if staged is not None and staged[0] == pos else \
+                self._micro_batches(self.sampler.ids_at(pos, b.batch_size), self.train_samples)
+            self.sampler.position = pos + b.batch_size
         loss_sum = torch.zeros((), device=self.device) if self.is_last else None
         kept = []
         for m in range(M):
-            inp, out = self._forward(step, m, ids[m] if ids else None, self.train_samples, TRAIN)
+            inp, out = self._forward(step, m, batches[m] if batches else None, self.train_samples, TRAIN)
             if self.is_last:
                 out = out / M
                 loss_sum += out.detach()
@@ -203,15 +301,15 @@ class Trainer:
             self._backward(step, m, inp, out)
         return loss_sum
 
-    def _clip(self, step: int) -> float:
-        """Clip to the lane's gradient norm (exchanged with the lane's other stages); returns it (inf: a stage of
-        the lane is not finite)."""
+    def _clip(self, step: int) -> torch.Tensor:
+        """Clip to the lane's gradient norm (exchanged with the lane's other stages); returns it as a 0-d tensor
+        (inf: a stage of the lane is not finite), on the device for a one-stage lane (no host sync)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.manifest.optim.grad_clip
         if self.num_stages == 1:
             if clip > 0:
-                return float(torch.nn.utils.clip_grad_norm_(params, clip))
-            return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+                return torch.nn.utils.clip_grad_norm_(params, clip)
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
         norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in params]).cpu().tolist() if params else []
         finite = all(math.isfinite(x) for x in norms)
         got = self._waiting(self.boundary.exchange_norms, step, norms if finite else [], finite)
@@ -220,7 +318,7 @@ class Trainer:
         total = lane_norm(got)
         if clip > 0 and bool(torch.isfinite(total)):
             torch.nn.utils.clip_grads_with_norm_(params, clip, total.to(self.device))
-        return float(total)
+        return total
 
     # -- the step
 
@@ -262,48 +360,80 @@ class Trainer:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         control.advance(StepStage.SYNC)
-        apply = self.sync.before_optimizer_step(self.model, self.optimizer, control)
-        grad_norm = math.nan
+        wanted = self.sync.before_optimizer_step(self.model, self.optimizer, control)
+        norm_t: torch.Tensor | None = None
         if aborted is None:
             try:
-                grad_norm = self._clip(step)
+                norm_t = self._clip(step)
             except LaneAborted as e:
                 aborted, failed_peer = str(e), e.peer
         if aborted is not None:
             log.warning("stage %d lane %d step %d aborted: %s", self.stage, self.replica, step, aborted)
             self.boundary.abort(step, aborted)
-        elif not math.isfinite(grad_norm):
-            log.warning("step %d: non-finite gradient norm, update skipped", step)
-        apply = apply and aborted is None and math.isfinite(grad_norm)
+        # on the device, the fused optimizer skips a non-finite step itself (found_inf): no host sync before it
+        on_device = self.fused and self.scaler is None and norm_t is not None and norm_t.device.type != "cpu"
+        finite = True if on_device or norm_t is None else math.isfinite(float(norm_t))
         lr = lr_at(self.manifest.optim, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if apply:
+        if wanted and aborted is None and finite:
+            if on_device:
+                self.optimizer.found_inf = (~torch.isfinite(norm_t)).float()
             if self.scaler:
                 self.scaler.step(self.optimizer)
             else:
                 self.optimizer.step()
+            self.optimizer.found_inf = None
         if self.scaler:
             self.scaler.update()
         self.sync.after_optimizer_step(self.model, self.optimizer, control)
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count = step + 1
+        values = self._read_back(step, None if aborted else loss_sum, norm_t)
+        self._stage_next()
         seconds = time.perf_counter() - t0
         eval_loss = None
         every = self.manifest.eval.every_steps
         if every and self.step_count % every == 0:
             eval_loss = self.evaluate()
         result = StepResult(
-            step=self.step_count, loss=None if loss_sum is None or aborted else float(loss_sum), lr=lr,
-            grad_norm=grad_norm, tokens=self.tokens_per_step, seconds=seconds,
-            tokens_per_s=self.tokens_per_step / max(seconds, 1e-9), applied=apply, eval_loss=eval_loss,
-            wait_s=self._wait_s, aborted=aborted, failed_peer=failed_peer)
+            step=self.step_count, lr=lr, tokens=self.tokens_per_step, seconds=seconds,
+            tokens_per_s=self.tokens_per_step / max(seconds, 1e-9), values=values, wanted=wanted,
+            eval_loss=eval_loss, wait_s=self._wait_s, aborted=aborted, failed_peer=failed_peer)
         self.last = result
         control.result, control.state_hash = result, self.sync.state_hash()
         control.advance(StepStage.DONE)
         for after in self.after_step_hooks:
             after(self, result)
         return result
+
+    def _read_back(self, step: int, loss: torch.Tensor | None, norm: torch.Tensor | None):
+        """The step's (loss, gradient norm) as floats: on a GPU, a copy queued after the step's work, read when
+        first wanted (so no host sync holds the next step back); elsewhere at once."""
+        if loss is None and norm is None:
+            return None, math.nan
+        vals = torch.stack([(x if x is not None else torch.zeros(())).detach().float().to(self.device)
+                            for x in (loss, norm)])
+
+        def resolve(host: torch.Tensor) -> tuple[float | None, float]:
+            lv, nv = host.tolist()
+            if norm is not None and not math.isfinite(nv):
+                log.warning("step %d: non-finite gradient norm, update skipped", step)
+            return (lv if loss is not None else None), (nv if norm is not None else math.nan)
+
+        if self.device.type != "cuda":
+            return resolve(vals)
+        host = self._pinned.take(vals)
+        host.copy_(vals, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pinned.used(host, done)
+
+        def wait() -> tuple[float | None, float]:
+            done.synchronize()
+            return resolve(host)
+
+        return wait
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -314,7 +444,8 @@ class Trainer:
         total = 0.0
         try:
             for i, ids in enumerate(self.eval_ids):
-                _, out = self._forward(step, i, ids if self.is_first else None, self.heldout_samples, EVAL)
+                batch = self._micro_batches(ids, self.heldout_samples)[0] if self.is_first else None
+                _, out = self._forward(step, i, batch, self.heldout_samples, EVAL)
                 if self.is_last:
                     total += float(out)
         except LaneAborted as e:
