@@ -65,3 +65,50 @@ def test_every_pair_in_a_placed_group_can_connect(reach, size):
         assert direct_possible(reach[x], reach[y])
     if group:  # the first member is the most reachable of all candidates
         assert DIAL_RANK[reach[group[0]].reachability] == min(DIAL_RANK[r.reachability] for r in reach.values())
+
+
+async def test_the_broker_promotes_the_most_reachable_backup_that_can_reach_the_group():
+    """Slot s0r0 frees up; of two backups, the public one is promoted ahead of the relayed one admitted first (what
+    members dial should be dialable); when only the relayed one is left, it still fits a group of a public member."""
+    import time
+    from types import SimpleNamespace
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from shoal.protocol.assignment import AdmitRequest
+    from shoal.protocol.envelope import open_envelope, seal
+    from shoal.protocol.records import RECORD_TYPES
+    from shoal.protocol.manifest import ParallelPlan, RunManifest, SyncSpec
+    from shoal.protocol.records import Announcement
+    from shoal.swarm.net.identity import peer_id_of
+    from shoal.swarm.net.membership import Membership
+    from shoal.swarm.run.broker import Broker
+    from shoal.swarm.run.context import RunContext
+    from tests.swarm_helpers import HW
+
+    keys = [Ed25519PrivateKey.generate() for _ in range(5)]
+    ids = [peer_id_of(k) for k in keys]
+    me = SimpleNamespace(key=Ed25519PrivateKey.generate(), peer_id=None)
+    me.peer_id = peer_id_of(me.key)
+    membership = Membership(me.peer_id)
+
+    def announce(i: int, reachability: str) -> None:
+        a = Announcement(peer_id=ids[i], addrs=("/ip4/127.0.0.1/tcp/1",), software_version="t", protocol_version=1,
+                         hardware=HW, started_at=time.time(), reachability=reachability)
+        membership.observe(open_envelope(seal(a, keys[i]), RECORD_TYPES))
+
+    async def publish(env):
+        pass
+
+    m = RunManifest.default(plan=ParallelPlan(replicas=2, sync=SyncSpec(method="allreduce")))
+    ctx = RunContext(sh=me, manifest=m, register=lambda *a: None, publish=publish, membership=membership)
+    b = Broker(ctx)
+    for i, r in enumerate(("public", "public", "relayed", "public")):
+        announce(i, r)
+    for pid in ids[:4]:
+        assert (await b.admit(pid, AdmitRequest(run_id=m.run_id, hardware=HW))).admitted
+    assert b.table.backups == (ids[2], ids[3])  # admitted in this order: the relayed one would come first
+    b.mark_failed(ids[0], "gone")
+    assert b.table.slot_of(ids[3]) == (0, 0)  # the public backup, ahead of the relayed one
+    b.mark_failed(ids[3], "gone")
+    assert b.table.slot_of(ids[2]) == (0, 0)  # the relayed one fits the public member

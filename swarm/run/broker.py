@@ -19,6 +19,7 @@ from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.membership import LEFT
 from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.run.context import Handler, RunContext
+from shoal.swarm.run.placement import Reach, direct_possible, rank_for_dialed_roles
 
 log = logging.getLogger(__name__)
 
@@ -311,12 +312,39 @@ class Broker:
         self._rebuild()
         return True
 
-    def _promote_into(self, key: tuple[int, int], failed: str) -> bool:
+    def _reach(self) -> dict[str, Reach]:
+        """What each provider announced about its reachability (a provider not heard of yet: unknown)."""
+        m = self.ctx.membership
+        out: dict[str, Reach] = {}
+        for pid in self.providers:
+            a = m.peers[pid].announcement_record if m is not None and pid in m.peers else None
+            if a is not None:
+                out[pid] = Reach(reachability=a.reachability)
+        return out
+
+    def _best_backup(self, key: tuple[int, int]) -> Provider | None:
+        """The backup to fill slot `key`: of its stage, the most reachable first (a member others dial), and one
+        that can get a direct connection to every member it will exchange with (its stage group and lane
+        neighbours; bulk traffic never rides a relay); None when no backup fits."""
         ready = self._promotable(key[0])
         if not ready:
-            log.warning("no backup of stage %d to fill %s; the group shrinks", key[0], slot_name(*key))
+            return None
+        reach = self._reach()
+        stage, lane = key
+        peers = [pid for pid in (self.table.group_members(stage) if self.table else ())]
+        peers += [pid for (st, r), pid in self.slots.items() if r == lane and abs(st - stage) == 1]
+        by_id = {b.peer_id: b for b in ready}
+        for pid in rank_for_dialed_roles([b.peer_id for b in ready], reach):
+            mine = reach.get(pid, Reach())
+            if all(direct_possible(mine, reach.get(q, Reach())) for q in peers if q != pid):
+                return by_id[pid]
+        return None
+
+    def _promote_into(self, key: tuple[int, int], failed: str) -> bool:
+        b = self._best_backup(key)
+        if b is None:
+            log.warning("no backup of stage %d can fill %s; the group shrinks", key[0], slot_name(*key))
             return False
-        b = ready[0]
         self.slots[key] = b.peer_id
         b.state = ACTIVE
         self.promotions.append((self.ctx.wall(), slot_name(*key), failed, b.peer_id))
@@ -331,7 +359,7 @@ class Broker:
             free = [(st, r) for st in range(self.stages) if (st, r) not in self.slots]
             if not free:
                 continue
-            if self.stages > 1 and any(not self._promotable(st) for st, _ in free):
+            if self.stages > 1 and any(self._best_backup(k) is None for k in free):
                 continue  # not every free slot of the lane can be filled now
             for key in free:
                 if self._promote_into(key, ""):
