@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from shoal.node.cli.localswarm import LocalSwarm, LocalSwarmConfig
+from shoal.node.cli.localswarm import LocalSwarm
 from shoal.protocol import manifest as mf
 from shoal.swarm.net.identity import load_or_create_identity
-from tests.test_run_swarm import wait
+from tests.test_run_swarm import active, make_swarm, wait
 
 pytestmark = pytest.mark.slow
 B, M, T, H = 8, 4, 32, 32  # sequences per step, micro-batches, tokens per sequence, hidden size
@@ -31,17 +31,6 @@ def write_run(workdir: Path, *, lanes: int, stages: int = 2, sync: str = "cockta
     path = workdir / "run.toml"
     path.write_text(m.to_toml())
     return path, m
-
-
-def make_swarm(tmp_path: Path, nodes: int, run: Path, steps: int, *extra: str) -> LocalSwarm:
-    args = ("--run", str(run), "--threads", "1", "--steps", str(steps), "--round-timeout", "4", "--fail-after", "4",
-            *extra)
-    return LocalSwarm(LocalSwarmConfig(nodes=nodes, workdir=run.parent, home=tmp_path / "home", status_interval_s=0.5,
-                                       gone_after_s=4.0, extra_node_args=args))
-
-
-def active(s: LocalSwarm) -> list[dict]:
-    return [r for r in s.summary() if r["alive"] and r.get("slot")]
 
 
 def stage_of(r: dict) -> int:
