@@ -16,6 +16,7 @@ from libp2p import new_host
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 # WINDOW_UPDATE frame (a packet, and an acknowledgement back) on nearly every read. Off, it sends about a third as
 # many (measured: bench/results/network/overhead.md). The library reads this knob from the environment only.
 os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
+
+STALE_CONNECTION_RETRIES, STALE_CONNECTION_WAIT_S = 5, 0.1  # a closed connection leaves the list within moments
+RELEASE_TIMEOUT_S = 2.0  # closing the sockets at exit
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -161,17 +165,29 @@ class SwarmHost:
         `bulk` stream (tensors, state) waits for a hole punch instead of riding a relay (NoDirectPath if none
         comes); a peer whose direct dial fails is tried through its relays."""
         if self.nat is None:
-            return await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+            return await self._new_stream(peer_id, protocol)
         paths = self.nat.paths
         await paths.ensure(peer_id, bulk=bulk)
         try:
-            return await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+            return await self._new_stream(peer_id, protocol)
         except Exception:
             if not paths.circuit_addrs(peer_id) or self.host.get_network().get_connections(ID.from_base58(peer_id)):
                 raise
         await paths.dial_relayed(peer_id)
         await paths.ensure(peer_id, bulk=bulk)
-        return await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+        return await self._new_stream(peer_id, protocol)
+
+    async def _new_stream(self, peer_id: str, protocol: str):
+        """py-libp2p's new_stream, waiting out a connection that closed but is still listed: its swarm then answers
+        "No valid connections" instead of dialing afresh, until the closed connection is removed (moments later)."""
+        for attempt in range(STALE_CONNECTION_RETRIES + 1):
+            try:
+                return await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+            except SwarmException as e:
+                if "No valid connections" not in str(e) or attempt == STALE_CONNECTION_RETRIES:
+                    raise
+            await trio.sleep(STALE_CONNECTION_WAIT_S)
+        raise AssertionError("unreachable")
 
     async def disconnect(self, peer_id: str) -> None:
         try:
@@ -194,6 +210,28 @@ def build_libp2p_host(key: Ed25519PrivateKey, listen: str):
     )
 
 
+async def _release_sockets(host) -> None:
+    """Close the host's connections and listeners, also when its exit is cancelled: py-libp2p's own stop does it in
+    a cancellable teardown, so a cancelled host kept its listener (a system task) and the connections peers had
+    dialed to it, and those peers went on seeing it as connected."""
+    network = host.get_network()
+    with trio.CancelScope(shield=True), trio.move_on_after(RELEASE_TIMEOUT_S):
+        for conns in list(network.connections.values()):
+            for conn in list(conns):
+                try:
+                    await conn.close()
+                    # a listed connection may be a closed duplicate whose muxed connection (shared with the live
+                    # one py-libp2p kept, which may be listed nowhere) is still open
+                    await conn.muxed_conn.close()
+                except Exception as e:  # noqa: BLE001 - already closing; the socket goes either way
+                    log.debug("closing a connection at exit: %s", e)
+        for listener in list(network.listeners.values()):
+            try:
+                await listener.close()
+            except Exception as e:  # noqa: BLE001
+                log.debug("closing a listener at exit: %s", e)
+
+
 @asynccontextmanager
 async def open_host(key: Ed25519PrivateKey, config: HostConfig) -> AsyncIterator[SwarmHost]:
     """The libp2p host with its DHT and GossipSub, closed on exit.
@@ -206,6 +244,7 @@ async def open_host(key: Ed25519PrivateKey, config: HostConfig) -> AsyncIterator
     try:
         async with AsyncExitStack() as stack:
             await stack.enter_async_context(host.run([multiaddr.Multiaddr(config.listen)]))
+            stack.push_async_callback(_release_sockets, host)
             mode = DHTMode.SERVER if config.dht_mode_server else DHTMode.CLIENT
             dht = KadDHT(host, mode, enable_random_walk=False)
             router = GossipSub(
