@@ -46,14 +46,14 @@ def signer():
     return SimpleNamespace(key=key, peer_id=peer_id_of(key))
 
 
-def context(clock, replicas: int = 2) -> RunContext:
+def context(clock, replicas: int = 2, *, me=None, pulse=None, wall=lambda: 1.7e9) -> RunContext:
     m = RunManifest.default(plan=ParallelPlan(replicas=replicas, sync=SyncSpec(method="allreduce")))
 
     async def publish(env: bytes) -> None:
         pass
 
-    return RunContext(sh=signer(), manifest=m, register=lambda name, handler: None, publish=publish,
-                      clock=clock, wall=lambda: 1.7e9)
+    return RunContext(sh=me or signer(), manifest=m, register=lambda name, handler: None, publish=publish,
+                      clock=clock, wall=wall, pulse=pulse)
 
 
 async def admitted(broker: Broker, n: int) -> list[str]:
@@ -71,6 +71,7 @@ async def test_a_silent_member_is_suspect_after_three_beats_and_failed_after_fai
 
     def check_at(dt: float) -> None:  # the others keep beating; `a` is silent
         clock.advance(dt)
+        b.renew_lease()  # (its lease loop renews every second)
         b.touch(c), b.touch(backup)
         b.check_liveness()
 
@@ -92,6 +93,7 @@ async def test_a_straggler_moves_to_the_pool_on_its_third_miss_within_the_window
     epoch = b.epochs[0]
     b.missed_round(slow, 0, "missed")
     clock.advance(100.01)  # the first miss leaves the window
+    b.renew_lease()
     b.missed_round(slow, 0, "missed")
     b.missed_round(slow, 0, "missed")
     assert b.providers[slow].state == ACTIVE and b.reforms == 3 and b.epochs[0] == epoch + 3
@@ -103,6 +105,7 @@ async def test_a_straggler_moves_to_the_pool_on_its_third_miss_within_the_window
 
     def check_at(dt: float) -> None:
         clock.advance(dt)
+        b.renew_lease()
         b.touch(slow), b.touch(other)
         b.check_liveness()
 
@@ -149,8 +152,7 @@ async def test_the_standby_sees_the_lease_lapse_exactly_after_lease_timeout_s():
     me = signer()
     assert (await b.admit(me.peer_id, AdmitRequest(run_id=broker_ctx.run_id, hardware=HW))).admitted
     await admitted(b, 1)  # the first provider admitted after the broker is its standby: this node
-    ctx = SimpleNamespace(me=me.peer_id, run_id=broker_ctx.run_id, clock=clock, wall=broker_ctx.wall)
-    client = RunClient(ctx, HW, broker_id=broker_ctx.me, broker_config=CFG)
+    client = RunClient(context(clock, me=me), HW, broker_id=broker_ctx.me, broker_config=CFG)
     assert client.accept_envelope(b.table_env, broker_ctx.me) and client.table.standby == me.peer_id
     clock.advance(6.0)
     assert not client.lease_lapsed()

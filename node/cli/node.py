@@ -86,6 +86,7 @@ def main(args: argparse.Namespace) -> int:
     from shoal.node.train.hardware import hardware_profile
     from shoal.swarm.net.host import HostConfig
     from shoal.swarm.net.membership import MembershipConfig
+    from shoal.swarm.net.recent_peers import recent_peers_path
 
     home = shoal_home()
     try:
@@ -93,10 +94,12 @@ def main(args: argparse.Namespace) -> int:
         run = None
         if args.run is not None:
             run = run_config(args)
+        identity = args.identity or home / "identity.key"
         config = NodeConfig(
             run=run,
             host=HostConfig(listen=args.listen, join=tuple(args.join)),
-            identity=args.identity or home / "identity.key",
+            identity=identity,
+            peers_file=recent_peers_path(identity),
             device=args.device,
             home=home,
             status_file=args.status_file,
