@@ -47,7 +47,7 @@ class NodeConfig:
     run: RunConfig | None = None  # train in this run (None: a plain swarm member)
     # the recent-peers file (None: none kept): dialed at start, so a restarted node finds its swarm without --join
     peers_file: Path | None = None
-    remember_peers_s: float = 10.0  # the file is rewritten this often when the live peers changed
+    remember_peers_s: float = 2.0  # the live peers are checked this often; the file is rewritten when they changed
     recall_timeout_s: float = 5.0  # dialing one remembered peer gives up after this long
 
     def __post_init__(self) -> None:
@@ -155,8 +155,12 @@ class Node:
             await trio.sleep(self.config.status_interval_s)
 
     async def _announce_loop(self) -> None:
+        """Announce again soon after start (1, 2, 4, 8 s: the gossip mesh forms meanwhile, and peers must learn the
+        new address of a node that restarted), then every `announce_interval_s`."""
+        delay = 1.0
         while True:
-            await trio.sleep(self.config.announce_interval_s)
+            await trio.sleep(min(delay, self.config.announce_interval_s))
+            delay *= 2
             await self.publish(self._announcement)
 
     async def sync_from(self, peer_id: str) -> int:

@@ -25,7 +25,7 @@ from shoal.node.run.status import Throughput
 from shoal.node.run.votes import MIN_VOTERS, HashVotes
 from shoal.node.sync.interface import Synchronizer
 from shoal.node.train.control import StepControl, StepResult
-from shoal.protocol.assignment import AssignmentTable
+from shoal.protocol.assignment import GONE, AssignmentTable
 from shoal.protocol.envelope import Signed
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HardwareProfile
@@ -81,6 +81,7 @@ class RunRuntime:
         self._refetch: tuple[int, str] | None = None  # (step, majority peer): load that peer's state at that step
         self._vote_after = 0  # no new vote before this step
         self._start_deadline = 0.0
+        self._abandoned: dict[int, int] = {}  # stage -> the newest group epoch this node left when counted failed
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
 
@@ -123,6 +124,21 @@ class RunRuntime:
         if self.schedule.add(table):
             for step in self.schedule.switch_steps(table):
                 self.snapshots.request(step)
+            if table.provider_state(self.node.peer_id) == GONE and self.at_step > 0:
+                self._abandon(self.group_at(self.at_step))
+
+    def _abandon(self, group: Group | None) -> None:
+        """The broker counts this node failed (it was frozen, or cut off) while it held `group`: the group goes on
+        without it, so it never trains that group's remaining steps (they would be its own, served to nobody
+        good); it waits to be placed again and then enters with the group's state."""
+        if group is not None and group.epoch > self._abandoned.get(group.stage, -1):
+            self._abandoned[group.stage] = group.epoch
+            log.warning("the run counts this node failed: leaving the group of stage %d (epoch %d) at step %d",
+                        group.stage, group.epoch, self.at_step)
+
+    def _group_to_train(self, step: int) -> Group | None:
+        g = self.group_at(step)
+        return None if g is not None and g.epoch <= self._abandoned.get(g.stage, -1) else g
 
     def group_at(self, step: int) -> Group | None:
         return self.schedule.group_at(step)
@@ -257,7 +273,10 @@ class RunRuntime:
             return
         me = self.node.peer_id
         prev = self.group_at(step - 1) if step > 0 else None
-        peers = [m for m in (prev.members if prev else ()) if m != me]
+        now = self.schedule.table_at(step, stage)
+        staying = set(now.members(stage)) if now is not None else set()
+        # the members that stay in the group serve the revision first (one that was counted failed may hold another)
+        peers = sorted((m for m in (prev.members if prev else ()) if m != me), key=lambda m: m not in staying)
         if not peers:
             t = self.schedule.table_at(step, stage)
             peers = [m for m in (t.members(stage) if t else ()) if m != me]
@@ -283,6 +302,24 @@ class RunRuntime:
         log.info("our slot takes effect after the run's last step %d: pulling the final state from %s", limit,
                  [p[-8:] for p in peers])
         await self._load(await self.pull_revision(limit + 1, peers))
+
+    def _left_behind(self, step: int) -> bool:
+        """The other members of our stage report steps more than `switch_lead_min_steps` ahead of ours (we entered
+        after the group's deadline, or stood still) and our slot in the newest table takes effect ahead of us:
+        training through rounds the others have passed only meets deadlines; entering at that step with the group's
+        state catches up at once."""
+        entry, t = self.schedule.entry(), self.schedule.latest
+        if entry is None or entry[0] <= step:
+            return False
+        members = set(t.members(entry[1])) - {self.node.peer_id}
+        top = max((e.status_record.step for e in self.node.membership.live_peers()
+                   if e.peer_id in members and e.status_record is not None
+                   and e.status_record.run_id == self.manifest.run_id), default=step)
+        if top - step <= self.config.switch_lead_min_steps:
+            return False
+        log.info("the group is at step %d, this node at %d: entering at step %d with the group's state", top, step,
+                 entry[0])
+        return True
 
     def _group_full(self) -> bool:
         t = self.schedule.latest
@@ -408,7 +445,9 @@ class RunRuntime:
                 self.state = "ready"  # a new run: wait for the group to fill, so every replica starts at step 0
                 await self._wait_for_table(START_POLL_S)
                 continue
-            g = self.group_at(step) if t is not None else None
+            g = self._group_to_train(step) if t is not None else None
+            if g is not None and self._left_behind(step):
+                g = None  # enter our next group with its state rather than train through rounds the others passed
             if g is None:
                 entry = self.schedule.entry()
                 if entry is not None and (t is None or entry[0] > step) and entry[0] < limit:
@@ -450,9 +489,9 @@ class RunRuntime:
         raise ConnectionError(f"no joined peer gave the manifest of run {run_id[:16]}…")
 
     async def _find_table(self, joined: list[str], *, patient: bool) -> tuple[Signed, str] | None:
-        """The newest table a joined peer holds (and that peer), asking again for `admit_timeout_s`; a node that
-        is not `patient` (it holds the manifest and reached its peers only from its recent-peers file) asks once,
-        and None means nobody knows the run: this node starts it."""
+        """A table a joined peer holds (and that peer), asking again for `admit_timeout_s`. A node that is not
+        `patient` (it holds the manifest, has no --join and reached peers only from its recent-peers file, none of
+        which says it trains this run) asks once, and None means nobody knows the run: this node starts it."""
         cfg = self.config.client
         deadline = self.clock() + cfg.admit_timeout_s
         while True:
@@ -490,7 +529,9 @@ class RunRuntime:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             # a node that restarted finds its run again from its peers (the table may name this node as broker)
-            patient = bool(node.config.host.join) or self.config.manifest is None
+            patient = bool(node.config.host.join) or self.config.manifest is None or any(
+                e.status_record is not None and e.status_record.run_id == self.manifest.run_id
+                for e in node.membership.live_peers())  # a peer trains this run: never start a second one
             found = await self._find_table(joined, patient=patient) if joined else None
             if found is None:  # nobody knows the run: the node started with the manifest hosts its broker
                 self.broker = Broker(ctx, self.config.broker)
