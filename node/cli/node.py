@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--backup-refresh", type=float, default=defaults.BACKUP_REFRESH_S, metavar="SECONDS",
                    help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
                         "the group's synchronized state (default: %(default)g; raise it for big models)")
+    t.add_argument("--min-step-time", type=float, default=0.0, metavar="SECONDS",
+                   help="pace training: every step takes at least this long, as a slower model's would (for tests "
+                        "and benchmarks on a fast machine; default: 0, no pacing)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -159,4 +162,4 @@ def run_config(args: argparse.Namespace):
     return RunConfig(manifest=manifest, run_id=run_id, secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"),
                      device=train_device(args.device), threads=args.threads,
                      max_steps=args.steps, round_timeout_s=args.round_timeout, broker=broker,
-                     backup_refresh_s=args.backup_refresh)
+                     backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time)

@@ -38,6 +38,9 @@ class ChaosConfig:
     restart_after_s: tuple[float, float] = (0.2, 1.0)  # the pause before a killed or leaving node restarts
     fail_after_s: float = 4.0  # the nodes' --fail-after (the broker's lease lasts as long)
     round_timeout_s: float = 4.0
+    # every step takes at least this long (--min-step-time): a group that lost members trains alone at this pace,
+    # not at the tiny model's 15 ms, so the faults land where the plan puts them whatever the machine's speed
+    min_step_s: float = 0.1
     recovery_timeout_s: float = 90.0  # a fault not recovered from within this long fails the run
     finish_timeout_s: float = 300.0
 
@@ -145,7 +148,8 @@ class ChaosRun:
         c = config
         run = write_run(c.workdir / "w", replicas=c.replicas, total_steps=c.steps)
         args = ("--run", str(run), "--threads", "1", "--steps", str(c.steps), "--round-timeout",
-                str(c.round_timeout_s), "--fail-after", str(c.fail_after_s), "--backup-refresh", "2")
+                str(c.round_timeout_s), "--fail-after", str(c.fail_after_s), "--backup-refresh", "2",
+                "--min-step-time", str(c.min_step_s))
         self.swarm = LocalSwarm(LocalSwarmConfig(nodes=c.nodes, workdir=run.parent, home=c.workdir / "home",
                                                  status_interval_s=0.5, gone_after_s=4.0, extra_node_args=args))
         self.rng = random.Random(c.seed + 1)
@@ -219,9 +223,11 @@ class ChaosRun:
             time.sleep(POLL_S)
 
     def _check_recovery(self, f: Fault, target: int) -> bool:
-        if self.finished():
-            return True
         now = time.monotonic() - self.t0
+        if self.finished():  # the run ended meanwhile, with every step done: that is recovery too
+            if f.recovered_s is None:
+                f.recovered_s = round(now - f.applied_s, 2)
+            return True
         a = [r for r in self.active() if r["index"] != target or target not in self.stopped]
         progressed = [r for r in a if r.get("state") == "done"
                       or (r.get("step") or 0) >= self._at_fault.get(r["index"], 0) + PROGRESS_STEPS]

@@ -343,6 +343,9 @@ class RunRuntime:
                      control.step, len(control.missing))
             control.missing.clear()
         self._report(control, group)
+        rest = self.config.min_step_s - (self.clock() - t0)
+        if rest > 0:
+            await trio.sleep(rest)  # paced: a step takes at least min_step_s (a slower model, emulated)
 
     def _froze_since(self, t0: float) -> bool:
         """Whether this process stood still (SIGSTOP, suspend) since `t0`: the silence it saw then was its own."""

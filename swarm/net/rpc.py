@@ -90,7 +90,10 @@ async def _not_ready(caller: str, body: Any) -> Any:
 
 async def call(sh: SwarmHost, peer_id: str, method: str, body: Any = None, *, timeout_s: float = 10.0,
                max_response_bytes: int = MAX_RESPONSE_BYTES) -> Any:
-    """Call `method` on `peer_id`; raise RpcError on timeout, transport failure, a bad answer or a remote error."""
+    """Call `method` on `peer_id`; raise RpcError on timeout, transport failure, a bad answer or a remote error
+    (never anything else: a libp2p failure to open the stream is one of them)."""
+    if peer_id == sh.peer_id:
+        raise RpcError(f"{method}: refusing to call this node itself over the network")
     try:
         with trio.fail_after(timeout_s):
             stream = await sh.open_stream(peer_id, RPC_PROTOCOL)
