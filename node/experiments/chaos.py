@@ -59,8 +59,11 @@ class Fault:
     length_s: float  # SIGSTOP length, or the pause before the restart
     applied_s: float | None = None  # seconds since the start of the run
     node: int | None = None
-    training_again_s: float | None = None  # every surviving replica PROGRESS_STEPS further
-    recovered_s: float | None = None  # the group full again, every member past the fault's step, one broker
+    training_again_s: float | None = None  # from the fault: every surviving replica PROGRESS_STEPS further
+    recovered_s: float | None = None  # from the fault: the group full again, every member past the fault's step,
+    #                                   exactly one broker (or the run ended, every step done)
+    back_s: float | None = None  # from the node's return (SIGCONT, restart): it is in the run again (admitted,
+    #                              a fresh status) and the swarm is recovered as above
     note: str = ""
 
 
@@ -85,13 +88,18 @@ class ChaosResult:
         return max(times) if times else None
 
     @property
+    def worst_back_s(self) -> float | None:
+        times = [f.back_s for f in self.faults if f.back_s is not None]
+        return max(times) if times else None
+
+    @property
     def ok(self) -> bool:
         return (self.completed and len(self.hashes) == 1 and self.brokers_at_end == 1 and self.error is None
                 and all(c == 0 for c in self.exit_codes.values()))
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d.update(worst_recovery_s=self.worst_recovery_s, ok=self.ok)
+        d.update(worst_recovery_s=self.worst_recovery_s, worst_back_s=self.worst_back_s, ok=self.ok)
         return d
 
 
@@ -158,6 +166,8 @@ class ChaosRun:
         self.t0 = 0.0
         self._at_fault: dict[int, int] = {}  # active node -> its step when the current fault was applied
         self._fault_step = 0  # the furthest active step then
+        self._returned: tuple[float, float] | None = None  # (monotonic, wall) time the faulted node came back
+        self.problems: list[str] = []
 
     # -- reading the swarm ---------------------------------------------------------------------------------
     def rows(self) -> list[dict]:
@@ -207,13 +217,14 @@ class ChaosRun:
             self._track(f, i, f.length_s)
             node.proc.send_signal(signal.SIGCONT)
             self.stopped.discard(i)
-            return
-        node.proc.send_signal(signal.SIGTERM if f.kind == "leave" else signal.SIGKILL)
-        code = node.proc.wait(timeout=30)
-        if f.kind == "leave" and code != 0:
-            f.note = f"left with exit code {code}"
-        time.sleep(f.length_s)
-        self._restart(i)
+        else:
+            node.proc.send_signal(signal.SIGTERM if f.kind == "leave" else signal.SIGKILL)
+            code = node.proc.wait(timeout=30)
+            if f.kind == "leave" and code != 0:
+                self.problems.append(f"node {i} left with exit code {code}")
+            time.sleep(f.length_s)
+            self._restart(i)
+        self._returned = (time.monotonic(), time.time())
 
     def _track(self, f: Fault, target: int, during_s: float) -> None:
         """Watch recovery while the fault lasts (a SIGSTOP) or after it, until recovered or the timeout."""
@@ -235,10 +246,20 @@ class ChaosRun:
         if f.training_again_s is None and survivors and all(
                 any(r["index"] == i for r in progressed) for i in survivors if self._alive_unfaulted(i)):
             f.training_again_s = round(now - f.applied_s, 2)
-        if f.recovered_s is None and len(progressed) == self.config.replicas and len(self.brokers()) == 1 \
-                and all((r.get("step") or 0) > self._fault_step or r.get("state") == "done" for r in progressed):
+        whole = len(progressed) == self.config.replicas and len(self.brokers()) == 1 \
+            and all((r.get("step") or 0) > self._fault_step or r.get("state") == "done" for r in progressed)
+        if f.recovered_s is None and whole:
             f.recovered_s = round(now - f.applied_s, 2)
-        return f.recovered_s is not None
+        if f.back_s is None and whole and self._returned is not None and self._back_in_run(target):
+            f.back_s = round(time.monotonic() - self._returned[0], 2)
+        return f.back_s is not None
+
+    def _back_in_run(self, i: int) -> bool:
+        """Node `i` came back and is in the run again: admitted (a slot, or the backup pool), with a status written
+        after its return."""
+        st = self.swarm.nodes[i].status() or {}
+        return self.swarm.nodes[i].alive and (st.get("time") or 0) > self._returned[1] \
+            and st.get("role") in ("active", "backup", "broker") and st.get("state") in ("training", "ready", "done")
 
     def _alive_unfaulted(self, i: int) -> bool:
         return self.swarm.nodes[i].alive and i not in self.stopped
@@ -265,6 +286,7 @@ class ChaosRun:
                     continue
                 f.node = i
                 self._at_fault = {r["index"]: r.get("step") or 0 for r in self.active()}
+                self._returned = None
                 self._fault_step = self.top_step()
                 f.applied_s = round(time.monotonic() - self.t0, 2)
                 log.info("fault %s on node %d at step %d (%.1f s)", f.kind, i, self._fault_step, f.length_s)
@@ -274,6 +296,8 @@ class ChaosRun:
             if not self._wait(self.finished, c.finish_timeout_s):
                 raise RuntimeError("the run did not finish")
             res.completed = True
+            if self.problems:
+                raise RuntimeError("; ".join(self.problems))
         except RuntimeError as e:
             res.error = str(e)
         finally:
