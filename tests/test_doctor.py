@@ -128,6 +128,9 @@ def test_join_a_live_node_and_a_wrong_peer_id(tmp_path):
         clock = by["clock"]
         assert clock["verdict"] == "ok" and list(clock["data"]["peers"]) == [node_id]
         assert abs(clock["data"]["peers"][node_id]["offset_s"]) < 0.5  # one machine, one clock
+        reach = by["reachability"]  # the node really dialed this machine back: on its network, not public
+        assert reach["data"]["reachability"] == "lan" and reach["data"]["answers"] == 1, reach
+        assert reach["verdict"] == "info" and "forward TCP port" in reach["fix"]
 
         wrong = addrs[0].replace(node_id, peer_id_of(load_or_create_identity(None)))
         code, by = doctor(tmp_path / "home", "--timeout", "5", "--join", wrong)

@@ -64,7 +64,9 @@ def collect(args: argparse.Namespace) -> list:
 
     if getattr(args, "verbose", 0) < 2:  # importing libp2p reset its loggers to print routine dial failures
         logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-    return out + trio.run(lambda: check_join(join, timeout_s=args.timeout))
+    parts = args.listen.strip("/").split("/")
+    port = int(parts[3]) if len(parts) >= 4 and parts[2] == "tcp" and parts[3].isdigit() else 0
+    return out + trio.run(lambda: check_join(join, timeout_s=args.timeout, listen_port=port))
 
 
 def main(args: argparse.Namespace) -> int:

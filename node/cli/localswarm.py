@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-RUN_FIELDS = ("run_id", "slot", "step", "loss", "eval_loss", "tokens_per_s", "bytes_sent", "bytes_recv",
-              "compression_ratio", "state_hash", "refetches", "entries", "warm_revision", "error")
+RUN_FIELDS = ("run_id", "slot", "warm_stage", "step", "loss", "eval_loss", "tokens_per_s", "bytes_sent", "bytes_recv",
+              "compression_ratio", "link_bytes_sent", "link_bytes_recv", "state_hash", "refetches", "entries",
+              "warm_revision", "error")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,11 +71,19 @@ class LocalSwarm:
 
         hardware_profile(self.config.device, self.config.home)
 
+    def launch_prefix(self, index: int) -> list[str]:
+        """What node `index`'s command runs under (the network benchmark runs each in its own namespace)."""
+        return []
+
+    def listen_addr(self, index: int) -> str:
+        return "/ip4/127.0.0.1/tcp/0"
+
     def start_node(self, index: int, join: list[str]) -> NodeProcess:
         wd = self.config.workdir
         status, logf = wd / f"node{index}.json", wd / f"node{index}.log"
         status.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "shoal.node.cli", "-v", "node", "--listen", "/ip4/127.0.0.1/tcp/0",
+        cmd = [*self.launch_prefix(index), sys.executable, "-m", "shoal.node.cli", "-v", "node",
+               "--listen", self.listen_addr(index),
                "--identity", str(wd / f"node{index}.key"), "--status-file", str(status),
                "--device", self.config.device, "--status-interval", str(self.config.status_interval_s),
                "--gone-after", str(self.config.gone_after_s), *self.config.extra_node_args]

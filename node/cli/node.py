@@ -55,6 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how often to publish status (default: 2)")
     p.add_argument("--gone-after", type=float, default=12.0, metavar="SECONDS",
                    help="a peer silent this long is marked gone (default: 12)")
+    n = p.add_argument_group("behind a NAT")
+    n.add_argument("--relay", default="auto", choices=("auto", "on", "off"),
+                   help="relay for peers behind NATs: auto (when this node is publicly dialable), on, off "
+                        "(default: auto)")
+    n.add_argument("--no-hole-punch", action="store_true",
+                   help="do not try to upgrade relayed connections to direct ones (DCUtR)")
+    n.add_argument("--no-nat", action="store_true",
+                   help="no reachability checks, relays or hole punching at all (a plain host)")
     t = p.add_argument_group("training (with --run)")
     t.add_argument("--run", default=None, metavar="RUN.toml|RUN_ID",
                    help="train in this run: a manifest file (the first node with it hosts the broker) or, with "
@@ -68,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)g)")
     t.add_argument("--fail-after", type=float, default=defaults.FAIL_AFTER_S, metavar="SECONDS",
                    help="an active node (or the broker) silent this long is replaced (default: %(default)g)")
+    t.add_argument("--dissolve-after", type=float, default=defaults.DISSOLVE_AFTER_S, metavar="SECONDS",
+                   help="a pipeline lane whose empty slot no backup can fill for this long is dissolved and its "
+                        "nodes return to the backup pool (default: %(default)g; the broker's setting)")
     t.add_argument("--backup-refresh", type=float, default=defaults.BACKUP_REFRESH_S, metavar="SECONDS",
                    help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
                         "the group's synchronized state (default: %(default)g; raise it for big models)")
@@ -83,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
     import trio
 
     from shoal.node.cli.joinfile import expand_join, write_address_file
-    from shoal.node.daemon import Node, NodeConfig
+    from shoal.node.daemon import Node, NodeConfig, status_gossip_s
     from shoal.swarm.run.broker import AdmissionError
     from shoal.swarm.net.rpc import RpcError
     from shoal.node.train.hardware import hardware_profile
@@ -100,15 +111,17 @@ def main(args: argparse.Namespace) -> int:
         identity = args.identity or home / "identity.key"
         config = NodeConfig(
             run=run,
-            host=HostConfig(listen=args.listen, join=tuple(args.join)),
+            host=HostConfig(listen=args.listen, join=tuple(args.join), nat=nat_config(args)),
             identity=identity,
             peers_file=recent_peers_path(identity),
             device=args.device,
             home=home,
             status_file=args.status_file,
             status_interval_s=args.status_interval,
-            membership=MembershipConfig(suspect_after_s=min(3 * args.status_interval, args.gone_after),
-                                        gone_after_s=args.gone_after),
+            membership=MembershipConfig(  # suspect once a gossiped status is overdue by half a period
+                suspect_after_s=min(1.5 * status_gossip_s(args.status_interval, args.gone_after,
+                                                          run.broker.fail_after_s if run else None), args.gone_after),
+                gone_after_s=args.gone_after),
         )
         hardware = hardware_profile(args.device, home)
     except (ValueError, RuntimeError, OSError) as e:
@@ -125,10 +138,14 @@ def main(args: argparse.Namespace) -> int:
                     print(f"shoal node: {e}", file=sys.stderr)
                     return 1
                 join_addr = next((a for a in node.sh.addrs if "/127.0.0.1/" not in a), node.sh.addrs[0])
+                if node.sh.nat is not None and node.sh.nat.reachability in ("public", "relayed"):
+                    join_addr = node.sh.nat.advertised_addrs()[0]  # where a peer dialed us, or our relay
                 if args.address_file is not None:
                     write_address_file(args.address_file, node.sh.addrs)
                 print(f"shoal node {node.peer_id} ready ({hardware.device_kind}: {hardware.device_name}); "
                       f"others join with: shoal node --join {join_addr}", flush=True)
+                if node.sh.nat is not None:
+                    print(f"reachability: {node.sh.nat.describe()}", flush=True)
                 async for _ in signals:
                     print("leaving the swarm…", file=sys.stderr, flush=True)
                     if args.address_file is not None:
@@ -138,6 +155,17 @@ def main(args: argparse.Namespace) -> int:
         return 0
 
     return trio.run(run)
+
+
+def nat_config(args: argparse.Namespace):
+    """Reachability, relays and hole punching for --relay / --no-hole-punch (None with --no-nat)."""
+    from shoal.swarm.net.nat import NatConfig
+    from shoal.swarm.net.paths import PathConfig
+    from shoal.swarm.net.relay import RelayConfig
+
+    if args.no_nat:
+        return None
+    return NatConfig(relay=RelayConfig(service=args.relay), paths=PathConfig(hole_punch=not args.no_hole_punch))
 
 
 def run_config(args: argparse.Namespace):
@@ -151,14 +179,15 @@ def run_config(args: argparse.Namespace):
     if path.exists():
         manifest = RunManifest.from_toml(path.read_text())
         manifest.verify()
-        if manifest.plan.stages > 1:
-            raise ValueError(f"--run {args.run}: the run has {manifest.plan.stages} pipeline stages; this version "
-                             f"of shoal trains one-stage (data-parallel) runs only")
+        pipe = manifest.plan.pipeline
+        if manifest.plan.stages > 1 and pipe.compression != "none":
+            raise ValueError(f"--run {args.run}: the run asks for {pipe.compression} between its stages; this "
+                             f"version of shoal sends activations uncompressed only (pipeline.compression = 'none')")
     elif not args.join:
         raise ValueError(f"--run {args.run}: no such manifest file (a run id needs --join)")
     else:
         run_id = args.run
-    broker = BrokerConfig.for_fail_after(args.fail_after)
+    broker = BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after)
     return RunConfig(manifest=manifest, run_id=run_id, secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"),
                      device=train_device(args.device), threads=args.threads,
                      max_steps=args.steps, round_timeout_s=args.round_timeout, broker=broker,

@@ -17,6 +17,7 @@ tokens/s, bytes sent and roles live, and stops them all on Ctrl+C.
   shoal swarm up --steps 200 --json            # unattended: stop after 200 synchronized steps
   shoal swarm up --sync diloco --nodes 3       # another synchronizer (allreduce, cocktail, diloco)
   shoal swarm up --no-train --nodes 5 --duration 30 --json   # membership only
+  shoal swarm up --stages 2                    # a pipeline: 2 stages x 2 lanes + a backup per stage (6 nodes)
 
 While it runs, other terminals can look at it:  shoal peers --local  ·  shoal dash --local
 Kill one node's process (kill -9 PID from the table) and watch the backup take its slot.
@@ -27,8 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="swarm_command", metavar="ACTION", required=True)
     up = sub.add_parser("up", help="start a local swarm", description=DESCRIPTION,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    up.add_argument("--nodes", type=int, default=4, help="how many nodes (default: 4: 3 active + 1 backup)")
-    up.add_argument("--backups", type=int, default=1, help="how many of them wait in the backup pool (default: 1)")
+    up.add_argument("--nodes", type=int, default=None,
+                    help="how many nodes (default: 4, 3 active + 1 backup; with --stages S: 3 x S, two lanes and "
+                         "a backup per stage)")
+    up.add_argument("--backups", type=int, default=None,
+                    help="how many of them wait in the backup pool (default: 1; with --stages S: S)")
+    up.add_argument("--stages", type=int, default=1, metavar="S",
+                    help="pipeline stages: the model is split into S stages across the nodes (default: 1)")
     up.add_argument("--sync", default="cocktail", choices=("allreduce", "cocktail", "diloco", "none"),
                     help="how the replicas stay together (default: cocktail)")
     up.add_argument("--steps", type=int, default=None, metavar="N",
@@ -45,16 +51,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="give up if the nodes do not all see each other within this long (default: 90)")
 
 
+def layout(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(nodes, backups, lanes) of the local swarm. With several stages the default is two lanes (so each stage has
+    a data-parallel group to synchronize, the smallest that shows both kinds of parallelism) and one backup per
+    stage (a killed node of any stage is replaced)."""
+    s = args.stages
+    backups = args.backups if args.backups is not None else (1 if s == 1 else s)
+    nodes = args.nodes if args.nodes is not None else (4 if s == 1 else 3 * s)
+    return nodes, backups, (nodes - backups) // s
+
+
 def write_manifest(args: argparse.Namespace, workdir, replicas: int):
-    """The local swarm's run: the tiny model, `replicas` data-parallel replicas, signed by node 0's identity."""
+    """The local swarm's run: the tiny model (with at least one layer per stage), `replicas` lanes of
+    `args.stages` stages (micro-batches: 4 per stage), signed by node 0's identity."""
     from shoal.protocol import manifest as mf
     from shoal.swarm.net.identity import load_or_create_identity
 
     steps = max(args.steps or 0, 2000)
+    model = mf.ModelSpec.preset("tiny", n_layers=max(args.stages, mf.MODEL_PRESETS["tiny"][0]))
+    batch = mf.BatchSpec(batch_size=16, micro_batch_size=16 // (4 * args.stages) if args.stages > 1 else 16)
     m = mf.RunManifest.default(
-        "tiny", name="local swarm",
-        plan=mf.ParallelPlan(replicas=replicas, sync=mf.SyncSpec(
-            method=args.sync, cocktail=mf.CocktailSpec(warmup_steps=10), diloco=mf.DilocoSpec(inner_steps=20))),
+        "tiny", name="local swarm", model=model, batch=batch,
+        plan=mf.ParallelPlan(stages=args.stages, replicas=replicas, pipeline=mf.PipelineSpec(compression="none"),
+                             sync=mf.SyncSpec(method=args.sync, cocktail=mf.CocktailSpec(warmup_steps=10),
+                                              diloco=mf.DilocoSpec(inner_steps=20))),
         optim=mf.OptimSpec(total_steps=steps, warmup_steps=min(50, steps)),
         eval=mf.EvalSpec(every_steps=50, batches=8))
     m = m.signed(load_or_create_identity(workdir / "node0.key"))
@@ -83,7 +103,7 @@ def _table(swarm, t0: float, converged_after: float | None, training: bool):
     t = Table(title=title, caption="Ctrl+C stops the swarm · shoal dash --local")
     cols = ["#", "peer id", "pid", "role", "state", "peers"]
     if training:
-        cols += ["slot", "step", "loss", "eval", "tok/s", "sent", "ratio", "hash"]
+        cols += ["slot", "step", "loss", "eval", "tok/s", "sent", "ratio", "links", "hash"]
     for col in cols:
         t.add_column(col, no_wrap=True)
     for r in swarm.summary():
@@ -94,6 +114,7 @@ def _table(swarm, t0: float, converged_after: float | None, training: bool):
             row += [r.get("slot") or "-", str(r.get("step", "-")), f"{loss:.3f}" if loss is not None else "-",
                     f"{ev:.3f}" if ev is not None else "-", f"{r.get('tokens_per_s') or 0:.0f}",
                     _fmt_bytes(r.get("bytes_sent")), f"{r.get('compression_ratio') or 0:.0f}x",
+                    _fmt_bytes(r.get("link_bytes_sent")) if r.get("link_bytes_sent") else "-",
                     (r.get("state_hash") or "-")[:8]]
         t.add_row(*row)
     return t
@@ -125,8 +146,10 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     err = Console(stderr=True)
     training = not args.no_train and args.sync is not None
-    if training and args.nodes - args.backups < 1:
-        err.print("shoal swarm up: need at least one active node (--nodes greater than --backups)")
+    nodes, backups, lanes = layout(args)
+    if training and lanes < 1:
+        err.print(f"shoal swarm up: need at least one lane of {args.stages} active node(s) "
+                  f"(--nodes minus --backups at least --stages)")
         return 2
     home = shoal_home()
     workdir = Path(args.dir) if args.dir else home / "swarms" / time.strftime("%Y%m%d-%H%M%S")
@@ -134,13 +157,13 @@ def main(args: argparse.Namespace) -> int:
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         if training:
-            run_file, manifest = write_manifest(args, workdir, replicas=args.nodes - args.backups)
+            run_file, manifest = write_manifest(args, workdir, replicas=lanes)
             extra = ("--run", str(run_file), "--threads", "1", "--round-timeout", "10", "--fail-after", "8")
             if args.steps is not None:
                 extra += ("--steps", str(args.steps))
-            err.print(f"run {manifest.run_id[:16]}…: tiny GPT, {args.nodes - args.backups} replicas with {args.sync}, "
-                      f"{args.backups} backup(s)")
-        swarm = LocalSwarm(LocalSwarmConfig(nodes=args.nodes, workdir=workdir, home=home, device=args.device,
+            shape = f"{lanes} replicas" if args.stages == 1 else f"{args.stages} stages x {lanes} lanes"
+            err.print(f"run {manifest.run_id[:16]}…: tiny GPT, {shape} with {args.sync}, {backups} backup(s)")
+        swarm = LocalSwarm(LocalSwarmConfig(nodes=nodes, workdir=workdir, home=home, device=args.device,
                                             extra_node_args=extra))
     except (ValueError, OSError) as e:
         err.print(f"shoal swarm up: {e}")
@@ -151,12 +174,12 @@ def main(args: argparse.Namespace) -> int:
     converged_after = None
     code = 0
     try:
-        err.print(f"starting {args.nodes} nodes in {workdir} …")
+        err.print(f"starting {nodes} nodes in {workdir} …")
         swarm.start()
         converged_after = swarm.wait_converged(args.converge_timeout)
         local_file.write_text(json.dumps({"pid": os.getpid(), "bootstrap": swarm.bootstrap_addrs(),
                                           "workdir": str(workdir)}))
-        err.print(f"all {args.nodes} nodes see each other after {converged_after:.1f} s; "
+        err.print(f"all {nodes} nodes see each other after {converged_after:.1f} s; "
                   f"bootstrap: {swarm.bootstrap_addrs()[0]}", soft_wrap=True)
         end = t0 + args.duration if args.duration is not None else float("inf")
 

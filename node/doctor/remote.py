@@ -15,6 +15,7 @@ from shoal.node.doctor.checks import CLOCK_FIX, Check
 from shoal.protocol.records import Announcement
 from shoal.swarm.net.host import HostConfig, SwarmHost, open_host
 from shoal.swarm.net.membership import verified_members
+from shoal.swarm.net.reachability import LAN, PUBLIC, UNKNOWN, UNREACHABLE
 from shoal.swarm.net.rpc import RPC_PROTOCOL, RpcError, call
 
 log = logging.getLogger(__name__)
@@ -172,9 +173,46 @@ async def check_clock(sh: SwarmHost, reached: list[str], others: list[Announceme
                  fix=CLOCK_FIX, data=data)
 
 
-async def check_join(addrs: list[str], *, timeout_s: float, max_peers: int = 8) -> list[Check]:
-    """A Check per join address, then the clock Check against every peer that answered."""
-    config = HostConfig(listen="/ip4/127.0.0.1/tcp/0", dht_mode_server=False, connect_timeout_s=timeout_s)
+REACH_TEXT = {
+    PUBLIC: ("ok", "public: peers anywhere can dial this machine at {at}; a node here relays for NATed peers by "
+                   "default (--relay off to stop it)", ""),
+    LAN: ("info", "lan: peers on this network dialed this machine back at {at}, but none from outside did",
+          "peers elsewhere reach a node here through a relay and hole punching; to be dialable from anywhere, "
+          "forward TCP port {port} on your router to this machine and run the node with --listen "
+          "/ip4/0.0.0.0/tcp/{port}"),
+    UNREACHABLE: ("warn", "behind a NAT: the peers tried to dial this machine back and could not",
+                  "nothing to do for training: a node here reserves a relay and upgrades to direct connections by "
+                  "hole punching; to be dialable, forward TCP port {port} on your router (or open it in the "
+                  "firewall) and run the node with --listen /ip4/0.0.0.0/tcp/{port}"),
+    UNKNOWN: ("info", "not known: no peer answered a dial-back request (old peers, or busy)",
+              "run a node: it asks again every few minutes and prints its reachability"),
+}
+
+
+async def check_reachability(sh: SwarmHost, reached: list[str], port: int, timeout_s: float) -> Check:
+    """Ask the reached peers to dial this machine back (a real dial from their side): public, same network only,
+    or behind a NAT; and what that means for a node here."""
+    from shoal.swarm.net.reachability import ask_dialback
+
+    verdict = await ask_dialback(sh.nat.dialback, reached, list(sh.addrs), timeout_s)
+    verdict_text, summary, fix = REACH_TEXT.get(verdict.reachability, REACH_TEXT[UNKNOWN])
+    at = ", ".join(verdict.dialed_at) or "-"
+    shown_port = port or 4001
+    return Check(name="reachability", verdict=verdict_text, summary=summary.format(at=at),
+                 fix=fix.format(port=shown_port), data={"reachability": verdict.reachability,
+                                                         "dialed_at": list(verdict.dialed_at),
+                                                         "answers": verdict.answers, "asked": reached[:3]})
+
+
+async def check_join(addrs: list[str], *, timeout_s: float, max_peers: int = 8, listen_port: int = 0) -> list[Check]:
+    """A Check per join address, then the clock and reachability Checks against the peers that answered (this
+    machine listens on every interface for the dial-back, on the --listen port when it is free)."""
+    from shoal.swarm.net.nat import NatConfig
+    from shoal.swarm.net.relay import RelayConfig
+
+    port = listen_port if listen_port and _port_free(listen_port) else 0
+    config = HostConfig(listen=f"/ip4/0.0.0.0/tcp/{port}", dht_mode_server=False, connect_timeout_s=timeout_s,
+                        nat=NatConfig(relay=RelayConfig(service="off")))
     async with open_host(Ed25519PrivateKey.generate(), config) as sh:
         checks, reached, others = [], [], []
         for addr in addrs:
@@ -185,4 +223,16 @@ async def check_join(addrs: list[str], *, timeout_s: float, max_peers: int = 8) 
                 others += peers
         if reached:
             checks.append(await check_clock(sh, reached, others, timeout_s, max_peers))
+            checks.append(await check_reachability(sh, reached, listen_port, timeout_s))
         return checks
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True

@@ -10,6 +10,8 @@ rejected) is recorded here and acted on by the runtime once the step is over.
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,17 +24,52 @@ class StepStage(enum.Enum):
     DONE = "done"  # result, state hash and report are final
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
 class StepResult:
-    step: int  # the number of optimizer steps done after this one
-    loss: float
-    lr: float
-    grad_norm: float
-    tokens: int
-    seconds: float
-    tokens_per_s: float
-    applied: bool  # False if the update was skipped (non-finite gradients, or the synchronizer said so)
-    eval_loss: float | None = None
+    """What one step did. On a GPU its loss and gradient norm stay on the device when the step returns (so the next
+    step is queued while this one still runs): the first read of `loss`, `grad_norm` or `applied` waits for them."""
+
+    __slots__ = ("step", "lr", "tokens", "seconds", "tokens_per_s", "eval_loss", "wait_s", "aborted", "failed_peer",
+                 "_wanted", "_values", "_resolve")
+
+    def __init__(self, *, step: int, lr: float, tokens: int, seconds: float, tokens_per_s: float,
+                 values: tuple[float | None, float] | Callable[[], tuple[float | None, float]], wanted: bool = True,
+                 eval_loss: float | None = None, wait_s: float = 0.0, aborted: str | None = None,
+                 failed_peer: str | None = None):
+        self.step = step  # the number of optimizer steps done after this one
+        self.lr = lr
+        self.tokens = tokens  # tokens the lane trained on this step
+        self.seconds = seconds  # the step's wall time in the trainer thread (on a GPU: until its work was queued)
+        self.tokens_per_s = tokens_per_s
+        self.eval_loss = eval_loss
+        self.wait_s = wait_s  # blocked on the lane's other stages: the pipeline bubble plus the links
+        self.aborted = aborted  # why the lane's step was given up at this stage
+        self.failed_peer = failed_peer  # the lane neighbour the failure concerns, when one does (for the broker)
+        self._wanted = wanted  # the synchronizer and the lane let the update through
+        self._values, self._resolve = (values, None) if isinstance(values, tuple) else (None, values)
+
+    def _get(self) -> tuple[float | None, float]:
+        if self._values is None:
+            self._values, self._resolve = self._resolve(), None
+        return self._values
+
+    @property
+    def loss(self) -> float | None:
+        """The lane's training loss (the last stage knows it; None elsewhere and when the step was aborted)."""
+        return self._get()[0]
+
+    @property
+    def grad_norm(self) -> float:
+        """The lane's gradient norm (inf when a stage was not finite, nan when the step was aborted)."""
+        return self._get()[1]
+
+    @property
+    def applied(self) -> bool:
+        """False if the update was skipped (aborted, non-finite gradients, or the synchronizer said so)."""
+        return self._wanted and self.aborted is None and math.isfinite(self.grad_norm)
+
+    def __repr__(self) -> str:
+        return (f"StepResult(step={self.step}, loss={self.loss}, grad_norm={self.grad_norm}, applied={self.applied}, "
+                f"aborted={self.aborted!r})")
 
 
 @dataclass(eq=False, slots=True)

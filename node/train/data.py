@@ -142,11 +142,14 @@ class ShardedSampler:
         return self._perm
 
     def ids_at(self, first: int, n: int) -> torch.Tensor:
-        out = []
-        for j in range(first, first + n):
-            epoch, idx = divmod(j * self.replicas + self.replica, self.num_samples)
-            out.append(self._order(epoch)[idx])
-        return torch.stack(out)
+        """The sample ids at this replica's positions first .. first + n - 1."""
+        g = torch.arange(first, first + n, dtype=torch.long) * self.replicas + self.replica
+        epochs, idx = g // self.num_samples, g % self.num_samples
+        out = torch.empty(n, dtype=torch.long)
+        for epoch in torch.unique(epochs).tolist():  # one or two epochs in a batch
+            sel = epochs == epoch
+            out[sel] = self._order(epoch)[idx[sel]]
+        return out
 
     def next_ids(self, n: int) -> torch.Tensor:
         ids = self.ids_at(self.position, n)
