@@ -23,6 +23,8 @@ from shoal.swarm.net.host import HostConfig, SwarmHost, open_host
 from shoal.swarm.net.identity import load_or_create_identity
 from shoal.swarm.net.membership import Event, MAX_MEMBERS_ROWS, Membership, MembershipConfig, verified_members
 from shoal.swarm.net.penalty import Penalties
+from shoal.swarm.net.pulse import Pulse, steady_clock
+from shoal.swarm.net.recent_peers import MAX_PEERS, load_recent_peers, save_recent_peers
 from shoal.swarm.net.rpc import RpcError, RpcServer, call
 
 if TYPE_CHECKING:
@@ -55,10 +57,16 @@ class NodeConfig:
     nat_settle_s: float = 15.0  # with NAT traversal: at most this long for the first reachability verdict
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     run: RunConfig | None = None  # train in this run (None: a plain swarm member)
+    # the recent-peers file (None: none kept): dialed at start, so a restarted node finds its swarm without --join
+    peers_file: Path | None = None
+    remember_peers_s: float = 2.0  # the live peers are checked this often; the file is rewritten when they changed
+    recall_timeout_s: float = 5.0  # dialing one remembered peer gives up after this long
 
     def __post_init__(self) -> None:
         if not 0.1 <= self.status_interval_s <= 60:
             raise ValueError("status_interval_s must be within [0.1, 60]")
+        if self.remember_peers_s <= 0 or self.recall_timeout_s <= 0:
+            raise ValueError("remember_peers_s and recall_timeout_s must be positive")
         if self.status_gossip_s is not None and not self.status_interval_s <= self.status_gossip_s <= 600:
             raise ValueError("status_gossip_s must be within [status_interval_s, 600]")
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
@@ -72,6 +80,7 @@ class Node:
         self.key = load_or_create_identity(config.identity)
         self.sh: SwarmHost | None = None
         self.membership: Membership | None = None
+        self.pulse = Pulse(steady_clock)  # one clock for the membership, the run's timeouts and freeze detection
         self.penalties = Penalties()
         self.gossip: RecordGossip | None = None
         self.state = "starting"
@@ -85,6 +94,7 @@ class Node:
         self._last_fields: dict[str, Any] = {}
         self.runtime: RunRuntime | None = None
         self.extra_ingest: list = []  # more consumers of verified records (the run client)
+        self._remembered: dict[str, list[str]] = {}
         self._gossip_due = True  # publish the status at the next interval even if unchanged
         self._stop = trio.Event()
         self._revision = 0
@@ -202,8 +212,12 @@ class Node:
             await trio.sleep(self.config.status_interval_s)
 
     async def _announce_loop(self) -> None:
+        """Announce again soon after start (1, 2, 4, 8 s: the gossip mesh forms meanwhile, and peers must learn the
+        new address of a node that restarted), then every `announce_interval_s`."""
+        delay = 1.0
         while True:
-            await trio.sleep(self.config.announce_interval_s)
+            await trio.sleep(min(delay, self.config.announce_interval_s))
+            delay *= 2
             await self.publish(self._announcement)
 
     # -- reachability (NAT traversal) ------------------------------------------------------------------------
@@ -280,12 +294,62 @@ class Node:
     def stop(self) -> None:
         self._stop.set()
 
+    # -- recent peers --------------------------------------------------------------------------------------
+    async def _recall_peers(self, joined: list[str]) -> list[str]:
+        """Dial the peers of the recent-peers file that `joined` lacks (concurrently); the peer ids reached."""
+        path = self.config.peers_file
+        remembered = load_recent_peers(path) if path is not None else {}
+        self._remembered = remembered
+        reached: list[str] = []
+
+        async def one(pid: str, addrs: list[str]) -> None:
+            for a in addrs:
+                with trio.move_on_after(self.config.recall_timeout_s):
+                    try:
+                        reached.append(await self.sh.connect(a))
+                        return
+                    except Exception as e:  # noqa: BLE001 - a remembered peer may be gone for good
+                        log.debug("remembered peer %s at %s: %s", pid, a, e)
+
+        async with trio.open_nursery() as n:
+            for pid, addrs in remembered.items():
+                if pid not in joined and pid != self.peer_id:
+                    n.start_soon(one, pid, addrs)
+        if remembered:
+            log.info("reached %d of %d remembered peers", len(reached), len(remembered))
+        return reached
+
+    def remember_peers(self) -> None:
+        """Write the live peers' addresses (most recently seen first, then the ones remembered before)."""
+        path = self.config.peers_file
+        if path is None or self.membership is None:
+            return
+        peers: dict[str, list[str]] = {}
+        for e in sorted(self.membership.live_peers(), key=lambda e: -e.last_seen):
+            ann = e.announcement_record
+            if ann is not None and ann.addrs:
+                peers[e.peer_id] = list(ann.addrs)
+        for pid, addrs in self._remembered.items():
+            peers.setdefault(pid, addrs)
+        peers = dict(list(peers.items())[:MAX_PEERS])
+        if peers != self._remembered:
+            try:
+                save_recent_peers(path, peers)
+                self._remembered = peers
+            except OSError as e:
+                log.warning("could not write the recent-peers file %s: %s", path, e)
+
+    async def _remember_loop(self) -> None:
+        while True:
+            self.remember_peers()
+            await trio.sleep(self.config.remember_peers_s)
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with open_host(self.key, self.config.host) as sh:
             self.sh = sh
-            self.membership = Membership(sh.peer_id, self.config.membership)
+            self.membership = Membership(sh.peer_id, self.config.membership, self.pulse.clock, self.pulse)
             self.gossip = RecordGossip(sh, self.penalties, self.ingest)
-            rpc = self.rpc = RpcServer(sh, self.penalties)
+            rpc = self.rpc = RpcServer(sh, self.penalties, later=("run.",))
             rpc.register("members", self._rpc_members)
             rpc.register("announce", self._rpc_announce)
             rpc.register("time", self._rpc_time)
@@ -293,9 +357,15 @@ class Node:
             self._last_status = seal(self.status_record(), self.key)
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.gossip.run)
+                await nursery.start(self.pulse.run)
                 joined = await sh.bootstrap()
+                recalled = await self._recall_peers(joined)
                 if self.config.host.join and not joined:
-                    raise ConnectionError(f"could not reach any of {list(self.config.host.join)}")
+                    if not recalled:
+                        raise ConnectionError(f"could not reach any of {list(self.config.host.join)}")
+                    log.warning("none of --join %s answered; going on with %d remembered peers",
+                                list(self.config.host.join), len(recalled))
+                joined += [p for p in recalled if p not in joined]
                 for pid in joined:
                     await self.sync_from(pid)
                 if sh.nat is not None:
@@ -312,6 +382,7 @@ class Node:
                 async with trio.open_nursery() as periodic:
                     periodic.start_soon(self._status_loop)
                     periodic.start_soon(self._announce_loop)
+                    periodic.start_soon(self._remember_loop)
                     if sh.nat is not None:
                         await periodic.start(sh.nat.run)
                         periodic.start_soon(self._reannounce_loop)

@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--backup-refresh", type=float, default=defaults.BACKUP_REFRESH_S, metavar="SECONDS",
                    help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
                         "the group's synchronized state (default: %(default)g; raise it for big models)")
+    t.add_argument("--min-step-time", type=float, default=0.0, metavar="SECONDS",
+                   help="pace training: every step takes at least this long, as a slower model's would (for tests "
+                        "and benchmarks on a fast machine; default: 0, no pacing)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -97,6 +100,7 @@ def main(args: argparse.Namespace) -> int:
     from shoal.node.train.hardware import hardware_profile
     from shoal.swarm.net.host import HostConfig
     from shoal.swarm.net.membership import MembershipConfig
+    from shoal.swarm.net.recent_peers import recent_peers_path
 
     home = shoal_home()
     try:
@@ -104,10 +108,12 @@ def main(args: argparse.Namespace) -> int:
         run = None
         if args.run is not None:
             run = run_config(args)
+        identity = args.identity or home / "identity.key"
         config = NodeConfig(
             run=run,
             host=HostConfig(listen=args.listen, join=tuple(args.join), nat=nat_config(args)),
-            identity=args.identity or home / "identity.key",
+            identity=identity,
+            peers_file=recent_peers_path(identity),
             device=args.device,
             home=home,
             status_file=args.status_file,
@@ -185,4 +191,4 @@ def run_config(args: argparse.Namespace):
     return RunConfig(manifest=manifest, run_id=run_id, secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"),
                      device=train_device(args.device), threads=args.threads,
                      max_steps=args.steps, round_timeout_s=args.round_timeout, broker=broker,
-                     backup_refresh_s=args.backup_refresh)
+                     backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time)

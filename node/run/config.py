@@ -28,6 +28,7 @@ class RunConfig:
     final_check_s: float = 60.0  # at the end, how long to wait for the group's final hashes
     leave_timeout_s: float = 3.0  # a leave notice to the broker gives up after this long
     snapshot_every_steps: int = 50  # besides the steps joiners need, a fresh snapshot for backups this often
+    min_step_s: float = 0.0  # pace: every step takes at least this long (a slower model, emulated for tests/benches)
     broker: BrokerConfig = field(default_factory=BrokerConfig)  # when this node hosts (or takes over) the broker
     client: RunClientConfig = field(default_factory=RunClientConfig)
 
@@ -42,5 +43,7 @@ class RunConfig:
             raise ValueError("--backup-refresh and --round-timeout must be positive")
         if min(self.state_pull_timeout_s, self.state_pull_attempt_s, self.final_check_s, self.leave_timeout_s) <= 0:
             raise ValueError("state pull, final check and leave timeouts must be positive")
+        if self.min_step_s < 0:
+            raise ValueError("--min-step-time must be >= 0")
         if self.snapshot_every_steps < 1:
             raise ValueError("snapshot_every_steps must be >= 1")

@@ -106,6 +106,12 @@ class SwarmHost:
             conn = await dial_via_relay(self.host, addr, self.config.connect_timeout_s)
             return conn.muxed_conn.peer_id.to_base58()
         info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        # the address we are told to dial is the one dialed, even if this peer's other addresses failed a moment ago
+        # (a peer that restarted listens on a new port: libp2p would keep dialing the old one, or refuse the dial
+        # for a while from its negative cache)
+        if info.peer_id not in self.host.get_network().connections:
+            self.host.get_peerstore().clear_addrs(info.peer_id)
+        self.host.get_network().unblock_peer(info.peer_id)
         with trio.fail_after(self.config.connect_timeout_s):
             await self.host.connect(info)
         await self.dht.add_peer(info.peer_id, skip_server_mode_check=True)
