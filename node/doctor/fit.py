@@ -1,32 +1,13 @@
-"""Which model presets fit in a device's free memory: parameter counts and a training-memory estimate per preset."""
+"""Which model presets fit in a device's free memory, from the training-memory estimate (node/train/memory.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shoal.node.train.memory import HEADROOM, STATE_BYTES_PER_PARAM, activation_bytes_per_sample, num_params
 from shoal.protocol.manifest import MODEL_PRESETS, MODEL_SIZES, ModelSpec
 
-#: bytes per parameter while training in fp32: weights 4 + gradients 4 + AdamW's two moments 8 + the
-#: synchronizer's buffers (error feedback, a reference copy) 8
-STATE_BYTES_PER_PARAM = 24
 MAX_MICRO_BATCH = 16  # the manifest's default batch
-HEADROOM = 0.9  # leave 10% of the free memory to the allocator and everything else
-
-
-def num_params(spec: ModelSpec, seq_len: int) -> int:
-    """The parameters of node/train/model.py's GPT: tied embeddings, pre-norm blocks without biases."""
-    d, L = spec.d_model, spec.n_layers
-    per_block = 4 * d * d + 2 * spec.mlp_ratio * d * d + 2 * d  # qkv + proj, the MLP, two norms
-    positions = seq_len * d if spec.positions == "learned" else 0
-    return spec.vocab_size * d + positions + L * per_block + d  # + the final norm
-
-
-def activation_bytes_per_sample(spec: ModelSpec, seq_len: int) -> int:
-    """fp32 activations kept for the backward pass of one sequence (Korthikanti et al.'s per-layer count,
-    s*h*(34 + 5*a*s/h) bytes at 16 bits, doubled for fp32), plus the logits and their gradient."""
-    s, h, a = seq_len, spec.d_model, spec.n_heads
-    per_layer = 2 * s * h * (34 + 5 * a * s / h)
-    return int(spec.n_layers * per_layer + 3 * 4 * s * spec.vocab_size)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -20,6 +20,7 @@ from typing import Any
 import trio
 
 from shoal.node.run.config import RunConfig
+from shoal.node.run.preflight import RunError, UnknownRun, preflight  # noqa: F401 - RunError: its old home
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Throughput
 from shoal.node.run.votes import HashVotes
@@ -46,10 +47,6 @@ START_POLL_S = 0.5  # a new run's first members re-check whether the group is fu
 PULL_RETRY_S = 0.2  # entering a group: the pause between rounds of pull attempts while no peer has the revision
 FINAL_POLL_S = 0.5  # the end of a run: the pause between asks for the group's final hashes
 VOTE_EXTRA_STEPS = 2  # after a vote, the next one waits the switch lead plus this many steps
-
-
-class RunError(RuntimeError):
-    """The run cannot go on on this node (e.g. a plan this version cannot train); the message says why."""
 
 
 class RunRuntime:
@@ -411,7 +408,7 @@ class RunRuntime:
                 return m
             except (RpcError, ValueError, TypeError) as e:
                 log.info("manifest from %s: %s", p, e)
-        raise ConnectionError(f"no joined peer gave the manifest of run {run_id[:16]}…")
+        raise UnknownRun(f"no joined peer gave the manifest of run {run_id[:16]}…")
 
     async def _find_broker(self, joined: list[str]) -> str:
         """The broker named by the newest table any joined peer holds, asking again for `admit_timeout_s`."""
@@ -425,8 +422,8 @@ class RunRuntime:
                 except RpcError as e:
                     log.info("no run table from %s: %s", p, e)
             if self.clock() + cfg.retry_s > deadline:
-                raise ConnectionError(f"none of the joined peers knows run {self.manifest.run_id[:16]}… "
-                                      f"(asked for {cfg.admit_timeout_s:.0f} s)")
+                raise UnknownRun(f"none of the joined peers knows run {self.manifest.run_id[:16]}… "
+                                 f"(asked for {cfg.admit_timeout_s:.0f} s)")
             await trio.sleep(cfg.retry_s)
 
     async def run(self, joined: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -435,9 +432,7 @@ class RunRuntime:
         self._start_deadline = self.clock() + self.config.start_wait_s
         if self.manifest is None:
             self.manifest = await self.fetch_manifest(self.config.run_id, joined)
-        if self.manifest.plan.stages > 1:
-            raise RunError(f"run {self.manifest.run_id[:16]}… has {self.manifest.plan.stages} pipeline stages; "
-                           f"this version of shoal trains one-stage (data-parallel) runs only")
+        preflight(self.manifest, self.config)
         self.schedule = GroupSchedule(node.peer_id)
         self.hashes = HashVotes(node.peer_id, self.node_call)
         node.rpc.register("run.manifest", self._rpc_manifest)
