@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.node.version import shoal_version
 from shoal.protocol import PROTOCOL_VERSION
@@ -19,6 +20,7 @@ from shoal.protocol.records import Announcement, HardwareProfile, LeaveNotice, S
 from shoal.swarm.net.dht_records import announcement_key
 from shoal.swarm.net.gossip import RecordGossip
 from shoal.swarm.net.host import HostConfig, SwarmHost, open_host
+from shoal.node.twins import OwnRecords, refusal, twin_alive
 from shoal.swarm.net.identity import load_or_create_identity
 from shoal.swarm.net.membership import Event, MAX_MEMBERS_ROWS, Membership, MembershipConfig, verified_members
 from shoal.swarm.net.penalty import Penalties
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from shoal.node.run.runtime import RunRuntime
 
 log = logging.getLogger(__name__)
+TWIN_CHECK_PEERS = 3  # joined peers asked for their view of this node's own identity
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,15 +55,17 @@ class NodeConfig:
 
 
 class Node:
-    def __init__(self, config: NodeConfig, hardware: HardwareProfile):
+    def __init__(self, config: NodeConfig, hardware: HardwareProfile, *, key: Ed25519PrivateKey | None = None):
+        """`key`: the identity, already loaded (else read from `config.identity`)."""
         self.config = config
         self.hardware = hardware
-        self.key = load_or_create_identity(config.identity)
+        self.key = key if key is not None else load_or_create_identity(config.identity)
         self.sh: SwarmHost | None = None
         self.membership: Membership | None = None
         self.penalties = Penalties()
         self.gossip: RecordGossip | None = None
         self.state = "starting"
+        self.phase = "starting"  # what start-up is doing now, for the command line's progress
         self.role = "idle"
         self.started_at = time.time()
         self._seq = 0
@@ -194,16 +199,15 @@ class Node:
             self._last_status = seal(self.status_record(), self.key)
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.gossip.run)
-                joined = await sh.bootstrap()
-                if self.config.host.join and not joined:
-                    raise ConnectionError(f"could not reach any of {list(self.config.host.join)}")
+                joined = await self._join()
                 for pid in joined:
                     await self.sync_from(pid)
+                await self._refuse_twin(joined)
                 try:
                     await sh.dht.put_value(announcement_key(sh.peer_id), self._announcement)
                 except Exception as e:  # noqa: BLE001 - the DHT copy is a convenience, gossip carries it too
                     log.info("announcement not stored in the DHT: %s", e)
-                self.state = "ready"
+                self.state = self.phase = "ready"
                 await self.publish(self._announcement)
                 async with trio.open_nursery() as periodic:
                     periodic.start_soon(self._status_loop)
@@ -220,12 +224,53 @@ class Node:
                     periodic.cancel_scope.cancel()  # no status may follow the leave notice
                 await self.leave(nursery)
 
+    async def _join(self) -> list[str]:
+        """Connect to the --join addresses; JoinError when none answers (or one is this node's own identity)."""
+        join = self.config.host.join
+        if any(a.rstrip("/").endswith(f"/p2p/{self.peer_id}") for a in join):
+            raise refusal(self.peer_id, "the --join address itself")
+        if join:
+            self.phase = f"joining the swarm via {len(join)} address{'es' if len(join) > 1 else ''}"
+        joined = await self.sh.bootstrap()
+        if join and not joined:
+            raise self.sh.join_error()
+        return joined
+
+    async def _own_view(self, peers: list[str]) -> dict[str, OwnRecords]:
+        """What each peer's members snapshot says about this node's own peer id."""
+        from shoal.swarm.net.membership import verified_members
+
+        out = {}
+        for p in peers:
+            try:
+                rows = await call(self.sh, p, "members", timeout_s=self.config.rpc_timeout_s)
+            except RpcError as e:
+                log.info("no members from %s for the identity check: %s", p, e)
+                continue
+            records = [signed for signed, _ in verified_members(rows, lambda why: self.penalties.penalize(p, why))]
+            out[p] = OwnRecords.of(records, self.peer_id)
+        return out
+
+    async def _refuse_twin(self, joined: list[str]) -> None:
+        """TwinDetected when another live node in the swarm signs with this identity (node/twins.py). Costs a few
+        status periods, and only when a joined peer still lists this peer id (a twin, or this node's last run)."""
+        peers = joined[:TWIN_CHECK_PEERS]
+        before = {p: v for p, v in (await self._own_view(peers)).items() if v.seen}
+        if not before:
+            return
+        self.phase = "checking that no other node runs with this identity"
+        await trio.sleep(min(max(2.5 * self.config.status_interval_s, 3.0), 8.0))
+        after = await self._own_view(list(before))
+        for p, view in after.items():
+            if twin_alive(before[p], view, self.started_at):
+                raise refusal(self.peer_id, p)
+
     async def _run_training(self, joined: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The run's part of the node; a failure there is reported in the status, and the node leaves."""
         try:
             await self.runtime.run(joined, task_status=task_status)
         except Exception as e:
-            log.exception("training stopped")
+            log.info("training stopped: %s: %s", type(e).__name__, e, exc_info=True)  # the caller reports it
             self.runtime.error = f"{type(e).__name__}: {e}"
             self._last_status = seal(self.status_record(), self.key)
             await self.publish(self._last_status)

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         mod.add_arguments(p)
-        p.set_defaults(_main=mod.main, _quiet=getattr(mod, "QUIET", False))
+        p.set_defaults(_main=mod.main)
         _verbose_everywhere(p, depth=1)
     return parser
 
@@ -89,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         return Exit.USAGE
     verbose = verbosity(args)
     args.verbose = verbose
-    args.log_file_handler = setup_logging(verbose, quiet=args._quiet)
+    args.log_file_handler = setup_logging(verbose)
+    if args.command != "node":  # a node names its own log file once it knows its identity
+        from shoal.node.cli.node import shoal_home
+
+        args.log_file_handler.lazy_path = shoal_home() / "logs" / f"{args.command}.log"
     prog = f"shoal {args.command}"
     try:
         return int(args._main(args) or 0)
@@ -100,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         if err is None:
             if verbose:
                 raise
-            where = f"; log: {args.log_file_handler.path}" if args.log_file_handler.path else ""
+            path = args.log_file_handler.path or args.log_file_handler.lazy_path
+            where = f"; log: {path}" if path else ""
             err = CliError(f"unexpected error: {type(e).__name__}: {e}", Exit.FAILED,
                            hint=f"run again with -v for the traceback and report it{where}")
         elif verbose and err.code is not Exit.INTERRUPTED:

@@ -44,7 +44,7 @@ HINTS: dict[Exit, str] = {
 #: exception classes (module.qualname, anywhere in the exception's MRO) that are expected errors, by exit status;
 #: named rather than imported so that classifying an error never imports libp2p or torch
 EXPECTED: dict[str, Exit] = {
-    "shoal.node.daemon.JoinError": Exit.JOIN_UNREACHABLE,
+    "shoal.swarm.net.host.JoinError": Exit.JOIN_UNREACHABLE,
     "shoal.node.run.preflight.UnknownRun": Exit.UNKNOWN_RUN,
     "shoal.swarm.run.broker.AdmissionError": Exit.NOT_ADMITTED,  # SECRET when it is about the secret
     "shoal.swarm.net.identity.IdentityError": Exit.IDENTITY_UNUSABLE,

@@ -23,12 +23,14 @@ def ours(record: logging.LogRecord) -> bool:
 
 
 class _Terminal(logging.Handler):
-    """stderr (looked up at each record, so a redirected stderr is honoured): shoal's warnings and errors as
-    'warning: …' lines; with -v shoal's info and libraries' warnings, with -vv everything, with tracebacks."""
+    """stderr (looked up at each record, so a redirected stderr is honoured): shoal's errors as 'error: …' lines
+    (routine warnings, such as the broker's about peers leaving, are for the log file: what a node does is in its
+    progress and status lines); with -v shoal's info and warnings and libraries' warnings, with -vv everything,
+    with tracebacks."""
 
-    def __init__(self, verbosity: int, quiet: bool):
+    def __init__(self, verbosity: int):
         super().__init__(logging.DEBUG)
-        self.verbosity, self.quiet = verbosity, quiet
+        self.verbosity = verbosity
         self.full = logging.Formatter(FILE_FORMAT)
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -36,7 +38,7 @@ class _Terminal(logging.Handler):
             return True
         if self.verbosity == 1:
             return record.levelno >= (logging.INFO if ours(record) else logging.WARNING)
-        return ours(record) and record.levelno >= (logging.ERROR if self.quiet else logging.WARNING)
+        return ours(record) and record.levelno >= logging.ERROR
 
     def format(self, record: logging.LogRecord) -> str:
         if self.verbosity >= 1:
@@ -53,13 +55,15 @@ class _Terminal(logging.Handler):
 
 class LogFile(logging.Handler):
     """The log file: shoal's records from INFO, libraries' from WARNING (everything with -vv), with tracebacks.
-    Records are kept in memory until `open(path)` says where the file is (a node learns it after its identity)."""
+    Records are kept in memory until `open(path)` says where the file is (a node learns it after its identity), or
+    with a `lazy_path` the file is opened there at the first record (no file for a command that logs nothing)."""
 
     def __init__(self, verbosity: int):
         super().__init__(logging.DEBUG)
         self.verbosity = verbosity
         self.setFormatter(logging.Formatter(FILE_FORMAT))
         self.path: Path | None = None
+        self.lazy_path: Path | None = None
         self._stream = None
         self._buffer: collections.deque[logging.LogRecord] = collections.deque(maxlen=BUFFERED_RECORDS)
 
@@ -85,6 +89,12 @@ class LogFile(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
+            if self._stream is None and self.lazy_path is not None:
+                path, self.lazy_path = self.lazy_path, None
+                try:
+                    self.open(path)
+                except OSError:  # no log file then (records stay in memory); the command goes on
+                    pass
             if self._stream is None:
                 self._buffer.append(record)
             else:
@@ -118,9 +128,8 @@ class _ToRoot(logging.Handler):
 _installed: list[logging.Handler] = []
 
 
-def setup_logging(verbosity: int, *, quiet: bool = False) -> LogFile:
-    """Route every record (see the module docstring); `quiet`: the terminal shows only shoal's errors unless -v.
-    Returns the log file handler (open it once its path is known; records wait in memory until then)."""
+def setup_logging(verbosity: int) -> LogFile:
+    """Route every record (see the module docstring). Returns the log file handler (open it once its path is known; records wait in memory until then)."""
     root = logging.getLogger()
     for h in _installed:
         root.removeHandler(h)
@@ -128,7 +137,7 @@ def setup_logging(verbosity: int, *, quiet: bool = False) -> LogFile:
     _installed.clear()
     root.setLevel(logging.DEBUG if verbosity >= 2 else logging.INFO)
     log_file = LogFile(verbosity)
-    for h in (_Terminal(verbosity, quiet), log_file):
+    for h in (_Terminal(verbosity), log_file):
         root.addHandler(h)
         _installed.append(h)
     logging.lastResort = _ToRoot()
