@@ -20,8 +20,8 @@ from shoal.protocol.records import Announcement, HardwareProfile, LeaveNotice, S
 from shoal.swarm.net.dht_records import announcement_key
 from shoal.swarm.net.gossip import RecordGossip
 from shoal.swarm.net.host import HostConfig, SwarmHost, open_host
-from shoal.node.twins import OwnRecords, refusal, twin_alive
-from shoal.swarm.net.identity import load_or_create_identity
+from shoal.node.twins import TwinDetected, refuse_twin
+from shoal.swarm.net.identity import load_or_create_identity, peer_id_of
 from shoal.swarm.net.membership import Event, MAX_MEMBERS_ROWS, Membership, MembershipConfig, verified_members
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.rpc import RpcError, RpcServer, call
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from shoal.node.run.runtime import RunRuntime
 
 log = logging.getLogger(__name__)
-TWIN_CHECK_PEERS = 3  # joined peers asked for their view of this node's own identity
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +59,7 @@ class Node:
         self.config = config
         self.hardware = hardware
         self.key = key if key is not None else load_or_create_identity(config.identity)
+        self._peer_id = peer_id_of(self.key)
         self.sh: SwarmHost | None = None
         self.membership: Membership | None = None
         self.penalties = Penalties()
@@ -79,8 +79,7 @@ class Node:
 
     @property
     def peer_id(self) -> str:
-        assert self.sh is not None
-        return self.sh.peer_id
+        return self._peer_id
 
     # -- records -------------------------------------------------------------------------------------------
     def ingest(self, signed: Signed, age_s: float = 0.0) -> None:
@@ -185,6 +184,18 @@ class Node:
         self._stop.set()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        join = list(self.config.host.join)
+        if any(a.rstrip("/").endswith(f"/p2p/{self.peer_id}") for a in join):
+            raise TwinDetected(f"the --join address is this node's own peer id ({self.peer_id}): another node runs "
+                               f"with this identity")
+        if join:  # before joining as this identity, which would disturb a twin's connections
+            self.phase = f"joining the swarm via {len(join)} address{'es' if len(join) > 1 else ''}"
+
+            def checking() -> None:
+                self.phase = "the swarm lists this node's peer id: checking that no other node runs with it"
+
+            await refuse_twin(join, self.peer_id, status_interval_s=self.config.status_interval_s,
+                              rpc_timeout_s=self.config.rpc_timeout_s, on_check=checking)
         async with open_host(self.key, self.config.host) as sh:
             self.sh = sh
             self.membership = Membership(sh.peer_id, self.config.membership)
@@ -202,7 +213,6 @@ class Node:
                 joined = await self._join()
                 for pid in joined:
                     await self.sync_from(pid)
-                await self._refuse_twin(joined)
                 try:
                     await sh.dht.put_value(announcement_key(sh.peer_id), self._announcement)
                 except Exception as e:  # noqa: BLE001 - the DHT copy is a convenience, gossip carries it too
@@ -225,45 +235,12 @@ class Node:
                 await self.leave(nursery)
 
     async def _join(self) -> list[str]:
-        """Connect to the --join addresses; JoinError when none answers (or one is this node's own identity)."""
+        """Connect to the --join addresses; JoinError when none answers."""
         join = self.config.host.join
-        if any(a.rstrip("/").endswith(f"/p2p/{self.peer_id}") for a in join):
-            raise refusal(self.peer_id, "the --join address itself")
-        if join:
-            self.phase = f"joining the swarm via {len(join)} address{'es' if len(join) > 1 else ''}"
         joined = await self.sh.bootstrap()
         if join and not joined:
             raise self.sh.join_error()
         return joined
-
-    async def _own_view(self, peers: list[str]) -> dict[str, OwnRecords]:
-        """What each peer's members snapshot says about this node's own peer id."""
-        from shoal.swarm.net.membership import verified_members
-
-        out = {}
-        for p in peers:
-            try:
-                rows = await call(self.sh, p, "members", timeout_s=self.config.rpc_timeout_s)
-            except RpcError as e:
-                log.info("no members from %s for the identity check: %s", p, e)
-                continue
-            records = [signed for signed, _ in verified_members(rows, lambda why: self.penalties.penalize(p, why))]
-            out[p] = OwnRecords.of(records, self.peer_id)
-        return out
-
-    async def _refuse_twin(self, joined: list[str]) -> None:
-        """TwinDetected when another live node in the swarm signs with this identity (node/twins.py). Costs a few
-        status periods, and only when a joined peer still lists this peer id (a twin, or this node's last run)."""
-        peers = joined[:TWIN_CHECK_PEERS]
-        before = {p: v for p, v in (await self._own_view(peers)).items() if v.seen}
-        if not before:
-            return
-        self.phase = "checking that no other node runs with this identity"
-        await trio.sleep(min(max(2.5 * self.config.status_interval_s, 3.0), 8.0))
-        after = await self._own_view(list(before))
-        for p, view in after.items():
-            if twin_alive(before[p], view, self.started_at):
-                raise refusal(self.peer_id, p)
 
     async def _run_training(self, joined: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The run's part of the node; a failure there is reported in the status, and the node leaves."""

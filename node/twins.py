@@ -1,56 +1,61 @@
-"""Another live node with this node's identity, seen from the swarm: the one that joins second refuses to go on.
+"""Another live node with this node's identity in the swarm: the one that joins second refuses to start.
 
-A key file copied to a second machine (or a second path) is not caught by the local lock. When a node joins, it
-asks the joined peers for their view of its own peer id twice, a few status periods apart: a status record that
-moved on between the two is another process signing with this key right now (a node that ran with this identity
-before and died sends nothing new, so a restart is not refused)."""
+A key file copied to a second machine (or a second path) is not caught by the local lock. Before a node joins
+under its identity, it looks at the swarm under a throwaway one (an observer): connecting as a second holder of a
+peer id would disturb the first one's connections. If the joined peers list this peer id, the node watches for a
+few status periods: a status record that moves on is another process signing with this key right now. A node that
+ran with this identity before and died sends nothing new, so a restart is not refused (it only waits that long)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
 
-from shoal.protocol.envelope import Signed
-from shoal.protocol.records import Announcement, StatusRecord
+import trio
+
+from shoal.swarm.net.membership import Membership
+
+log = logging.getLogger(__name__)
+WATCH_PERIODS = 2.5  # status periods to watch a listed identity for a record that moves on
+MIN_WATCH_S, MAX_WATCH_S = 3.0, 8.0
 
 
 class TwinDetected(RuntimeError):
     """Another live node in the swarm holds this node's identity."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OwnRecords:
-    """What one peer's members snapshot says about this node's own peer id."""
-
-    started_at: float | None = None  # the announcement's start time
-    status_seq: int | None = None  # the newest status record's sequence number
-
-    @staticmethod
-    def of(records: list[Signed], peer_id: str) -> OwnRecords:
-        started, seq = None, None
-        for signed in records:
-            rec = signed.record
-            if rec.peer_id != peer_id:
-                continue
-            if isinstance(rec, Announcement):
-                started = rec.started_at
-            elif isinstance(rec, StatusRecord):
-                seq = rec.seq if seq is None else max(seq, rec.seq)
-        return OwnRecords(started_at=started, status_seq=seq)
-
-    @property
-    def seen(self) -> bool:
-        return self.started_at is not None or self.status_seq is not None
+def listed_seq(membership: Membership, peer_id: str) -> int | None:
+    """The newest status sequence number the view holds for `peer_id` while it counts as live (None: not listed)."""
+    e = membership.peers.get(peer_id)
+    if e is None or not e.live or e.status_record is None:
+        return None
+    return e.status_record.seq
 
 
-def twin_alive(before: OwnRecords, after: OwnRecords, my_started_at: float) -> bool:
-    """Whether the two views, taken before this node published anything, show another live holder of the key: its
-    status moved on in between (or it announced a start other than ours that is newer than the first view's)."""
-    if after.status_seq is not None and before.status_seq is not None and after.status_seq > before.status_seq:
-        return True
-    return (after.started_at is not None and after.started_at != my_started_at
-            and before.started_at is not None and after.started_at > before.started_at)
+def watch_s(status_interval_s: float) -> float:
+    return min(max(WATCH_PERIODS * status_interval_s, MIN_WATCH_S), MAX_WATCH_S)
 
 
-def refusal(peer_id: str, via: str) -> TwinDetected:
-    return TwinDetected(f"another node in the swarm runs with this identity ({peer_id}; seen by {via[-8:]}): "
-                        f"two nodes must not share a key")
+async def refuse_twin(join: list[str], peer_id: str, *, status_interval_s: float, rpc_timeout_s: float,
+                      on_check: Callable[[], None] = lambda: None) -> None:
+    """Raise TwinDetected when a live node in the swarm reachable through `join` holds `peer_id`; JoinError when
+    no join address answers. `on_check` is called when the identity is listed and the watch begins."""
+    from shoal.swarm.net.observer import Observer
+
+    obs = Observer(join, rpc_timeout_s=rpc_timeout_s)
+    twin = False
+    async with trio.open_nursery() as nursery:
+        await nursery.start(obs.run)
+        first = listed_seq(obs.membership, peer_id)
+        if first is not None:
+            on_check()
+            with trio.move_on_after(watch_s(status_interval_s)):
+                while not twin:
+                    await trio.sleep(0.2)
+                    now = listed_seq(obs.membership, peer_id)
+                    twin = now is not None and now > first
+            log.info("identity %s listed by the swarm; %s", peer_id, "live elsewhere" if twin else "not live")
+        nursery.cancel_scope.cancel()
+    if twin:
+        raise TwinDetected(f"another node in the swarm runs with this identity ({peer_id}): two nodes must not "
+                           f"share a key")
