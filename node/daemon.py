@@ -219,19 +219,24 @@ class Node:
                     log.info("announcement not stored in the DHT: %s", e)
                 self.state = self.phase = "ready"
                 await self.publish(self._announcement)
-                async with trio.open_nursery() as periodic:
-                    periodic.start_soon(self._status_loop)
-                    periodic.start_soon(self._announce_loop)
-                    if self.config.run is not None:
-                        from shoal.node.run.runtime import RunRuntime
+                try:
+                    async with trio.open_nursery() as periodic:
+                        periodic.start_soon(self._status_loop)
+                        periodic.start_soon(self._announce_loop)
+                        if self.config.run is not None:
+                            from shoal.node.run.runtime import RunRuntime
 
-                        self.runtime = RunRuntime(self, self.config.run, self.hardware)
-                        await periodic.start(self._run_training, joined)
-                    task_status.started(self)
-                    await self._stop.wait()
-                    if self.runtime is not None:
-                        await self.runtime.leave()
-                    periodic.cancel_scope.cancel()  # no status may follow the leave notice
+                            self.runtime = RunRuntime(self, self.config.run, self.hardware)
+                            await periodic.start(self._run_training, joined)
+                        task_status.started(self)
+                        await self._stop.wait()
+                        if self.runtime is not None:
+                            await self.runtime.leave()
+                        periodic.cancel_scope.cancel()  # no status may follow the leave notice
+                except BaseException as e:  # refused, failed or interrupted: the swarm need not wait for silence
+                    with trio.CancelScope(shield=True):
+                        await self.publish_leave(f"{type(e).__name__}", wait_s=1.0)
+                    raise
                 await self.leave(nursery)
 
     async def _join(self) -> list[str]:
@@ -253,12 +258,16 @@ class Node:
             await self.publish(self._last_status)
             raise
 
-    async def leave(self, nursery: trio.Nursery, reason: str = "shutdown") -> None:
-        """Publish a leave notice, give it a moment to spread, then close everything."""
+    async def publish_leave(self, reason: str, wait_s: float = 2.0) -> None:
+        """Publish a leave notice and give it a moment to spread."""
         self.state = "leaving"
         self.write_status_file()
-        notice = seal(LeaveNotice(peer_id=self.peer_id, time=time.time(), reason=reason), self.key)
-        with trio.move_on_after(2.0):
+        notice = seal(LeaveNotice(peer_id=self.peer_id, time=time.time(), reason=reason[:200]), self.key)
+        with trio.move_on_after(wait_s):
             await self.publish(notice)
             await trio.sleep(0.3)
+
+    async def leave(self, nursery: trio.Nursery, reason: str = "shutdown") -> None:
+        """Publish a leave notice, give it a moment to spread, then close everything."""
+        await self.publish_leave(reason)
         nursery.cancel_scope.cancel()

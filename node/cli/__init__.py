@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
-
-from shoal.node.version import shoal_version
+import threading
 
 #: subcommand name -> module defining HELP, add_arguments(parser) and main(args) -> int.
 #: Command modules import only argparse-level things at top level; heavy imports go inside main().
@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
 
 def build_parser() -> argparse.ArgumentParser:
     from shoal.node.cli.errors import exit_codes_text
+    from shoal.node.version import shoal_version
 
     parser = argparse.ArgumentParser(
         prog="shoal",
@@ -76,9 +77,25 @@ def verbosity(args: argparse.Namespace) -> int:
     return args.verbose + sum(v for k, v in vars(args).items() if k.startswith("_verbose_"))
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM and SIGHUP stop a command like Ctrl+C (commands that stay up handle them)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; an expected error is one line with a hint and its exit status (errors.Exit), a bug one
-    line too unless -v asks for the traceback."""
+    line too unless -v asks for the traceback. Ctrl+C, SIGTERM and SIGHUP at any moment: one line, exit 130."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _interrupt)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before the command's own handling took over (imports, argument parsing)
+        command = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), "")
+        print(f"shoal {command}".strip() + ": interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     from shoal.node.cli.errors import CliError, Exit, classify
     from shoal.node.cli.logs import setup_logging
 

@@ -84,22 +84,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the group's synchronized state (default: %(default)g; raise it for big models)")
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM/SIGHUP before the event loop takes over: stop like Ctrl+C
-
-
 def _say(text: str) -> None:
     print(text, flush=True)
 
 
 def main(args: argparse.Namespace) -> int:
-    import signal
-
     from shoal.node.cli.errors import CliError, Exit
     from shoal.node.cli.joinfile import expand_join
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
     if args.parent is not None and os.getppid() != args.parent:
         raise CliError(f"the process that started this node (pid {args.parent}) is gone", Exit.INTERRUPTED, hint="")
     home = shoal_home()
@@ -118,6 +110,7 @@ def main(args: argparse.Namespace) -> int:
     except OSError as e:
         raise CliError(f"--log-file {log_path}: {e.strerror or e}") from None
     _say(f"shoal node {peer_id} (identity {lock.key_path}); log: {log_path}")
+    _say("probing hardware…")
     device, free = args.device, None
     run = None
     if args.run is not None:
@@ -125,7 +118,6 @@ def main(args: argparse.Namespace) -> int:
         run = run_config(args, join, device, free)
     from shoal.node.train.hardware import hardware_profile
 
-    _say("probing hardware…")
     try:
         hardware = hardware_profile(device, home)
     except RuntimeError as e:
