@@ -10,6 +10,8 @@ from shoal.protocol.manifest import ModelSpec, RunManifest
 #: bytes per parameter while training in fp32: weights 4 + gradients 4 + AdamW's two moments 8 + the
 #: synchronizer's buffers (error feedback, a reference copy) 8
 STATE_BYTES_PER_PARAM = 24
+AUTOCAST_BYTES_PER_PARAM = 2  # under autocast: the 16-bit copies of the weights, cached for the step
+WORKSPACE_BYTES = 64 << 20  # on a GPU: cuBLAS and attention workspaces, allocator rounding
 HEADROOM = 0.9  # leave 10% of the free memory to the allocator and everything else
 
 
@@ -34,11 +36,12 @@ def num_params(spec: ModelSpec, seq_len: int, stage: int = 0, stages: int = 1) -
 
 def activation_bytes_per_sample(spec: ModelSpec, seq_len: int, stage: int = 0, stages: int = 1, *,
                                 half: bool = False) -> int:
-    """Activations kept for the backward pass of one sequence (Korthikanti et al.'s per-layer count,
-    s*h*(34 + 5*a*s/h) bytes at 16 bits (`half`: under autocast, as on CUDA), doubled for fp32), plus the fp32
-    logits and their gradient on the last stage."""
-    s, h, a = seq_len, spec.d_model, spec.n_heads
-    per_layer = (1 if half else 2) * s * h * (34 + 5 * a * s / h)
+    """Activations kept for the backward pass of one sequence: Korthikanti et al.'s 34*s*h bytes per layer at 16
+    bits (`half`: under autocast, as on CUDA; doubled for fp32), without their 5*a*s^2 term for the attention
+    scores, which scaled_dot_product_attention does not keep; plus the fp32 logits, their softmax and their
+    gradient on the last stage."""
+    s, h = seq_len, spec.d_model
+    per_layer = (1 if half else 2) * 34 * s * h
     logits = 3 * 4 * s * spec.vocab_size if stage == stages - 1 else 0
     return int(_stage_layers(spec.n_layers, stage, stages) * per_layer + logits)
 
@@ -46,7 +49,7 @@ def activation_bytes_per_sample(spec: ModelSpec, seq_len: int, stage: int = 0, s
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageMemory:
     params: int
-    state_bytes: int  # weights, gradients, optimizer and synchronizer state
+    state_bytes: int  # weights, gradients, optimizer and synchronizer state (and on a GPU, autocast and workspaces)
     activation_bytes: int  # one micro-batch's activations
 
     @property
@@ -63,5 +66,5 @@ def stage_memory(manifest: RunManifest, stage: int = 0, *, half: bool = False) -
     spec, batch, stages = manifest.model, manifest.batch, manifest.plan.stages
     params = num_params(spec, batch.seq_len, stage, stages)
     per_sample = activation_bytes_per_sample(spec, batch.seq_len, stage, stages, half=half)
-    return StageMemory(params=params, state_bytes=params * STATE_BYTES_PER_PARAM,
-                       activation_bytes=per_sample * batch.micro_batch_size)
+    state = params * (STATE_BYTES_PER_PARAM + (AUTOCAST_BYTES_PER_PARAM if half else 0)) + (WORKSPACE_BYTES if half else 0)
+    return StageMemory(params=params, state_bytes=state, activation_bytes=per_sample * batch.micro_batch_size)
