@@ -118,6 +118,10 @@ def table(rows: list[dict], nodes: int, title: str, training: bool):
             row += [r.get("slot") or "-", str(r.get("step", "-")), f"{loss:.2f}" if loss is not None else "-",
                     si(r.get("tokens_per_s") or 0, digits=2), nbytes(r.get("bytes_sent") or 0),
                     f"{ratio:.1f}x" if ratio else "-"]
+        if not r["alive"]:  # what it last said, but no slot or peers: those are someone else's now
+            row[5] = "-"
+            if training:
+                row[6] = row[9] = "-"
         t.add_row(*row, style="dim" if not r["alive"] else None)
     return t
 
@@ -235,7 +239,7 @@ def up(args: argparse.Namespace) -> int:
                           "nodes": rows}, indent=1))
     else:
         if training:
-            err.print(table(swarm.summary(), len(swarm.nodes), "the swarm at its end", training))
+            err.print(table(rows, len(swarm.nodes), "the swarm at its end (before it was stopped)", training))
             s = summary
             err.print(f"{s['replicas']} replicas reached step {s['steps']} in {s['wall_s']:.0f} s"
                       + (f" ({s['steps_per_s']:.2f} steps/s)" if s["steps_per_s"] else "")
