@@ -85,7 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _say(text: str) -> None:
-    print(text, flush=True)
+    """One line of the node's output; a closed stdout (`shoal node | head`) silences it, it does not stop the node."""
+    try:
+        print(text, flush=True)
+    except (BrokenPipeError, ValueError):
+        pass
 
 
 def main(args: argparse.Namespace) -> int:
