@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def status_gossip_s(status_interval_s: float, gone_after_s: float, fail_after_s: float | None = None) -> float:
+    """How often an unchanged status record is gossiped: every second status interval, but at least twice per
+    `gone_after_s` (and three times per the broker's `fail_after_s`), so silence still means what it meant (and a
+    dashboard, which shows a peer stale after ~3 intervals of silence, never sees a live one go stale).
+    A record whose role, state, slot, run or error changed goes out at once."""
+    bounds = [2 * status_interval_s, gone_after_s / 2] + ([fail_after_s / 3] if fail_after_s else [])
+    return max(status_interval_s, min(bounds))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeConfig:
     host: HostConfig = field(default_factory=HostConfig)
@@ -40,15 +50,19 @@ class NodeConfig:
     device: str = "auto"
     home: Path = Path("~/.shoal")
     status_file: Path | None = None
-    status_interval_s: float = 2.0
-    announce_interval_s: float = 15.0
+    status_interval_s: float = 2.0  # the status is refreshed (file, RPC answers) this often
+    status_gossip_s: float | None = None  # an unchanged status is gossiped this often (None: status_gossip_s())
+    announce_interval_s: float = 60.0  # re-gossip of the announcement (joiners also fetch it with `members`)
     rpc_timeout_s: float = 5.0
+    nat_settle_s: float = 15.0  # with NAT traversal: at most this long for the first reachability verdict
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     run: RunConfig | None = None  # train in this run (None: a plain swarm member)
 
     def __post_init__(self) -> None:
         if not 0.1 <= self.status_interval_s <= 60:
             raise ValueError("status_interval_s must be within [0.1, 60]")
+        if self.status_gossip_s is not None and not self.status_interval_s <= self.status_gossip_s <= 600:
+            raise ValueError("status_gossip_s must be within [status_interval_s, 600]")
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
 
@@ -68,6 +82,7 @@ class Node:
         self.phase = "starting"  # what start-up is doing now, for the command line's progress
         self.role = "idle"
         self.started_at = time.time()
+        self._t0 = time.monotonic()
         self._seq = 0
         self._announcement: bytes = b""
         self.events: list[tuple[float, Event]] = []
@@ -75,7 +90,10 @@ class Node:
         self._last_fields: dict[str, Any] = {}
         self.runtime: RunRuntime | None = None
         self.extra_ingest: list = []  # more consumers of verified records (the run client)
+        self._gossip_due = True  # publish the status at the next interval even if unchanged
         self._stop = trio.Event()
+        self._revision = 0
+        self._paths_for = None  # the run table whose replicas we last prepared direct paths to
 
     @property
     def peer_id(self) -> str:
@@ -91,16 +109,41 @@ class Node:
                 consumer(signed)
             except Exception as e:  # noqa: BLE001 - a consumer's bug must not stop record intake
                 log.warning("record consumer failed: %s: %s", type(e).__name__, e)
+        if self.sh is not None and self.sh.nat is not None:
+            rec = signed.record
+            if isinstance(rec, Announcement):
+                entry = self.membership.peers.get(rec.peer_id)
+                if entry is not None and entry.announcement is signed:  # the newest one we hold
+                    self.sh.nat.learn(rec.peer_id, rec.reachability, rec.addrs)
+            self._prepare_paths()
+
+    def _prepare_paths(self) -> None:
+        """When our run's table changes: start direct paths (relayed dial + hole punch) to the replicas we will
+        exchange tensors with, so the first round does not wait for them."""
+        client = self.runtime.client if self.runtime is not None else None
+        table = client.table if client is not None else None
+        if table is None or table is self._paths_for:
+            return
+        self._paths_for = table
+        slots = {s.peer_id for s in table.slots}
+        if self.peer_id in slots or self.peer_id in table.backups:
+            self.sh.nat.paths.prepare(sorted(slots - {self.peer_id}))
 
     def _event(self, ev: Event) -> None:
         log.info("peer %s: %s %s", ev.peer_id, ev.kind, ev.detail)
+        if ev.kind in ("join", "back"):
+            self._gossip_due = True  # a newcomer learns of us from our next status, not one gossip period later
         self.events = (self.events + [(time.time(), ev)])[-200:]
 
     def status_record(self) -> StatusRecord:
         self._seq = max(self._seq + 1, int(time.time() * 1000))  # increasing across restarts too
         fields: dict[str, Any] = {"role": self.role, "state": self.state}
         if self.runtime is not None and self.state not in ("starting", "leaving"):
-            fields.update(self.runtime.status_fields())
+            try:
+                fields.update(self.runtime.status_fields())
+            except Exception:  # noqa: BLE001 - a bug in reporting must not stop the node: say so and go on
+                log.exception("run status unavailable")
+                fields["error"] = "run status unavailable (see the node's log)"
         self._last_fields = fields
         return StatusRecord(peer_id=self.peer_id, seq=self._seq, time=time.time(),
                             peers_seen=len(self.membership.live_peers()) if self.membership else 0, **fields)
@@ -139,10 +182,24 @@ class Node:
         except Exception as e:  # noqa: BLE001 - a gossip hiccup must not stop the node
             log.warning("publish failed: %s: %s", type(e).__name__, e)
 
+    @property
+    def gossip_period_s(self) -> float:
+        c = self.config
+        if c.status_gossip_s is not None:
+            return c.status_gossip_s
+        return status_gossip_s(c.status_interval_s, c.membership.gone_after_s,
+                               c.run.broker.fail_after_s if c.run is not None else None)
+
     async def _status_loop(self) -> None:
+        published_at, published = -math.inf, None
         while True:
-            self._last_status = seal(self.status_record(), self.key)
-            await self.publish(self._last_status)
+            record = self.status_record()
+            self._last_status = seal(record, self.key)
+            changed = (record.role, record.state, record.run_id, record.slot, record.error)
+            if (changed != published or self._gossip_due
+                    or trio.current_time() - published_at >= self.gossip_period_s - 0.05):
+                published_at, published, self._gossip_due = trio.current_time(), changed, False
+                await self.publish(self._last_status)
             for ev in self.membership.sweep():
                 self._event(ev)
             self.write_status_file()
@@ -152,6 +209,41 @@ class Node:
         while True:
             await trio.sleep(self.config.announce_interval_s)
             await self.publish(self._announcement)
+
+    # -- reachability (NAT traversal) ------------------------------------------------------------------------
+    def _seal_announcement(self) -> bytes:
+        sh = self.sh
+        nat = sh.nat
+        self._revision += 1
+        return seal(Announcement(
+            peer_id=sh.peer_id, addrs=tuple(nat.advertised_addrs() if nat else sh.addrs),
+            software_version=shoal_version(), protocol_version=PROTOCOL_VERSION, hardware=self.hardware,
+            started_at=self.started_at, reachability=nat.reachability if nat else "unknown",
+            relay=bool(nat and nat.relay.serving), revision=self._revision), self.key)
+
+    def relay_candidates(self) -> list[tuple[str, tuple[str, ...]]]:
+        """Live peers that announce a relay service, for a node that needs one (the newest first)."""
+        out = []
+        for e in self.membership.live_peers() if self.membership else []:
+            a = e.announcement_record
+            if a is not None and a.relay and a.reachability == "public":
+                out.append((e.first_seen, a.peer_id, tuple(x for x in a.addrs if "/p2p-circuit" not in x)))
+        return [(pid, addrs) for _, pid, addrs in sorted(out)]
+
+    async def _reannounce_loop(self) -> None:
+        """Announce again whenever the reachability, the relay service or the advertised addresses change."""
+        nat = self.sh.nat
+        while True:
+            await nat.changed.wait()
+            await trio.sleep(0.2)  # one announcement for a burst of changes
+            env = self._announcement = self._seal_announcement()
+            log.info("reachability now %s", nat.describe())
+            await self.publish(env)
+            try:
+                with trio.move_on_after(self.config.rpc_timeout_s):
+                    await self.sh.dht.put_value(announcement_key(self.sh.peer_id), env)
+            except Exception as e:  # noqa: BLE001 - the DHT copy is a convenience
+                log.info("announcement not stored in the DHT: %s", e)
 
     async def sync_from(self, peer_id: str) -> int:
         try:
@@ -171,11 +263,20 @@ class Node:
             "peers": [e.peer_id for e in live], "pid": os.getpid(), "time": time.time(),
             "version": shoal_version(),
         }
+        nat = self.sh.nat
+        if nat is not None:
+            doc["nat"] = {"reachability": nat.reachability, "relay": nat.relay.serving,
+                          "relays": sorted(nat.reservations), "addrs": nat.advertised_addrs(),
+                          "relayed_after_s": None if nat.relayed_since is None else nat.relayed_since - self._t0,
+                          "direct_peers": self.sh.direct_peers(), "punch": [nat.paths.stats.attempts,
+                                                                     nat.paths.stats.successes],
+                          "relay_bytes": nat.relay.bytes_relayed, "relay_cut": nat.relay.circuits_cut}
         if self.runtime is not None:
             doc.update(self._last_fields)  # what the last status record said
             doc["refetches"] = self.runtime.refetches
             doc["entries"] = self.runtime.entries[-4:]
             doc["warm_revision"] = self.runtime.warm.revision if self.runtime.warm is not None else None
+            doc["links"] = self.runtime.link_counters()
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, path)
@@ -194,7 +295,7 @@ class Node:
             def checking() -> None:
                 self.phase = "the swarm lists this node's peer id: checking that no other node runs with it"
 
-            await refuse_twin(join, self.peer_id, status_interval_s=self.config.status_interval_s,
+            await refuse_twin(join, self.peer_id, gossip_period_s=self.gossip_period_s,
                               rpc_timeout_s=self.config.rpc_timeout_s, on_check=checking)
         async with open_host(self.key, self.config.host) as sh:
             self.sh = sh
@@ -204,17 +305,20 @@ class Node:
             rpc.register("members", self._rpc_members)
             rpc.register("announce", self._rpc_announce)
             rpc.register("time", self._rpc_time)
-            self._announcement = seal(Announcement(
-                peer_id=sh.peer_id, addrs=tuple(sh.addrs), software_version=shoal_version(),
-                protocol_version=PROTOCOL_VERSION, hardware=self.hardware, started_at=self.started_at), self.key)
+            self._announcement = self._seal_announcement()
             self._last_status = seal(self.status_record(), self.key)
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.gossip.run)
                 joined = await self._join()
                 for pid in joined:
                     await self.sync_from(pid)
+                if sh.nat is not None:
+                    sh.nat.relay_candidates = self.relay_candidates
+                    await sh.nat.settle(joined, self.config.nat_settle_s)
+                    self._announcement = self._seal_announcement()
                 try:
-                    await sh.dht.put_value(announcement_key(sh.peer_id), self._announcement)
+                    with trio.move_on_after(self.config.rpc_timeout_s):  # a peer that cannot be dialed stalls it
+                        await sh.dht.put_value(announcement_key(sh.peer_id), self._announcement)
                 except Exception as e:  # noqa: BLE001 - the DHT copy is a convenience, gossip carries it too
                     log.info("announcement not stored in the DHT: %s", e)
                 self.state = self.phase = "ready"
@@ -223,6 +327,9 @@ class Node:
                     async with trio.open_nursery() as periodic:
                         periodic.start_soon(self._status_loop)
                         periodic.start_soon(self._announce_loop)
+                        if sh.nat is not None:
+                            await periodic.start(sh.nat.run)
+                            periodic.start_soon(self._reannounce_loop)
                         if self.config.run is not None:
                             from shoal.node.run.runtime import RunRuntime
 

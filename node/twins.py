@@ -16,8 +16,8 @@ import trio
 from shoal.swarm.net.membership import Membership
 
 log = logging.getLogger(__name__)
-WATCH_PERIODS = 2.5  # status periods to watch a listed identity for a record that moves on
-MIN_WATCH_S, MAX_WATCH_S = 3.0, 8.0
+WATCH_PERIODS = 2.5  # gossip periods of an unchanged status to watch a listed identity for a record that moves on
+MIN_WATCH_S, MAX_WATCH_S = 3.0, 12.0
 
 
 class TwinDetected(RuntimeError):
@@ -32,11 +32,11 @@ def listed_seq(membership: Membership, peer_id: str) -> int | None:
     return e.status_record.seq
 
 
-def watch_s(status_interval_s: float) -> float:
-    return min(max(WATCH_PERIODS * status_interval_s, MIN_WATCH_S), MAX_WATCH_S)
+def watch_s(gossip_period_s: float) -> float:
+    return min(max(WATCH_PERIODS * gossip_period_s, MIN_WATCH_S), MAX_WATCH_S)
 
 
-async def refuse_twin(join: list[str], peer_id: str, *, status_interval_s: float, rpc_timeout_s: float,
+async def refuse_twin(join: list[str], peer_id: str, *, gossip_period_s: float, rpc_timeout_s: float,
                       on_check: Callable[[], None] = lambda: None) -> None:
     """Raise TwinDetected when a live node in the swarm reachable through `join` holds `peer_id`; JoinError when
     no join address answers. `on_check` is called when the identity is listed and the watch begins."""
@@ -49,7 +49,7 @@ async def refuse_twin(join: list[str], peer_id: str, *, status_interval_s: float
         first = listed_seq(obs.membership, peer_id)
         if first is not None:
             on_check()
-            with trio.move_on_after(watch_s(status_interval_s)):
+            with trio.move_on_after(watch_s(gossip_period_s)):
                 while not twin:
                     await trio.sleep(0.2)
                     now = listed_seq(obs.membership, peer_id)

@@ -117,7 +117,27 @@ class AssignmentTable(WireRecord):
         return None
 
     def members(self, stage: int) -> tuple[str, ...]:
+        """Every peer holding a slot of `stage`, sorted."""
         return tuple(sorted(s.peer_id for s in self.slots if s.stage == stage))
+
+    def slot_peer(self, stage: int, replica: int) -> str | None:
+        for s in self.slots:
+            if s.stage == stage and s.replica == replica:
+                return s.peer_id
+        return None
+
+    def complete_lanes(self) -> tuple[int, ...]:
+        """The lanes (replica indices) whose every stage's slot is filled: only those train."""
+        filled: dict[int, int] = {}
+        for s in self.slots:
+            filled[s.replica] = filled.get(s.replica, 0) + 1
+        return tuple(sorted(r for r, n in filled.items() if n == self.stages))
+
+    def group_members(self, stage: int) -> tuple[str, ...]:
+        """The peers of `stage` in complete lanes, sorted: the stage's synchronization group (with one stage, every
+        member)."""
+        lanes = set(self.complete_lanes())
+        return tuple(sorted(s.peer_id for s in self.slots if s.stage == stage and s.replica in lanes))
 
     def backup_stage(self, peer_id: str) -> int | None:
         """The stage `peer_id` keeps warm as a backup, or None when it is not a backup."""
@@ -160,14 +180,16 @@ class AdmitResponse(WireRecord):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MissingReport(WireRecord):
-    """Body of `run.report_missing`: members of a round at `epoch` that missed its deadline, and members whose
-    updates the reporter rejected (bad frames, non-finite or absurd values)."""
+    """Body of `run.report_missing`: members of a round at `epoch` that missed its deadline, members whose
+    updates the reporter rejected (bad frames, non-finite or absurd values), and lane neighbours it lost."""
 
     run_id: str = spec(RUN_ID)
     stage: int = spec(Int(0, MAX_STAGES - 1), default=0)
     epoch: int = spec(Int(0, 2**62))
     missing: tuple[str, ...] = spec(Seq(PEER_ID, MAX_REPLICAS))
     offenders: tuple[str, ...] = spec(Seq(PEER_ID, MAX_REPLICAS), default=())
+    # lane neighbours (the reporter's stage +- 1 of its lane) that a link to failed: a dial, a deadline, a close
+    neighbours: tuple[str, ...] = spec(Seq(PEER_ID, 2), default=())
 
 
 RUN_RECORD_TYPES: dict[str, type[WireRecord]] = {cls.KIND: cls for cls in (BrokerLease, AssignmentTable)}

@@ -31,8 +31,21 @@ MODEL_PRESETS: dict[str, tuple[int, int, int, int]] = {
 }
 SYNC_METHODS = ("none", "allreduce", "cocktail", "diloco")
 PIPELINE_COMPRESSION = ("none", "aqsgd")
+WIRE_DTYPES = ("fp32", "fp16")
 JOIN_MODES = ("open", "secret", "allowlist")
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 1
+
+
+def even_split(n: int, parts: int) -> list[tuple[int, int]]:
+    """[0, n) cut into `parts` contiguous [start, end) ranges whose sizes differ by at most one, earlier ones larger
+    (how layers are cut into stages, and parameters into chunks)."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
 
 
 def _nested(cls: type) -> Any:
@@ -126,12 +139,16 @@ class SyncSpec(WireRecord):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineSpec(WireRecord):
-    """What crosses a stage boundary: AQ-SGD activation deltas forward, quantized gradients backward."""
+    """What crosses a stage boundary: with compression "none", activations and gradients at `wire_dtype`; with
+    "aqsgd", activation deltas forward and quantized gradients backward (AQ-SGD)."""
 
     compression: str = spec(Choice(frozenset(PIPELINE_COMPRESSION)), default="aqsgd")
     fwd_bits: int = spec(Int(1, 16), default=4)
     bwd_bits: int = spec(Int(1, 16), default=8)
     warmup_epochs: int = spec(Int(0, 1 << 20), default=1)
+    # what training activations and gradients travel as without compression (fields added later are left out of
+    # the encoding at their default, so manifests written before them keep their run ids)
+    wire_dtype: str = spec(Choice(frozenset(WIRE_DTYPES)), default="fp32", omit_if_default=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -304,6 +321,29 @@ class RunManifest(WireRecord):
     @property
     def seq_len(self) -> int:
         return self.batch.seq_len
+
+    def stage_params(self, stage: int) -> int:
+        """Parameters of stage `stage` of this run's plan (the built-in GPT: blocks of 4+2*mlp_ratio d^2 weights and
+        two norms, the embedding on the first stage, the final norm and, when untied, the head on the last)."""
+        m, stages = self.model, self.plan.stages
+        first, last = even_split(m.n_layers, stages)[stage]
+        d = m.d_model
+        n = (last - first) * ((4 + 2 * m.mlp_ratio) * d * d + 2 * d)
+        if stage == 0:
+            n += m.vocab_size * d + (self.batch.seq_len * d if m.positions == "learned" else 0)
+        if stage == stages - 1:
+            n += d + (0 if m.tied(stages) else m.vocab_size * d)
+        return n
+
+    def stage_memory_bytes(self, stage: int) -> int:
+        """A rough need for training stage `stage`: fp32 weights, gradients and AdamW's two moments (16 bytes per
+        parameter), plus the activations of the micro-batches in flight (GPipe keeps all M until the backward)."""
+        m, b = self.model, self.batch
+        first, last = even_split(m.n_layers, self.plan.stages)[stage]
+        in_flight = b.batch_size if self.plan.stages > 1 else b.micro_batch_size
+        per_layer = in_flight * b.seq_len * m.d_model * (10 + 2 * m.mlp_ratio) * 4
+        logits = in_flight * b.seq_len * m.vocab_size * 8 if stage == self.plan.stages - 1 else 0
+        return 16 * self.stage_params(stage) + (last - first) * per_layer + logits
 
     # -- encodings
 

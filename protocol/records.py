@@ -13,6 +13,9 @@ TIME_S = Float(0.0, 1e11)  # unix seconds
 DEVICE_KINDS = frozenset({"cpu", "cuda", "mps", "xpu"})
 ROLES = frozenset({"idle", "active", "backup", "broker", "observer"})
 STATES = frozenset({"starting", "ready", "joining", "training", "syncing", "done", "draining", "leaving"})
+# how others reach a node: dialable from anywhere; dialable only from its own network (a LAN, this machine);
+# only through a relay (behind a NAT); not at all (behind a NAT, no relay yet); not known (nobody dialed it back)
+REACHABILITY = ("public", "lan", "relayed", "unreachable", "unknown")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,6 +38,9 @@ class Announcement(WireRecord):
     hardware: HardwareProfile = spec(Nested(HardwareProfile))
     started_at: float = spec(TIME_S)
     observer: bool = spec(Bool(), default=False)  # observers (dashboard, `shoal peers`) never take a slot
+    reachability: str = spec(Choice(frozenset(REACHABILITY)), default="unknown")  # see REACHABILITY
+    relay: bool = spec(Bool(), default=False)  # offers a circuit relay (v2) to peers that are not reachable
+    revision: int = spec(Int(0, 2**31), default=0)  # re-announcements of one start: a higher one replaces a lower
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,6 +55,7 @@ class StatusRecord(WireRecord):
     state: str = spec(Choice(STATES), default="ready")
     run_id: str | None = spec(Optional(Str(80)), default=None)
     slot: str | None = spec(Optional(Str(32)), default=None)  # e.g. "s0r2": stage 0, replica 2
+    warm_stage: int | None = spec(Optional(Int(0, 1023)), default=None)  # a backup: the stage it keeps warm
     step: int = spec(Int(0, 2**62), default=0)
     loss: float | None = spec(Optional(Float(-1e9, 1e9)), default=None)
     eval_loss: float | None = spec(Optional(Float(-1e9, 1e9)), default=None)
@@ -58,6 +65,8 @@ class StatusRecord(WireRecord):
     bytes_sent: int = spec(Int(0, 2**62), default=0)
     bytes_recv: int = spec(Int(0, 2**62), default=0)
     compression_ratio: float | None = spec(Optional(Float(0.0, 1e9)), default=None)
+    link_bytes_sent: int = spec(Int(0, 2**62), default=0)  # a pipeline stage: wire bytes to its lane neighbours
+    link_bytes_recv: int = spec(Int(0, 2**62), default=0)
     state_hash: str | None = spec(Optional(Str(80)), default=None)
     peers_seen: int = spec(Int(0, 1 << 20), default=0)
     error: str | None = spec(Optional(Str(200)), default=None)  # the most recent error, for the dashboard

@@ -110,13 +110,16 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint(tmp_path):
     assert (out / f"ckpt-{step:010d}.pt").exists()
 
 
-def test_a_pipeline_manifest_is_refused_with_a_clear_error_until_pipelines_land(tmp_path):
+def test_pipeline_manifests_train_across_nodes_and_aqsgd_is_refused_until_it_lands(tmp_path):
     run = tmp_path / "s2.toml"
-    shoal("run", "create", "-o", str(run), "--identity", str(tmp_path / "id.key"), "--layers", "2", "--stages", "2",
-          cwd=tmp_path)
-    for cmd in (("node", "--run", str(run), "--listen", "/ip4/127.0.0.1/tcp/0", "--identity",
-                 str(tmp_path / "id.key")), ("train", "--run", str(run), "--out", str(tmp_path / "out"))):
+    made = shoal("run", "create", "-o", str(run), "--identity", str(tmp_path / "id.key"), "--layers", "2",
+                 "--stages", "2", "--pipeline-compression", "aqsgd", cwd=tmp_path)
+    assert "run id" in made.stdout
+    shown = shoal("run", "show", str(run), cwd=tmp_path).stdout
+    assert "micro_batch_size = 2" in shown  # 16 sequences in 4 x 2 micro-batches
+    for cmd, why in ((("node", "--run", str(run), "--listen", "/ip4/127.0.0.1/tcp/0", "--identity",
+                       str(tmp_path / "id.key")), "uncompressed only"),
+                     (("train", "--run", str(run), "--out", str(tmp_path / "out")), "across nodes")):
         refused = shoal(*cmd, cwd=tmp_path, check=False)
         assert refused.returncode == 2, refused.stderr
-        assert "2 pipeline stages" in refused.stderr or "one-stage plans" in refused.stderr, refused.stderr
-        assert "Traceback" not in refused.stderr
+        assert why in refused.stderr and "Traceback" not in refused.stderr, refused.stderr

@@ -12,7 +12,6 @@ import torch
 import trio
 
 from shoal.node.train.lane import Boundary
-from shoal.node.train.stage import StageTrainer
 from shoal.node.train.trainer import Trainer
 from shoal.protocol.lane import (FWD, LANE_PROTOCOL, Act, Credit, Grad, LaneNorm, LinkHello, Nack, encode_message,
                                  lane_message_nbytes, payload_nbytes)
@@ -339,15 +338,15 @@ async def test_a_two_stage_lane_over_links_is_the_unsplit_model_bit_for_bit():
         peers = [h.peer_id for h in hosts]
         token = trio.lowlevel.current_trio_token()
         stages = []
+        corpus = ref.corpus
         for s in range(2):
-            st = StageTrainer(m, stage=s, lane=0, boundary=None)
             end = hubs[s].open(LaneSpec.from_manifest(
                 m, stage=s, lane=0, prev_peer=peers[0] if s else None, next_peer=None if s else peers[1],
-                train_samples=st.train_samples.num_samples, eval_samples=st.heldout_samples.num_samples,
+                train_samples=ref.train_samples.num_samples, eval_samples=ref.heldout_samples.num_samples,
                 eval_kind="fp32"))
-            st.boundary = BlockingLinkEnd(end, token)
-            assert isinstance(st.boundary, Boundary)
-            stages.append(st)
+            boundary = BlockingLinkEnd(end, token)
+            assert isinstance(boundary, Boundary)
+            stages.append(Trainer(m, stage=s, replica=0, boundary=boundary, corpus=corpus))
         results: dict[int, list] = {}
 
         async def run(s: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.protocol.envelope import Signed
-from shoal.protocol.records import LeaveNotice, StatusRecord
+from shoal.protocol.records import Announcement, HardwareProfile, LeaveNotice, StatusRecord
 from shoal.protocol.signing import peer_id_from_public_key, public_key_bytes
 from shoal.swarm.net.membership import ALIVE, GONE, LEFT, SUSPECT, Membership, MembershipConfig
 from shoal.swarm.net.penalty import Penalties, PenaltyConfig
@@ -86,3 +86,19 @@ def test_penalties_ban_with_capped_backoff():
     assert p.penalize("x", "f") and p.ban_remaining_s("x") == 25  # capped
     assert not p.is_banned("y")
     assert p.reasons("x")[-1] == "f"
+
+
+def test_a_later_announcement_of_the_same_start_replaces_an_earlier_one_never_the_reverse():
+    a, m = pid(), Membership("me")
+    hw = HardwareProfile(device_kind="cpu", device_name="t", memory_bytes=1, matmul_tflops=0.1, free_disk_bytes=1)
+
+    def ann(rev, reach, started=5.0):
+        return Signed(Announcement(peer_id=a, addrs=(), software_version="0", protocol_version=1, hardware=hw,
+                                   started_at=started, reachability=reach, revision=rev), b"")
+
+    m.observe(ann(1, "unknown"))
+    m.observe(ann(2, "relayed"))
+    m.observe(ann(1, "unknown"))  # an older copy, relayed late by a peer
+    assert m.peers[a].announcement_record.reachability == "relayed"
+    m.observe(ann(1, "public", started=6.0))  # a restart: a new start time wins whatever its revision
+    assert m.peers[a].announcement_record.reachability == "public"

@@ -99,6 +99,20 @@ def test_bad_field_values_are_rejected_with_the_field_named(field, value):
     assert e.value.field == field
 
 
+def test_announcement_reachability_fields_are_strict_with_defaults_for_older_senders():
+    circuit = f"/ip4/198.51.100.10/tcp/4001/p2p/{PID}/p2p-circuit/p2p/{PID}"
+    ann = announcement(reachability="relayed", relay=False, revision=3, addrs=(circuit,))
+    assert open_envelope(seal(ann, KEY), RECORD_TYPES).record == ann
+    older = {k: v for k, v in ann.to_wire().items() if k not in ("reachability", "relay", "revision")}
+    rec = Announcement.from_wire(older)  # a node from before these fields
+    assert (rec.reachability, rec.relay, rec.revision) == ("unknown", False, 0)
+    for field, value in (("reachability", "sometimes"), ("reachability", 1), ("relay", "yes"), ("revision", -1),
+                         ("revision", 2**40)):
+        with pytest.raises(FieldError) as e:
+            Announcement.from_wire({**ann.to_wire(), field: value})
+        assert e.value.field == field
+
+
 def test_nested_field_errors_name_the_path():
     wire = announcement().to_wire()
     wire["hardware"]["device_kind"] = "abacus"

@@ -112,18 +112,25 @@ async def test_a_straggler_moves_to_the_pool_on_its_third_miss_within_the_window
     assert b.table.slot_of(slow) == (0, 0)
 
 
-async def test_backups_keep_the_stage_with_fewest_backups_warm_and_fill_only_that_stage():
+async def test_lanes_fill_busiest_stage_first_and_backups_fill_only_their_stage():
     clock = FakeClock()
     ctx = context(clock)
     ctx.manifest = RunManifest.default(plan=ParallelPlan(stages=2, replicas=1, sync=SyncSpec(method="none")))
+    assert ctx.manifest.stage_params(1) > ctx.manifest.stage_params(0)  # the untied head outweighs the embedding
     b = Broker(ctx, CFG)
-    s0, s1, b0, b1 = await admitted(b, 4)
-    assert b.table.slot_of(s0) == (0, 0) and b.table.slot_of(s1) == (1, 0)
+    s1, s0, b0, b1 = await admitted(b, 4)
+    assert b.table.slot_of(s1) == (1, 0) and b.table.slot_of(s0) == (0, 0)
     assert (b.table.backup_stage(b0), b.table.backup_stage(b1)) == (0, 1)
+    epochs = b.epochs[:]
     b.mark_failed(s1, "gone")
     assert b.table.slot_of(b1) == (1, 0) and b.table.backup_stage(b0) == 0
+    assert all(e > f for e, f in zip(b.epochs, epochs))  # lane completeness: every stage's group changes
     b.mark_failed(b1, "gone")  # no backup of stage 1 left: the slot stays empty, stage 0's backup stays put
-    assert b.table.slot_of(b0) is None and b.table.members(1) == ()
+    assert b.table.slot_of(b0) is None and b.table.members(1) == () and b.table.complete_lanes() == ()
+    clock.advance(60.0)  # then the part-filled lane is dissolved: its member returns to the pool
+    b.touch(s0), b.touch(b0)
+    b.check_liveness()
+    assert b.dissolved == 1 and b.table.slot_of(s0) is None and b.table.backup_stage(s0) == 0
 
 
 async def test_the_broker_loop_fails_a_silent_member_at_fail_after_s_in_virtual_time(autojump_clock):

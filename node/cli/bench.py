@@ -1,4 +1,4 @@
-"""`shoal bench codecs`: codec throughput, bits per element and error on one input, beside hivemind's codecs and a plain copy."""
+"""`shoal bench codecs|convergence|network`: codecs beside hivemind's; synchronizers side by side; shaped links."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ from pathlib import Path
 HELP = "benchmarks (writes JSON and a Markdown table under bench/results/)"
 REPO = Path(__file__).resolve().parents[2]
 BASELINE_SCRIPT = REPO / "bench" / "hivemind_codecs.py"
-#: the baseline venv: torch pinned (only this build is served locally); hivemind 1.1.12 needs numpy<2 to decode
-BASELINE_REQUIREMENTS = ["torch==2.13.0", "hivemind==1.1.12", "numpy<2"]
 REGIMES = ("scratch", "continued")  # shoal.node.experiments.convergence.REGIMES (imported lazily: it needs torch)
 
 
@@ -60,6 +58,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--out", type=Path, default=REPO / "bench" / "results",
                    help="folder for the result files (default: bench/results)")
     v.add_argument("--name", default="convergence", help="basename of the result files")
+    n = sub.add_parser("network", help="nodes in network namespaces on shaped links, unshaped, and hivemind beside",
+                       description="N shoal nodes, each in its own network namespace, train over links shaped by tbf "
+                                   "(per node and direction) for each scenario, then unshaped (the limit), and "
+                                   "hivemind on the same links. Needs root. Writes JSON and Markdown.",
+                       epilog="scenarios: " + ", ".join(_scenario_names()) + ". workloads: allreduce, "
+                              "allreduce-fp16, cocktail, diloco-e3m0, streaming-diloco (pipeline-fp32, "
+                              "pipeline-aqsgd once S=2 runs)")
+    n.add_argument("--scenario", default="home-100", help="comma-separated scenario names or JSON files")
+    n.add_argument("--sync", default="cocktail,allreduce", help="comma-separated workloads")
+    n.add_argument("--baseline", default="", help="hivemind: also train with hivemind (default averaging and 8-bit)")
+    n.add_argument("--size", default="tiny", choices=("tiny", "small"))
+    n.add_argument("--nodes", type=int, default=4)
+    n.add_argument("--steps", type=int, default=None, help="steps per segment at most (tiny 120, small 6)")
+    n.add_argument("--window", default=None, metavar="A,B",
+                   help="measure throughput, bytes and CPU from step A to B (tiny 20,80; small 2,5)")
+    n.add_argument("--target-loss", type=float, default=None,
+                   help="held-out loss to time (tiny 2.8; small: none)")
+    n.add_argument("--no-target", action="store_true", help="time no target loss (throughput and bytes only)")
+    n.add_argument("--hivemind-compression", default="none,8bit",
+                   help="hivemind variants: none (its default), fp16, 8bit (default: none,8bit)")
+    n.add_argument("--lr", type=float, default=3e-3)
+    n.add_argument("--segment-time", type=float, default=None, help="training seconds per segment at most "
+                                                                     "(tiny 240, small 900)")
+    n.add_argument("--status-interval", type=float, default=2.0, help="the nodes' --status-interval (default 2)")
+    n.add_argument("--no-limit", action="store_true", help="skip the unshaped segments")
+    n.add_argument("--hivemind-python", default=None, help="python of a venv with hivemind (default: "
+                                                           ".venv-bench-hivemind, made on first use)")
+    n.add_argument("--budget", type=float, default=1680.0, help="seconds after which no segment starts (28 min)")
+    n.add_argument("--prefix", default="shnet", help="names of the namespaces, veths and bridge start with this")
+    n.add_argument("--subnet", default="10.15.0", help="the /24 inside the namespaces (first three octets)")
+    n.add_argument("--workdir", type=Path, default=None, help="node logs and status files (default: a temp dir)")
+    n.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "network")
+    n.add_argument("--name", default=None, help="basename of the result files (default: the scenario names)")
+
+
+def _scenario_names() -> list[str]:
+    from shoal.node.experiments.scenarios import available  # torch-free
+
+    return available()
 
 
 def command_line() -> str:
@@ -153,20 +190,6 @@ def measure(name, run, x, repeats: int) -> dict:
             "rel_error": err, "wire_bytes": nbytes}
 
 
-def baseline_python(arg: str | None) -> tuple[str | None, str]:
-    if arg:
-        return arg, "given"
-    venv = REPO / ".venv-bench-hivemind"
-    py = venv / "bin" / "python"
-    if not py.exists():
-        try:
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-            subprocess.run([str(py), "-m", "pip", "install", "-q", *BASELINE_REQUIREMENTS], check=True)
-        except (subprocess.CalledProcessError, OSError) as e:
-            return None, f"could not create {venv}: {e}"
-    return str(py), "auto venv"
-
-
 def run_hivemind(py: str, x, repeats: int) -> dict:
     import torch
 
@@ -205,6 +228,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.bench == "convergence":
         return convergence(args)
+    if args.bench == "network":
+        return network(args)
     if args.bench != "codecs":
         return 2
     if args.threads > 0:
@@ -213,6 +238,8 @@ def main(args: argparse.Namespace) -> int:
     rows = [measure(name, run, x, args.repeats) for name, run in shoal_codecs(args.numel).items()]
     hm_info = None
     if not args.no_hivemind:
+        from shoal.node.experiments.hivemind_swarm import baseline_python
+
         py, how = baseline_python(args.hivemind_python)
         if py is None:
             rows.append({"codec": "hivemind (all)", "error": how})
@@ -279,5 +306,58 @@ def convergence(args: argparse.Namespace) -> int:
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     md = sync_bench.markdown(result)
     (args.out / f"{args.name}.md").write_text(md)
+    print(md)
+    return 0
+
+
+def network(args: argparse.Namespace) -> int:
+    """`shoal bench network`: the runner lives in node/experiments/netbench.py; this writes the results."""
+    import logging
+    import platform
+
+    import torch
+
+    from shoal.node.experiments import netbench, netreport
+    from shoal.node.experiments.netns import NetnsError
+    from shoal.node.experiments.segment import SegmentConfig
+
+    small = args.size == "small"
+    steps = args.steps or (6 if small else 120)
+    window = args.window or ("2,5" if small else "20,80")
+    try:
+        w0, w1 = (int(x) for x in window.split(","))
+        seg = SegmentConfig(size=args.size, nodes=args.nodes, max_steps=steps, window_steps=(w0, min(w1, steps)),
+                            target_loss=None if args.no_target else args.target_loss if args.target_loss is not None
+                            else None if small else 2.8,
+                            eval_every=10, lr=args.lr, status_interval_s=args.status_interval,
+                            time_limit_s=args.segment_time or (900.0 if small else 240.0),
+                            round_timeout_s=300.0 if small else 20.0, start_timeout_s=300.0 if small else 120.0)
+        config = netbench.NetBenchConfig(
+            scenarios=tuple(x for x in args.scenario.split(",") if x), workloads=tuple(x for x in args.sync.split(",") if x),
+            baselines=tuple(x for x in args.baseline.split(",") if x), segment=seg,
+            workdir=args.workdir or Path(tempfile.mkdtemp(prefix="shoal-bench-network-")), prefix=args.prefix,
+            subnet=args.subnet, limit=not args.no_limit, hivemind_python=args.hivemind_python, budget_s=args.budget,
+            hivemind_compressions=tuple(x for x in args.hivemind_compression.split(",") if x))
+    except ValueError as e:
+        print(f"shoal bench network: {e}", file=sys.stderr)
+        return 2
+    logging.getLogger("shoal.node.experiments").setLevel(logging.WARNING)
+
+    def progress(line: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+    try:
+        doc = netbench.run(config, progress)
+    except NetnsError as e:
+        print(f"shoal bench network: {e}", file=sys.stderr)
+        return 1
+    doc["command"] = command_line()
+    doc["machine"] = f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, 1 torch thread per node"
+    doc["targets"] = netreport.targets(doc["rows"])
+    name = args.name or "-".join(config.scenarios)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    md = netreport.markdown(doc)
+    (args.out / f"{name}.md").write_text(md)
     print(md)
     return 0

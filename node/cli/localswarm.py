@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-RUN_FIELDS = ("run_id", "slot", "step", "loss", "eval_loss", "tokens_per_s", "bytes_sent", "bytes_recv",
-              "compression_ratio", "state_hash", "refetches", "entries", "warm_revision", "error")
+RUN_FIELDS = ("run_id", "slot", "warm_stage", "step", "loss", "eval_loss", "tokens_per_s", "bytes_sent", "bytes_recv",
+              "compression_ratio", "link_bytes_sent", "link_bytes_recv", "state_hash", "refetches", "entries",
+              "warm_revision", "error")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -115,7 +116,7 @@ class NodeProcess:
     proc: subprocess.Popen
     status_file: Path
     log_file: Path  # the node's log (--log-file)
-    out_file: Path  # what the node prints: start-up progress, status lines, its error line
+    out_file: Path | None = None  # what the node prints: start-up progress, status lines, its error line
     start_time: int | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -162,11 +163,19 @@ class LocalSwarm:
 
         hardware_profile(self.config.device, self.config.home)
 
+    def launch_prefix(self, index: int) -> list[str]:
+        """What node `index`'s command runs under (the network benchmark runs each in its own namespace)."""
+        return []
+
+    def listen_addr(self, index: int) -> str:
+        return "/ip4/127.0.0.1/tcp/0"
+
     def start_node(self, index: int, join: list[str]) -> NodeProcess:
         wd = self.config.workdir
         status, logf, outf = wd / f"node{index}.json", wd / f"node{index}.log", wd / f"node{index}.out"
         status.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "shoal.node.cli", "node", "--listen", "/ip4/127.0.0.1/tcp/0",
+        cmd = [*self.launch_prefix(index), sys.executable, "-m", "shoal.node.cli", "node",
+               "--listen", self.listen_addr(index),
                "--identity", str(wd / f"node{index}.key"), "--status-file", str(status), "--log-file", str(logf),
                "--device", self.config.device, "--status-interval", str(self.config.status_interval_s),
                "--gone-after", str(self.config.gone_after_s), "--parent", str(os.getpid()),
@@ -204,7 +213,7 @@ class LocalSwarm:
                 return st
             if not node.alive:
                 raise RuntimeError(f"node {node.index} exited with {node.proc.returncode}:\n"
-                                   + tail(node.out_file, 5) + f"\n(its log: {node.log_file})")
+                                   + tail(node.out_file or node.log_file, 5) + f"\n(its log: {node.log_file})")
             time.sleep(0.1)
         raise TimeoutError(f"node {node.index} not ready after {self.config.start_timeout_s} s; log: {node.log_file}")
 
@@ -260,8 +269,8 @@ class LocalSwarm:
                 return time.monotonic() - t0
             for n in self.nodes:
                 if not n.alive:
-                    raise RuntimeError(f"node {n.index} exited with {n.proc.returncode}:\n{tail(n.out_file, 5)}\n"
-                                       f"(its log: {n.log_file})")
+                    raise RuntimeError(f"node {n.index} exited with {n.proc.returncode}:\n"
+                                       f"{tail(n.out_file or n.log_file, 5)}\n(its log: {n.log_file})")
             up = sum(1 for n in self.nodes if (n.status() or {}).get("state") not in (None, "starting"))
             now = (up, self.seeing_all())
             if now != last:

@@ -66,6 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parent", type=int, default=None, metavar="PID",
                    help="leave the swarm when process PID exits (how `shoal swarm up` keeps its nodes from "
                         "outliving it)")
+    n = p.add_argument_group("behind a NAT")
+    n.add_argument("--relay", default="auto", choices=("auto", "on", "off"),
+                   help="relay for peers behind NATs: auto (when this node is publicly dialable), on, off "
+                        "(default: %(default)s)")
+    n.add_argument("--no-hole-punch", action="store_true",
+                   help="do not try to upgrade relayed connections to direct ones (DCUtR)")
+    n.add_argument("--no-nat", action="store_true",
+                   help="no reachability checks, relays or hole punching at all (a plain host)")
     t = p.add_argument_group("training (with --run)")
     t.add_argument("--run", default=None, metavar="RUN.toml|RUN_ID",
                    help="train in this run: a manifest file (the first node with it hosts the broker) or, with "
@@ -79,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)g)")
     t.add_argument("--fail-after", type=float, default=defaults.FAIL_AFTER_S, metavar="SECONDS",
                    help="an active node (or the broker) silent this long is replaced (default: %(default)g)")
+    t.add_argument("--dissolve-after", type=float, default=defaults.DISSOLVE_AFTER_S, metavar="SECONDS",
+                   help="a pipeline lane whose empty slot no backup can fill for this long is dissolved and its "
+                        "nodes return to the backup pool (default: %(default)g; the broker's setting)")
     t.add_argument("--backup-refresh", type=float, default=defaults.BACKUP_REFRESH_S, metavar="SECONDS",
                    help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
                         "the group's synchronized state (default: %(default)g; raise it for big models)")
@@ -126,21 +137,23 @@ def main(args: argparse.Namespace) -> int:
         hardware = hardware_profile(device, home)
     except RuntimeError as e:
         raise CliError(str(e), Exit.FAILED, hint="shoal doctor checks this machine") from None
-    from shoal.node.daemon import NodeConfig
+    from shoal.node.daemon import NodeConfig, status_gossip_s
     from shoal.swarm.net.host import HostConfig
     from shoal.swarm.net.membership import MembershipConfig
 
     try:
         config = NodeConfig(
             run=run,
-            host=HostConfig(listen=args.listen, join=tuple(join)),
+            host=HostConfig(listen=args.listen, join=tuple(join), nat=nat_config(args)),
             identity=lock.key_path,
             device=args.device,
             home=home,
             status_file=args.status_file,
             status_interval_s=args.status_interval,
-            membership=MembershipConfig(suspect_after_s=min(3 * args.status_interval, args.gone_after),
-                                        gone_after_s=args.gone_after),
+            membership=MembershipConfig(  # suspect once a gossiped status is overdue by half a period
+                suspect_after_s=min(1.5 * status_gossip_s(args.status_interval, args.gone_after,
+                                                          run.broker.fail_after_s if run else None), args.gone_after),
+                gone_after_s=args.gone_after),
         )
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -249,12 +262,28 @@ def serve(args: argparse.Namespace, config, hardware, key, device: str | None, f
 
 
 def ready_line(node) -> str:
-    """The node's join addresses: dialable ones first (a wildcard listen address listed per interface)."""
+    """The node's join addresses: dialable ones first (a wildcard listen address listed per interface; behind a
+    NAT, where a peer dialed us or our relay), and what the NAT traversal found."""
     addrs = node.sh.addrs
     public = [a for a in addrs if "/127.0.0.1/" not in a] or addrs
+    nat = node.sh.nat
+    if nat is not None and nat.reachability in ("public", "relayed"):
+        public = nat.advertised_addrs()[:1] + public
     more = [a for a in addrs if a != public[0]]
     also = f"\n  also reachable at: {', '.join(more[:4])}" if more else ""
-    return f"ready; others join with: shoal node --join {public[0]}{also}"
+    reach = f"\nreachability: {nat.describe()}" if nat is not None else ""
+    return f"ready; others join with: shoal node --join {public[0]}{also}{reach}"
+
+
+def nat_config(args: argparse.Namespace):
+    """Reachability, relays and hole punching for --relay / --no-hole-punch (None with --no-nat)."""
+    from shoal.swarm.net.nat import NatConfig
+    from shoal.swarm.net.paths import PathConfig
+    from shoal.swarm.net.relay import RelayConfig
+
+    if args.no_nat:
+        return None
+    return NatConfig(relay=RelayConfig(service=args.relay), paths=PathConfig(hole_punch=not args.no_hole_punch))
 
 
 def run_config(args: argparse.Namespace, join: list[str], device: str, free: int):
@@ -283,7 +312,8 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
         config = RunConfig(manifest=manifest, run_id=run_id,
                            secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"), device=device,
                            device_free_bytes=free, threads=args.threads, max_steps=args.steps,
-                           round_timeout_s=args.round_timeout, broker=BrokerConfig.for_fail_after(args.fail_after),
+                           round_timeout_s=args.round_timeout,
+                           broker=BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after),
                            backup_refresh_s=args.backup_refresh)
     except ValueError as e:
         raise CliError(str(e)) from None

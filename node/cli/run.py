@@ -24,6 +24,7 @@ run's broker, and others join with the run id.
   shoal run create --replicas 4 -o run.toml                  4 replicas with CocktailSGD
   shoal run create --size small --replicas 8 --steps 20000 --data ~/corpus/ -o run.toml
   shoal run create --replicas 4 --sync diloco --diloco-h 50 -o run.toml
+  shoal run create --stages 2 --replicas 2 --size small -o run.toml      # a pipeline of 2 stages x 2 lanes
   shoal run create --replicas 2 --join-secret-file secret.txt -o run.toml   # a private run
   shoal run create --data hf:roneneldan/TinyStories -o run.toml             # a Hugging Face dataset
 
@@ -78,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--keep", type=int, default=3, metavar="N", help="checkpoints to keep (default: %(default)s)")
     p = c.add_argument_group("parallel plan and synchronization")
     p.add_argument("--stages", type=int, default=1, metavar="S",
-                   help="pipeline stages S (default: %(default)s; this version trains S = 1)")
+                   help="pipeline stages S: the model split into S consecutive pieces on different nodes "
+                        "(default: %(default)s)")
     p.add_argument("--replicas", type=int, default=1, metavar="D",
                    help="data-parallel replicas D per stage (default: %(default)s)")
     p.add_argument("--sync", choices=("none", "allreduce", "cocktail", "diloco"),
@@ -102,8 +104,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--diloco-alpha", type=float, default=0.0, metavar="ALPHA",
                    help="after an outer step keep this share of the local parameters (Streaming DiLoCo uses 0.5; "
                         "default: %(default)g)")
-    p.add_argument("--pipeline-compression", choices=("none", "aqsgd"), default="aqsgd",
-                   help="activations between pipeline stages (default: %(default)s)")
+    p.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                   help="micro-batches per step (default: 4 x stages with several stages, else one; "
+                        "--micro-batch sets their size instead)")
+    p.add_argument("--tie-embeddings", choices=("auto", "tied", "untied"), default="auto",
+                   help="whether the head shares the embedding matrix (auto: tied with one stage, untied when split; "
+                        "a split model must be untied; default: %(default)s)")
+    p.add_argument("--pipeline-compression", choices=("none", "aqsgd"), default="none",
+                   help="what crosses a stage boundary: none (activations at --wire-dtype) or aqsgd "
+                        "(default: %(default)s; this version trains none)")
+    p.add_argument("--wire-dtype", choices=("fp32", "fp16"), default="fp32",
+                   help="activations and gradients between stages without compression (default: %(default)s)")
     p.add_argument("--fwd-bits", type=int, default=4, metavar="B",
                    help="AQ-SGD: bits of forward activation deltas (default: %(default)s)")
     p.add_argument("--bwd-bits", type=int, default=8, metavar="B",
@@ -122,12 +133,19 @@ def build_manifest(args: argparse.Namespace):
 
     from shoal.protocol import manifest as mf
 
-    model = mf.ModelSpec.preset(args.size, positions=args.positions)
+    tie = {"auto": None, "tied": True, "untied": False}[args.tie_embeddings]
+    model = mf.ModelSpec.preset(args.size, positions=args.positions, tie_embeddings=tie)
     overrides = {k: v for k, v in (("n_layers", args.layers), ("d_model", args.d_model), ("n_heads", args.heads)) if v}
     if overrides:
         model = mf.ModelSpec(**{**model.to_wire(), **overrides, "size": "custom"})
     seq = args.seq_len or mf.MODEL_PRESETS[args.size][3]
     sync_method = args.sync or ("none" if args.replicas == 1 else "cocktail")
+    if args.micro_batch and args.micro_batches:
+        raise ValueError("give --micro-batch (their size) or --micro-batches (their count), not both")
+    micro_batches = args.micro_batches or (4 * args.stages if args.stages > 1 else 1)
+    if not args.micro_batch and args.batch % micro_batches:
+        raise ValueError(f"--batch {args.batch} does not split into {micro_batches} micro-batches")
+    micro_batch = args.micro_batch or args.batch // micro_batches
     if args.join_secret_file:
         with open(args.join_secret_file) as f:
             join = mf.JoinPolicy.with_secret(f.read().strip())
@@ -150,13 +168,14 @@ def build_manifest(args: argparse.Namespace):
                 diloco=mf.DilocoSpec(inner_steps=args.diloco_h, fragments=args.diloco_fragments, e3m0=args.diloco_e3m0,
                                      overlap_steps=args.diloco_overlap, merge_alpha=args.diloco_alpha),
             ),
-            pipeline=mf.PipelineSpec(compression=args.pipeline_compression, fwd_bits=args.fwd_bits, bwd_bits=args.bwd_bits),
+            pipeline=mf.PipelineSpec(compression=args.pipeline_compression, fwd_bits=args.fwd_bits,
+                                     bwd_bits=args.bwd_bits, wire_dtype=args.wire_dtype),
         ),
         optim=mf.OptimSpec(
             lr=args.lr, warmup_steps=min(args.warmup, args.steps), total_steps=args.steps,
             weight_decay=args.weight_decay, grad_clip=args.grad_clip, optimizer=args.optimizer,
         ),
-        batch=mf.BatchSpec(batch_size=args.batch, micro_batch_size=args.micro_batch or args.batch, seq_len=seq),
+        batch=mf.BatchSpec(batch_size=args.batch, micro_batch_size=micro_batch, seq_len=seq),
         eval=mf.EvalSpec(every_steps=args.eval_every),
         checkpoint=mf.CheckpointSpec(every_steps=args.ckpt_every, keep_last=args.keep),
         join=join,
@@ -194,7 +213,7 @@ def main(args: argparse.Namespace) -> int:
 
         try:
             manifest = build_manifest(args)
-        except ProtocolError as e:
+        except (ProtocolError, ValueError) as e:
             print(f"shoal run create: invalid manifest: {e}", file=sys.stderr)
             return 2
         from shoal.node.cli.node import shoal_home

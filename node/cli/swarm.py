@@ -26,6 +26,7 @@ SIGHUP (a closed terminal); a node whose supervisor is gone leaves by itself.
   shoal swarm up --steps 200 --json            # unattended: stop after 200 synchronized steps
   shoal swarm up --sync diloco --nodes 3       # another synchronizer (allreduce, cocktail, diloco)
   shoal swarm up --no-train --nodes 5 --duration 30 --json   # membership only
+  shoal swarm up --stages 2                    # a pipeline: 2 stages x 2 lanes + a backup per stage (6 nodes)
 
 While it runs, other terminals can look at it:  shoal peers --local  ·  shoal dash --local
 Kill one node's process (kill -9 PID from the table) and watch the backup take its slot.
@@ -37,9 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="swarm_command", metavar="ACTION", required=True)
     up = sub.add_parser("up", help="start a local swarm and show it live", description=UP_DESCRIPTION,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    up.add_argument("--nodes", type=int, default=4, help="how many nodes (default: %(default)s: 3 active + 1 backup)")
-    up.add_argument("--backups", type=int, default=1,
-                    help="how many of them wait in the backup pool (default: %(default)s)")
+    up.add_argument("--nodes", type=int, default=None,
+                    help="how many nodes (default: 4, 3 active + 1 backup; with --stages S: 3 x S, two lanes and "
+                         "a backup per stage)")
+    up.add_argument("--backups", type=int, default=None,
+                    help="how many of them wait in the backup pool (default: 1; with --stages S: S)")
+    up.add_argument("--stages", type=int, default=1, metavar="S",
+                    help="pipeline stages: the model is split into S stages across the nodes (default: %(default)s)")
     up.add_argument("--sync", default="cocktail", choices=("allreduce", "cocktail", "diloco", "none"),
                     help="how the replicas stay together (default: %(default)s)")
     up.add_argument("--steps", type=int, default=None, metavar="N",
@@ -70,16 +75,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     status.add_argument("--json", action="store_true", help="print it as JSON")
 
 
+def layout(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(nodes, backups, lanes) of the local swarm. With several stages the default is two lanes (so each stage has
+    a data-parallel group to synchronize, the smallest that shows both kinds of parallelism) and one backup per
+    stage (a killed node of any stage is replaced)."""
+    s = args.stages
+    backups = args.backups if args.backups is not None else (1 if s == 1 else s)
+    nodes = args.nodes if args.nodes is not None else (4 if s == 1 else 3 * s)
+    return nodes, backups, (nodes - backups) // s
+
+
 def write_manifest(args: argparse.Namespace, workdir, replicas: int):
-    """The local swarm's run: the tiny model, `replicas` data-parallel replicas, signed by node 0's identity."""
+    """The local swarm's run: the tiny model (with at least one layer per stage), `replicas` lanes of
+    `args.stages` stages (micro-batches: 4 per stage), signed by node 0's identity."""
     from shoal.protocol import manifest as mf
     from shoal.swarm.net.identity import load_or_create_identity
 
     steps = max(args.steps or 0, 2000)
+    model = mf.ModelSpec.preset("tiny", n_layers=max(args.stages, mf.MODEL_PRESETS["tiny"][0]))
+    batch = mf.BatchSpec(batch_size=16, micro_batch_size=16 // (4 * args.stages) if args.stages > 1 else 16)
     m = mf.RunManifest.default(
-        "tiny", name="local swarm",
-        plan=mf.ParallelPlan(replicas=replicas, sync=mf.SyncSpec(
-            method=args.sync, cocktail=mf.CocktailSpec(warmup_steps=10), diloco=mf.DilocoSpec(inner_steps=20))),
+        "tiny", name="local swarm", model=model, batch=batch,
+        plan=mf.ParallelPlan(stages=args.stages, replicas=replicas, pipeline=mf.PipelineSpec(compression="none"),
+                             sync=mf.SyncSpec(method=args.sync, cocktail=mf.CocktailSpec(warmup_steps=10),
+                                              diloco=mf.DilocoSpec(inner_steps=20))),
         optim=mf.OptimSpec(total_steps=steps, warmup_steps=min(50, steps)),
         eval=mf.EvalSpec(every_steps=50, batches=8))
     m = m.signed(load_or_create_identity(workdir / "node0.key"))
@@ -90,54 +109,69 @@ def write_manifest(args: argparse.Namespace, workdir, replicas: int):
 
 def table(rows: list[dict], nodes: int, title: str, training: bool):
     """The swarm as a table that fits 80 columns: one row per node (peer ids shortened as in the dashboard, sizes in
-    MB as everywhere); a node whose process ended says it is gone."""
+    MB as everywhere); a node whose process ended says it is gone and keeps only what it last reached. A pipeline
+    shows the bytes its stages sent along their lanes (links) instead of the peer count."""
     from rich import box
     from rich.table import Table
 
     from shoal.protocol.display import nbytes, short_id, si
 
+    pipeline = training and any(r.get("link_bytes_sent") for r in rows)
     caption = None
     if training:
         evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None and r["alive"]]
         caption = ((f"held-out loss {min(evals):.3f} · " if evals else "")
                    + "ratio: raw/sent bytes since start, incl. warm-up")
-    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0), show_edge=False, caption=caption)
-    cols = ["#", "peer", "pid", "role", "state", "peers"]
-    if training:
-        cols += ["slot", "step", "loss", "tok/s", "sent", "ratio"]
-    for col in cols:
-        t.add_column(col, no_wrap=True, justify="right" if col in ("step", "tok/s", "sent", "ratio") else "left")
-    for r in rows:
-        state = str(r["state"] or "-") if r["alive"] else "gone"
-        if not r["alive"] and not training and r.get("exit") not in (None, "gone"):
+
+    def cells(r: dict) -> dict[str, str]:
+        gone = not r["alive"]
+        state = str(r["state"] or "-") if not gone else "gone"
+        if gone and not training and r.get("exit") not in (None, "gone"):
             state = f"gone ({r['exit']})"
-        row = [str(r["index"]), short_id(r["peer_id"]) if r["peer_id"] else "…", str(r["pid"]),
-               str(r["role"] or "-"), state, f"{r['peers_seen']}/{nodes - 1}"]
-        if training:
+        c = {"#": str(r["index"]), "peer": short_id(r["peer_id"]) if r["peer_id"] else "…", "pid": str(r["pid"]),
+             "role": str(r["role"] or "-"), "state": state,
+             "peers": "-" if gone else f"{r['peers_seen']}/{nodes - 1}"}
+        if training:  # a gone node keeps what it last reached, but no slot: that is someone else's now
             loss, ratio = r.get("loss"), r.get("compression_ratio")
-            row += [r.get("slot") or "-", str(r.get("step", "-")), f"{loss:.2f}" if loss is not None else "-",
-                    si(r.get("tokens_per_s") or 0, digits=2), nbytes(r.get("bytes_sent") or 0),
-                    f"{ratio:.1f}x" if ratio else "-"]
-        if not r["alive"]:  # what it last said, but no slot or peers: those are someone else's now
-            row[5] = "-"
-            if training:
-                row[6] = row[9] = "-"
-        t.add_row(*row, style="dim" if not r["alive"] else None)
+            c.update({"slot": "-" if gone else (r.get("slot") or "-"), "step": str(r.get("step", "-")),
+                      "loss": f"{loss:.2f}" if loss is not None else "-",
+                      "tok/s": "-" if gone else si(r.get("tokens_per_s") or 0, digits=2),
+                      "sent": nbytes(r.get("bytes_sent") or 0), "ratio": f"{ratio:.1f}x" if ratio else "-",
+                      "links": nbytes(r.get("link_bytes_sent") or 0)})
+        return c
+
+    cols = ["#", "peer", "pid", "role", "state"] + ([] if pipeline else ["peers"])
+    if training:
+        cols += ["slot", "step", "loss", "tok/s", "sent", "ratio"] + (["links"] if pipeline else [])
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0), show_edge=False, caption=caption)
+    for col in cols:
+        t.add_column(col, no_wrap=True, justify="right" if col in ("step", "tok/s", "sent", "ratio", "links")
+                     else "left")
+    for r in rows:
+        c = cells(r)
+        t.add_row(*(c[col] for col in cols), style="dim" if not r["alive"] else None)
     return t
 
 
+def _stage(slot: str) -> str:
+    """'s1r0' -> 's1' (replicas of one stage hold the same state; stages hold different layers)."""
+    return slot.split("r", 1)[0]
+
+
 def run_summary(rows: list[dict], wall_s: float, train_s: float | None) -> dict:
-    """The run as a whole: steps every active replica reached, times, steps/s, whether their state hashes agree,
-    and the held-out loss."""
+    """The run as a whole: steps every active replica reached, times, steps/s, whether the state hashes of each
+    stage's replicas agree, and the held-out loss."""
     active = [r for r in rows if r.get("slot") and r["alive"]]
     steps = min((r.get("step") or 0 for r in active), default=0)
-    hashes = {r.get("state_hash") for r in active}
+    by_stage: dict[str, set] = {}
+    for r in active:
+        by_stage.setdefault(_stage(r["slot"]), set()).add(r.get("state_hash"))
     evals = [r["eval_loss"] for r in active if r.get("eval_loss") is not None]
     return {
         "replicas": len(active), "steps": steps, "wall_s": round(wall_s, 2),
         "train_s": round(train_s, 2) if train_s is not None else None,
         "steps_per_s": round(steps / train_s, 3) if train_s and steps else None,
-        "hashes_agree": bool(active) and len(hashes) == 1 and None not in hashes,
+        "hashes_agree": bool(active) and all(len(h) == 1 and None not in h for h in by_stage.values()),
         "eval_loss": min(evals) if evals else None, "eval_loss_spread": (max(evals) - min(evals)) if evals else None,
     }
 
@@ -171,8 +205,10 @@ def up(args: argparse.Namespace) -> int:
     guard.install()  # SIGINT, SIGTERM, SIGHUP: stop every node by PID, never orphan them
     err = Console(stderr=True, soft_wrap=True)
     training = not args.no_train and args.sync is not None
-    if training and args.nodes - args.backups < 1:
-        raise CliError("need at least one active node (--nodes greater than --backups)")
+    nodes, backups, lanes = layout(args)
+    if training and lanes < 1:
+        raise CliError(f"need at least one lane of {args.stages} active node(s) (--nodes minus --backups at least "
+                       f"--stages)")
     home = shoal_home()
     local_file = home / LOCAL_SWARM_FILE
     running = read_swarm_file(local_file)
@@ -185,13 +221,14 @@ def up(args: argparse.Namespace) -> int:
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         if training:
-            run_file, manifest = write_manifest(args, workdir, replicas=args.nodes - args.backups)
+            run_file, manifest = write_manifest(args, workdir, replicas=lanes)
             extra = ("--run", str(run_file), "--threads", "1", "--round-timeout", "10", "--fail-after", "8")
             if args.steps is not None:
                 extra += ("--steps", str(args.steps))
-            err.print(f"run {manifest.run_id[:8]}…: tiny GPT, {args.nodes - args.backups} replicas with {args.sync}, "
-                      f"{args.backups} backup(s); nodes' output and logs in {workdir}")
-        swarm = LocalSwarm(LocalSwarmConfig(nodes=args.nodes, workdir=workdir, home=home, device=args.device,
+            shape = f"{lanes} replicas" if args.stages == 1 else f"{args.stages} stages x {lanes} lanes"
+            err.print(f"run {manifest.run_id[:8]}…: tiny GPT, {shape} with {args.sync}, {backups} backup(s); nodes' "
+                      f"output and logs in {workdir}")
+        swarm = LocalSwarm(LocalSwarmConfig(nodes=nodes, workdir=workdir, home=home, device=args.device,
                                             extra_node_args=extra, swarm_file=local_file), guard)
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from None
@@ -208,7 +245,7 @@ def up(args: argparse.Namespace) -> int:
 
             swarm.start(progress)
             converged_after = swarm.wait_converged(args.converge_timeout, progress)
-        err.print(f"all {args.nodes} nodes see each other after {time.monotonic() - t0:.1f} s; "
+        err.print(f"all {nodes} nodes see each other after {time.monotonic() - t0:.1f} s; "
                   f"bootstrap: {swarm.bootstrap_addrs()[0]}")
         end = t0 + args.duration if args.duration is not None else float("inf")
         train_from = time.monotonic()

@@ -75,6 +75,10 @@ def main(args: argparse.Namespace) -> int:
         (out / "run.toml").write_text(manifest.to_toml())
     total = args.steps if args.steps is not None else manifest.optim.total_steps
 
+    if manifest.plan.stages > 1:
+        print(f"shoal train: the run has {manifest.plan.stages} pipeline stages; train it across nodes "
+              f"(shoal node --run, or shoal swarm up --stages {manifest.plan.stages})", file=sys.stderr)
+        return 2
     from shoal.node.train.device import DeviceUnavailable
 
     try:

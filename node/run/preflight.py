@@ -1,6 +1,6 @@
 """What a node checks before it asks for a place in a run: a plan this version trains, a stage that fits its device.
 
-`check_plan` is the one place that refuses runs with pipeline stages until this version trains them."""
+`check_plan` is the one place that refuses plans this version cannot train yet (compressed pipeline activations)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ class DoesNotFit(RunError):
 
 
 def check_plan(manifest: RunManifest) -> None:
-    if manifest.plan.stages > 1:
-        raise UnsupportedPlan(f"run {manifest.run_id[:16]}… has {manifest.plan.stages} pipeline stages; this version "
-                              f"of shoal trains one-stage (data-parallel) runs only")
+    pipe = manifest.plan.pipeline
+    if manifest.plan.stages > 1 and pipe.compression != "none":
+        raise UnsupportedPlan(f"run {manifest.run_id[:16]}… asks for {pipe.compression} between its stages; this "
+                              f"version of shoal sends activations uncompressed only (pipeline.compression = 'none')")
 
 
 def stage_need(manifest: RunManifest, device: str, stage: int = 0) -> StageMemory:
@@ -45,13 +46,17 @@ def stage_need(manifest: RunManifest, device: str, stage: int = 0) -> StageMemor
 def check_fits(manifest: RunManifest, device: str, free_bytes: int | None, stage: int = 0) -> StageMemory:
     need = stage_need(manifest, device, stage)
     if free_bytes is not None and not need.fits(free_bytes):
-        raise DoesNotFit(f"run {manifest.run_id[:16]}…: the {manifest.model.size} model "
+        what = f"stage {stage} of the" if manifest.plan.stages > 1 else "the"
+        raise DoesNotFit(f"run {manifest.run_id[:16]}…: {what} {manifest.model.size} model "
                          f"({need.params / 1e6:.1f}M params, micro-batch {manifest.batch.micro_batch_size}) needs "
                          f"~{need.total_bytes / 1e9:.2f} GB on {device}, which has {free_bytes / 1e9:.2f} GB free")
     return need
 
 
 def preflight(manifest: RunManifest, config: RunConfig) -> StageMemory:
-    """Raise UnsupportedPlan or DoesNotFit when this node cannot train the run; else the memory estimate."""
+    """Raise UnsupportedPlan, or DoesNotFit when no stage of the run fits this node's device (the broker places a
+    node only in a stage it has the memory for); else the estimate for the smallest stage."""
     check_plan(manifest)
-    return check_fits(manifest, config.device, config.device_free_bytes)
+    needs = [stage_need(manifest, config.device, s) for s in range(manifest.plan.stages)]
+    smallest = min(range(len(needs)), key=lambda s: needs[s].total_bytes)
+    return check_fits(manifest, config.device, config.device_free_bytes, stage=smallest)

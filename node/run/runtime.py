@@ -13,6 +13,7 @@ them. Replicas compare state hashes after every round and a minority replica re-
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import trio
 
 from shoal.node.run.config import RunConfig
-from shoal.node.run.preflight import RunError, UnknownRun, preflight  # noqa: F401 - RunError: its old home
+from shoal.node.run.preflight import UnknownRun, preflight
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Throughput
 from shoal.node.run.votes import HashVotes
@@ -35,7 +36,8 @@ from shoal.swarm.run.context import RunContext
 from shoal.swarm.run.client import RunClient, fetch_table
 from shoal.swarm.run.collective import Collective
 from shoal.swarm.run.group import Group
-from shoal.swarm.run.schedule import GroupSchedule
+from shoal.swarm.run.link import BlockingLinkEnd, LaneSpec, LinkConfig, LinkEnd, LinkHub, open_link_hub
+from shoal.swarm.run.schedule import GroupSchedule, lane_peers
 from shoal.swarm.state.snapshot import Snapshot
 from shoal.swarm.state.transfer import (MAX_PREFIXES, StateServer, StateTransferConfig, StateTransferError,
                                         pull_state)
@@ -79,6 +81,12 @@ class RunRuntime:
         self._start_deadline = 0.0
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
+        self._hub: LinkHub | None = None  # a pipeline stage's lane links (several stages only)
+        self._lane_end: LinkEnd | None = None
+        self._lane_peers: tuple[str | None, str | None] | None = None
+        self._link_bytes_closed = [0, 0]  # (sent, received) on lane links closed since the start
+        self._lane_broken_at: int | None = None  # the step at which this stage's lane failed, until re-formed
+        self._lane_report_at = 0.0
 
     @property
     def warm(self) -> Snapshot | None:
@@ -97,12 +105,16 @@ class RunRuntime:
         if c is not None:
             fields["role"] = "broker" if c.is_broker() else c.role()  # the broker may hold a slot too
             fields["slot"] = c.slot_name()
+            fields["warm_stage"] = c.backup_stage()
         if t is not None:
             fields["step"] = self.at_step
             if self.last is not None:
-                fields["loss"] = self.last.loss if math.isfinite(self.last.loss) else None
+                loss = self.last.loss  # None at a stage that is not the last
+                fields["loss"] = loss if loss is not None and math.isfinite(loss) else None
                 fields["tokens_per_s"] = round(self.throughput.tokens_per_s(self.last.tokens_per_s), 1)
             fields["eval_loss"] = t.last_eval_loss
+        if self._lane_end is not None or any(self._link_bytes_closed):
+            fields["link_bytes_sent"], fields["link_bytes_recv"] = self.link_bytes()
         if s is not None:
             hashes = self.hashes.hashes
             # the hash recorded with the step published (once done, the final state's)
@@ -113,6 +125,18 @@ class RunRuntime:
         if self.error:
             fields["error"] = self.error[:200]
         return fields
+
+    def link_counters(self) -> dict[str, Any]:
+        """This stage's current lane links ("b0/fwd"...): the neighbour and the messages and bytes each way."""
+        return self._lane_end.counters() if self._lane_end is not None else {}
+
+    def link_bytes(self) -> tuple[int, int]:
+        """Wire bytes (sent, received) on this stage's lane links since the start."""
+        sent, recv = self._link_bytes_closed
+        if self._lane_end is not None:
+            for c in self._lane_end.counters().values():
+                sent, recv = sent + c["sent"]["wire_bytes"], recv + c["recv"]["wire_bytes"]
+        return sent, recv
 
     # -- groups by step ------------------------------------------------------------------------------------
     def _on_table(self, table: AssignmentTable) -> None:
@@ -187,7 +211,7 @@ class RunRuntime:
                 extra.append(await self.pull_revision(revision, peers, only=ask))
                 pulled += extra[0].nbytes
             try:
-                return part.merged(warm, *extra), pulled
+                return await trio.to_thread.run_sync(lambda: part.merged(warm, *extra)), pulled
             except StateTransferError as e:
                 log.info("the warm copy does not complete revision %d (%s): pulling all of it", revision, e)
         snap = await self.pull_revision(revision, peers)
@@ -231,12 +255,15 @@ class RunRuntime:
         def build():
             import torch
 
+            from shoal.node.train.lane import Unconnected
+
             if self.config.threads:
                 torch.set_num_threads(self.config.threads)
             sync = make_synchronizer(self.manifest, exchange=exchange, penalties=self.node.penalties,
                                      config=SyncConfig(round_timeout_s=self.config.round_timeout_s))
+            boundary = Unconnected() if self.manifest.plan.stages > 1 else None  # links open before each step
             trainer = Trainer(self.manifest, device=self.config.device, stage=stage, replica=replica,
-                              synchronizer=sync)
+                              boundary=boundary, synchronizer=sync)
             return trainer, sync
 
         self.trainer, self.sync = await trio.to_thread.run_sync(build)
@@ -247,6 +274,11 @@ class RunRuntime:
         """Take a place in the group from `step`: build the trainer, and unless the run starts here, load the
         state of exactly `step` from a replica that was in the group before."""
         self.state = "joining"
+        if self.trainer is not None and (self.trainer.stage, self.trainer.replica) != (stage, replica):
+            log.info("slot changes from s%dr%d to s%dr%d: a new trainer", self.trainer.stage, self.trainer.replica,
+                     stage, replica)
+            await self._close_lane()
+            self.trainer = None  # another stage holds other parameters; another lane reads other samples
         if self.trainer is None:
             await self._build_trainer(stage, replica)
         if step == 0 and self.at_step == 0:
@@ -272,10 +304,38 @@ class RunRuntime:
         return t is not None and all(len(t.members(s)) >= self.manifest.plan.replicas for s in range(t.stages))
 
     # -- one step ------------------------------------------------------------------------------------------
+    async def _connect_lane(self, step: int) -> None:
+        """A pipeline stage: make its links go to the lane neighbours that the table in force at `step` names,
+        closing the old ones first when a neighbour changed (a promoted backup, a re-formed lane)."""
+        table = self.schedule.table_at(step, self.trainer.stage)
+        peers = lane_peers(table, self.node.peer_id) if table is not None else (None, None)
+        if peers == self._lane_peers and self._lane_end is not None:
+            return
+        await self._close_lane()
+        t, m = self.trainer, self.manifest
+        spec = LaneSpec.from_manifest(m, stage=t.stage, lane=t.replica, prev_peer=peers[0], next_peer=peers[1],
+                                      train_samples=t.train_samples.num_samples,
+                                      eval_samples=t.heldout_samples.num_samples,
+                                      kind=m.plan.pipeline.wire_dtype)
+        self._lane_end = self._hub.open(spec)
+        self._lane_peers = peers
+        t.boundary = BlockingLinkEnd(self._lane_end, self._token)
+        log.info("lane %d stage %d links: previous %s, next %s", t.replica, t.stage,
+                 (peers[0] or "-")[-8:], (peers[1] or "-")[-8:])
+
+    async def _close_lane(self) -> None:
+        end, self._lane_end, self._lane_peers = self._lane_end, None, None
+        if end is not None:
+            sent, recv = self.link_bytes()
+            self._link_bytes_closed = [sent, recv]
+            await end.aclose()
+
     async def _step(self, group: Group) -> None:
         """Run step `at_step` with `group`: first the snapshot a joiner or a backup needs (stored before the step
         runs, so it is served while the group waits for the joiner), then the step itself; then act on it."""
         t = self.trainer
+        if self._hub is not None:
+            await self._connect_lane(self.at_step)
         control = StepControl(step=self.at_step, group=group)
         if self.snapshots.wanted(control.step):
             self.snapshots.add(await trio.to_thread.run_sync(self._snapshot, control))
@@ -284,6 +344,9 @@ class RunRuntime:
         self.throughput.step_done(self.clock())
         self.hashes.record(self.at_step, control.state_hash)
         self._report(control, group)
+        if self.last.aborted is not None:  # the lane failed at this step: wait for it to be re-formed
+            self._lane_broken_at = control.step
+            self._lane_report_at = self.clock() + self.config.round_timeout_s
 
     def _snapshot(self, control: StepControl, revision: int | None = None) -> Snapshot:
         """Worker thread: the state at the round boundary of `control.step`, as a snapshot (taken as revision
@@ -292,14 +355,20 @@ class RunRuntime:
         return Snapshot.of(state, control.step if revision is None else revision, copy=False)
 
     def _report(self, control: StepControl, group: Group) -> None:
-        """Tell the broker about members the step's rounds found missing or offending (it checks them: a silent
-        one is replaced, one that answers makes it re-form the group; most members' offence reports evict)."""
+        """Tell the broker about members the step's rounds found missing or offending, and a lane neighbour a link
+        failed to (it checks them: a silent one is replaced, one that answers makes it re-form the group; most
+        members' offence reports evict)."""
         if control.offenders:
             peer, reason = next(iter(control.offenders.items()))
             self.error = f"excluded {peer[-8:]}: {reason}"[:200]
-        if (control.missing or control.offenders) and self.client is not None:
+        result = control.result
+        neighbours = [result.failed_peer] if result is not None and result.failed_peer else []
+        if result is not None and result.aborted:
+            self.error = f"lane step {control.step} aborted: {result.aborted}"[:200]
+        if (control.missing or control.offenders or neighbours) and self.client is not None:
             self._nursery.start_soon(lambda: self.client.report_missing(
-                sorted(control.missing), epoch=group.epoch, stage=group.stage, offenders=sorted(control.offenders)))
+                sorted(control.missing), epoch=group.epoch, stage=group.stage, offenders=sorted(control.offenders),
+                neighbours=neighbours))
 
     async def _finish(self, limit: int) -> None:
         """The end of the run: apply the last round, then make sure this replica ends with the majority's state
@@ -359,6 +428,28 @@ class RunRuntime:
         with trio.move_on_after(timeout_s):
             await self.client.wait_changed()
 
+    async def _rejoin_lane(self, limit: int) -> None:
+        """A stage whose lane step failed waits, instead of stepping on alone (its lane's stages would fall out of
+        step with each other), for a table that re-forms its lane from a later switch step (a backup promoted into
+        the failed slot, or the same members re-formed), and enters the lane there with its stage group's state at
+        that step, as a joining replica does. The broker hears of the failure again every round timeout."""
+        entry = self.schedule.entry()
+        t = self.schedule.latest
+        if entry is not None and entry[0] > self._lane_broken_at and entry[2] in t.complete_lanes():
+            self._lane_broken_at = None
+            if entry[0] < limit:
+                await self._enter(*entry)
+            return
+        self.state = "ready"
+        if self.clock() >= self._lane_report_at:
+            self._lane_report_at = self.clock() + self.config.round_timeout_s
+            g = self.group_at(self.at_step)
+            prev, nxt = self._lane_peers or (None, None)
+            if g is not None:
+                self._nursery.start_soon(lambda: self.client.report_missing(
+                    [], epoch=g.epoch, stage=g.stage, neighbours=[p for p in (prev, nxt) if p]))
+        await self._wait_for_table(READY_POLL_S)
+
     async def _train(self) -> None:
         limit = self.config.max_steps if self.config.max_steps is not None else self.manifest.optim.total_steps
         while True:
@@ -371,6 +462,9 @@ class RunRuntime:
             if step == 0 and not self._group_full() and self.clock() < self._start_deadline:
                 self.state = "ready"  # a new run: wait for the group to fill, so every replica starts at step 0
                 await self._wait_for_table(START_POLL_S)
+                continue
+            if self._lane_broken_at is not None:
+                await self._rejoin_lane(limit)
                 continue
             g = self.group_at(step) if t is not None else None
             if g is None:
@@ -432,7 +526,7 @@ class RunRuntime:
         self._start_deadline = self.clock() + self.config.start_wait_s
         if self.manifest is None:
             self.manifest = await self.fetch_manifest(self.config.run_id, joined)
-        preflight(self.manifest, self.config)
+        preflight(self.manifest, self.config)  # the plan (one place: run/preflight.py) and the device's memory
         self.schedule = GroupSchedule(node.peer_id)
         self.hashes = HashVotes(node.peer_id, self.node_call)
         node.rpc.register("run.manifest", self._rpc_manifest)
@@ -443,8 +537,12 @@ class RunRuntime:
         StateServer(node.sh, lambda: self.snapshots.latest, penalties=node.penalties, by_revision=self.snapshots.at)
         node.rpc.register("run.snapshot_at", self._rpc_snapshot_at)
         node.rpc.register("run.hash_at", self.hashes.rpc_hash_at)
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+        plan = self.manifest.plan
+        links = open_link_hub(node.sh, node.penalties, LinkConfig(), plan=(self.manifest.run_id, plan.stages,
+                                                                             plan.replicas)) \
+            if plan.stages > 1 else contextlib.nullcontext()  # a pipeline stage's links to its lane neighbours
+        async with links as hub, trio.open_nursery() as nursery:
+            self._hub, self._nursery = hub, nursery
             if not joined:  # the node started with the manifest hosts the broker
                 self.broker = Broker(ctx, self.config.broker)
                 await nursery.start(self.broker.run)

@@ -16,7 +16,7 @@ from shoal.kernels.topk import decode_topk
 from shoal.node.defaults import ROUND_TIMEOUT_S
 from shoal.node.sync.interface import Synchronizer
 from shoal.node.train.control import StepControl
-from shoal.node.train.model import even_split
+from shoal.protocol.manifest import even_split
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.frames import decode_frame, encode_frame, make_header
 from shoal.swarm.net.penalty import Penalties

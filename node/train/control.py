@@ -25,14 +25,17 @@ class StepStage(enum.Enum):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepResult:
     step: int  # the number of optimizer steps done after this one
-    loss: float
+    loss: float | None  # the lane's training loss (the last stage knows it; None elsewhere and when aborted)
     lr: float
-    grad_norm: float
-    tokens: int
+    grad_norm: float  # the lane's (inf when a stage was not finite, nan when the step was aborted)
+    tokens: int  # tokens the lane trained on this step
     seconds: float
     tokens_per_s: float
-    applied: bool  # False if the update was skipped (non-finite gradients, or the synchronizer said so)
+    applied: bool  # False if the update was skipped (aborted, non-finite gradients, or the synchronizer said so)
     eval_loss: float | None = None
+    wait_s: float = 0.0  # blocked on the lane's other stages: the pipeline bubble plus the links
+    aborted: str | None = None  # why the lane's step was given up at this stage
+    failed_peer: str | None = None  # the lane neighbour the failure concerns, when one does (for the broker)
 
 
 @dataclass(eq=False, slots=True)

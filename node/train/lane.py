@@ -14,7 +14,7 @@ import torch
 
 from shoal.protocol.lane import TRAIN, LaneAborted
 
-__all__ = ["Boundary", "LaneAborted", "LocalLane", "LocalBoundary"]
+__all__ = ["Boundary", "LaneAborted", "LocalLane", "LocalBoundary", "SoloLane", "Unconnected"]
 
 
 @runtime_checkable
@@ -43,6 +43,33 @@ class Boundary(Protocol):
     def abort(self, step: int, reason: str, *, phase: str = TRAIN) -> None:
         """Give `step` up (best effort, never raises): the lane's other stages stop waiting for it."""
         ...
+
+
+class SoloLane(Boundary):
+    """The lane of a one-stage plan: no neighbours; the lane's norms are this stage's own."""
+
+    def _none(self, *args, **kw):
+        raise LaneAborted("a one-stage lane has no neighbours")
+
+    send_act = recv_act = send_grad = recv_grad = _none
+
+    def exchange_norms(self, step, norms, finite):
+        return [([float(x) for x in norms], bool(finite))]
+
+    def abort(self, step, reason, *, phase=TRAIN):
+        pass
+
+
+class Unconnected(Boundary):
+    """A stage whose links are not open (yet): every exchange with the lane aborts the step."""
+
+    def _none(self, *args, **kw):
+        raise LaneAborted("this stage's lane links are not open")
+
+    send_act = recv_act = send_grad = recv_grad = exchange_norms = _none
+
+    def abort(self, step, reason, *, phase=TRAIN):
+        pass
 
 
 class LocalLane:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.protocol.manifest import ModelSpec
+from shoal.protocol.manifest import ModelSpec, even_split
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,17 +165,6 @@ def stage_ranges(n_layers: int, num_stages: int) -> list[tuple[int, int]]:
     if not 1 <= num_stages <= n_layers:
         raise ValueError(f"cannot cut {n_layers} layers into {num_stages} stages")
     return even_split(n_layers, num_stages)
-
-
-def even_split(n: int, parts: int) -> list[tuple[int, int]]:
-    """[0, n) cut into `parts` contiguous [start, end) ranges whose sizes differ by at most one, earlier ones larger."""
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
 
 
 def build_stage(cfg: GPTConfig, stage: int, num_stages: int, *, seed: int = 0) -> GPTStage:

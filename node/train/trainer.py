@@ -1,4 +1,10 @@
-"""The step loop of one replica: micro-batches, AdamW or SGD, warm-up + cosine, clipping, eval, hooks, a synchronizer slot.
+"""The step loop of one stage of one lane: micro-batches, AdamW or SGD, warm-up + cosine, clipping, eval, hooks, a
+synchronizer slot. A one-stage plan is a lane of one stage: the whole model, each micro-batch's backward right after
+its forward (today's gradient accumulation). A stage of a split model runs GPipe with a flush per step through its
+lane's `Boundary`: M micro-batches forward through every stage, then backward in micro-batch order 0..M-1, so a
+one-stage lane and the unsplit model agree bit for bit. The last stage computes the loss (divided by M); clipping is
+lane-wide (every stage's parameter norms, combined as `clip_grad_norm_` combines the whole model's); a lane with a
+non-finite stage skips the update on every stage. Stage 0 picks the sample ids; they travel with the activations.
 
 `Trainer.step(control)` is synchronous and self-contained so the runtime can run it in a worker thread; the
 `StepControl` is the one object that crosses between them (node/train/control.py).
@@ -17,16 +23,19 @@ from typing import Any
 
 import torch
 
+from shoal.node.sync.interface import NoSync, Synchronizer
 from shoal.node.train import checkpoint
+from shoal.node.train.control import StepControl, StepResult, StepStage
 from shoal.node.train.data import Corpus, Samples, ShardedSampler, heldout_batches, load_corpus
 from shoal.node.train.device import resolve_device
-from shoal.node.train.control import StepControl, StepResult, StepStage
+from shoal.node.train.lane import Boundary, SoloLane
 from shoal.node.train.model import GPTConfig, GPTStage, build_stage, lm_loss
-from shoal.node.sync.interface import NoSync, Synchronizer
+from shoal.protocol.lane import EVAL, TRAIN, LaneAborted
 from shoal.protocol.manifest import OptimSpec, RunManifest
 
 log = logging.getLogger(__name__)
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: the state names its stage
+READABLE_FORMATS = (1, 2)  # a format-1 checkpoint is of the whole model: stage 0 of one
 
 
 def lr_at(opt: OptimSpec, step: int) -> float:
@@ -36,6 +45,25 @@ def lr_at(opt: OptimSpec, step: int) -> float:
     span = max(opt.total_steps - opt.warmup_steps, 1)
     progress = min((step - opt.warmup_steps) / span, 1.0)
     return opt.lr * (opt.min_lr_ratio + (1 - opt.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_optimizer(model: torch.nn.Module, o: OptimSpec) -> torch.optim.Optimizer:
+    """AdamW or SGD: weight decay on matrices, none on vectors."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if o.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr_at(o, 0))
+    return torch.optim.AdamW(groups, lr=lr_at(o, 0), betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def lane_norm(norms: list[tuple[list[float], bool]]) -> torch.Tensor:
+    """The lane's gradient norm from every stage's (per-parameter norms, finite), computed as `clip_grad_norm_`
+    computes the whole model's: the 2-norm of all parameter norms in the model's order, in float32 on the CPU (so
+    every stage gets the same bits). inf when a stage is not finite."""
+    if not all(f for _, f in norms):
+        return torch.tensor(math.inf)
+    return torch.linalg.vector_norm(torch.tensor([x for n, _ in norms for x in n], dtype=torch.float32))
 
 
 def copy_state(state: Any) -> Any:
@@ -52,7 +80,7 @@ def copy_state(state: Any) -> Any:
 
 
 class Trainer:
-    """Trains one replica of one stage of a run (stage 0 of 1 is the whole model) from a run manifest."""
+    """Trains stage `stage` of lane `replica` of a run (stage 0 of a one-stage plan is the whole model)."""
 
     def __init__(
         self,
@@ -61,45 +89,45 @@ class Trainer:
         device: str | torch.device = "cpu",
         stage: int = 0,
         replica: int = 0,
+        boundary: Boundary | None = None,
         synchronizer: Synchronizer | None = None,
         corpus: Corpus | None = None,
     ):
-        if manifest.plan.stages != 1:
-            raise ValueError(f"this trainer runs one-stage plans; the run has {manifest.plan.stages} stages")
-        self.manifest = manifest
+        plan, b = manifest.plan, manifest.batch
+        if not 0 <= stage < plan.stages or not 0 <= replica < plan.replicas:
+            raise ValueError(f"slot (stage {stage}, replica {replica}) outside the plan {plan.stages}x{plan.replicas}")
+        if boundary is None and plan.stages > 1:
+            raise ValueError(f"stage {stage} of a {plan.stages}-stage plan needs its lane's boundary")
+        self.manifest, self.stage, self.replica = manifest, stage, replica
+        self.num_stages = plan.stages
+        self.is_first, self.is_last = stage == 0, stage == plan.stages - 1
+        self.boundary: Boundary = boundary if boundary is not None else SoloLane()
         self.device = resolve_device(device) if isinstance(device, str) else device
         self.sync = synchronizer or NoSync()
         self.corpus = corpus or load_corpus(manifest.data.source, manifest.data.heldout_every)
-        seq = manifest.batch.seq_len
-        self.train_samples = Samples(self.corpus.train, seq)
-        self.heldout_samples = Samples(self.corpus.heldout, seq)
-        self.sampler = ShardedSampler(
-            self.train_samples.num_samples, seed=manifest.seed, replica=replica, replicas=manifest.plan.replicas
-        )
-        self.eval_ids = heldout_batches(self.heldout_samples, manifest.batch.micro_batch_size, manifest.eval.batches)
-        self.model_config = GPTConfig.from_spec(manifest.model, seq)
-        self.stage = stage
-        self.model: GPTStage = build_stage(self.model_config, stage, manifest.plan.stages,
-                                           seed=manifest.seed).to(self.device)
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        o = manifest.optim
-        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        if o.optimizer == "sgd":
-            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(groups, lr=lr_at(o, 0))
-        else:
-            self.optimizer = torch.optim.AdamW(groups, lr=lr_at(o, 0), betas=(o.beta1, o.beta2), eps=o.eps)
+        self.train_samples = Samples(self.corpus.train, b.seq_len)
+        self.heldout_samples = Samples(self.corpus.heldout, b.seq_len)
+        self.sampler = ShardedSampler(self.train_samples.num_samples, seed=manifest.seed, replica=replica,
+                                      replicas=plan.replicas)
+        self.eval_ids = heldout_batches(self.heldout_samples, b.micro_batch_size, manifest.eval.batches)
+        self.micro_batches = b.batch_size // b.micro_batch_size
+        self.model_config = GPTConfig.from_spec(manifest.model, b.seq_len)
+        self.model: GPTStage = build_stage(self.model_config, stage, plan.stages, seed=manifest.seed).to(self.device)
+        self.optimizer = build_optimizer(self.model, manifest.optim)
         self.autocast_dtype: torch.dtype | None = None
         self.scaler: torch.amp.GradScaler | None = None
         if self.device.type == "cuda":
             self.autocast_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
             if self.autocast_dtype == torch.float16:
+                if plan.stages > 1:  # one loss scale would have to be shared by the whole lane
+                    raise ValueError("pipeline stages need bf16 on CUDA (this GPU has only fp16)")
                 self.scaler = torch.amp.GradScaler("cuda")
         self.step_count = 0
         self.before_step_hooks: list[Callable[[Trainer], None]] = []
         self.after_step_hooks: list[Callable[[Trainer, StepResult], None]] = []
         self.last: StepResult | None = None
         self.last_eval_loss: float | None = None
+        self._wait_s = 0.0
 
     @property
     def tokens_per_step(self) -> int:
@@ -109,6 +137,83 @@ class Trainer:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _waiting(self, fn, *args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            self._wait_s += time.perf_counter() - t0
+
+    # -- one micro-batch through this stage
+
+    def _forward(self, step: int, micro: int, ids: torch.Tensor | None, samples: Samples, phase: str):
+        """(input leaf or None, output) of this stage for one micro-batch: the loss at the last stage, else the
+        activations, sent on to the next stage."""
+        if self.is_first:
+            inp = samples.get(ids)[0].to(self.device, non_blocking=True)
+        else:
+            ids, acts = self._waiting(self.boundary.recv_act, step, micro, phase=phase)
+            inp = acts.to(self.device).requires_grad_(phase == TRAIN)
+        with self._autocast():
+            out = self.model(inp)
+            if self.is_last:
+                out = lm_loss(out, samples.get(ids)[1].to(self.device, non_blocking=True))
+        if not self.is_last:
+            self._waiting(self.boundary.send_act, step, micro, ids, out.detach().float(), phase=phase)
+        return (None if self.is_first else inp), out
+
+    def _backward(self, step: int, micro: int, inp: torch.Tensor | None, out: torch.Tensor) -> None:
+        if self.is_last:
+            (self.scaler.scale(out) if self.scaler else out).backward()
+        else:
+            out.backward(self._waiting(self.boundary.recv_grad, step, micro).to(self.device, out.dtype))
+        if inp is not None:
+            self._waiting(self.boundary.send_grad, step, micro, inp.grad)
+
+    def _pass(self, step: int) -> torch.Tensor | None:
+        """The step's M micro-batches through this stage: one stage does each backward right after its forward; a
+        stage of a longer lane does all forwards, then the backwards in order 0..M-1. The summed loss at the last
+        stage."""
+        b, M = self.manifest.batch, self.micro_batches
+        ids = self.sampler.next_ids(b.batch_size).split(b.micro_batch_size) if self.is_first else None
+        loss_sum = torch.zeros((), device=self.device) if self.is_last else None
+        kept = []
+        for m in range(M):
+            inp, out = self._forward(step, m, ids[m] if ids else None, self.train_samples, TRAIN)
+            if self.is_last:
+                out = out / M
+                loss_sum += out.detach()
+            if self.num_stages == 1:
+                self._backward(step, m, inp, out)
+            else:
+                kept.append((inp, out))
+        for m in range(len(kept)):
+            inp, out = kept[m]
+            kept[m] = None  # frees the micro-batch's graph as soon as it is done
+            self._backward(step, m, inp, out)
+        return loss_sum
+
+    def _clip(self, step: int) -> float:
+        """Clip to the lane's gradient norm (exchanged with the lane's other stages); returns it (inf: a stage of
+        the lane is not finite)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.manifest.optim.grad_clip
+        if self.num_stages == 1:
+            if clip > 0:
+                return float(torch.nn.utils.clip_grad_norm_(params, clip))
+            return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+        norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in params]).cpu().tolist() if params else []
+        finite = all(math.isfinite(x) for x in norms)
+        got = self._waiting(self.boundary.exchange_norms, step, norms if finite else [], finite)
+        if len(got) != self.num_stages:
+            raise LaneAborted(f"norms from {len(got)} stages, the lane has {self.num_stages}")
+        total = lane_norm(got)
+        if clip > 0 and bool(torch.isfinite(total)):
+            torch.nn.utils.clip_grads_with_norm_(params, clip, total.to(self.device))
+        return float(total)
+
+    # -- the step
 
     def snapshot(self, control: StepControl) -> dict[str, Any]:
         """The state at revision `control.step` (the round boundary before that step): the synchronizer's in-flight
@@ -124,40 +229,43 @@ class Trainer:
         self.sync.close(self.model, control)
 
     def step(self, control: StepControl | None = None) -> StepResult:
-        """One optimizer step over batch_size sequences (micro-batched), then eval if due. `control` carries the
-        step's group to the synchronizer and brings back its result, state hash and what the round learned."""
+        """One optimizer step of the lane at this stage, then eval if due. `control` carries the step's group to the
+        synchronizer and brings back the result, the state hash and what the round learned. A failure of the lane
+        (LaneAborted) skips the update and is reported in the result; the stage group's synchronizer still runs
+        (with zero gradients), so the group's rounds stay aligned."""
         control = control if control is not None else StepControl(step=self.step_count)
         if control.step != self.step_count:
             raise ValueError(f"asked for step {control.step}, but the trainer is at step {self.step_count}")
         for hook in self.before_step_hooks:
             hook(self)
         control.advance(StepStage.COMPUTE)
-        t0 = time.perf_counter()
-        b = self.manifest.batch
+        t0, self._wait_s = time.perf_counter(), 0.0
         step = self.step_count
         self.model.train()
-        ids = self.sampler.next_ids(b.batch_size)
-        n_micro = b.batch_size // b.micro_batch_size
-        loss_sum = torch.zeros((), device=self.device)
-        for micro_ids in ids.split(b.micro_batch_size):
-            x, y = self.train_samples.get(micro_ids)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self._autocast():
-                loss = lm_loss(self.model(x), y) / n_micro
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            loss_sum += loss.detach()
+        aborted: str | None = None
+        failed_peer: str | None = None
+        loss_sum = None
+        try:
+            loss_sum = self._pass(step)
+        except LaneAborted as e:
+            aborted, failed_peer = str(e), e.peer
+            self.optimizer.zero_grad(set_to_none=True)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         control.advance(StepStage.SYNC)
         apply = self.sync.before_optimizer_step(self.model, self.optimizer, control)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.manifest.optim.grad_clip
-        if clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        else:
-            grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-        grad_norm_f = float(grad_norm)
-        apply = apply and math.isfinite(grad_norm_f)
+        grad_norm = math.nan
+        if aborted is None:
+            try:
+                grad_norm = self._clip(step)
+            except LaneAborted as e:
+                aborted, failed_peer = str(e), e.peer
+        if aborted is not None:
+            log.warning("stage %d lane %d step %d aborted: %s", self.stage, self.replica, step, aborted)
+            self.boundary.abort(step, aborted)
+        elif not math.isfinite(grad_norm):
+            log.warning("step %d: non-finite gradient norm, update skipped", step)
+        apply = apply and aborted is None and math.isfinite(grad_norm)
         lr = lr_at(self.manifest.optim, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -166,30 +274,21 @@ class Trainer:
                 self.scaler.step(self.optimizer)
             else:
                 self.optimizer.step()
-        elif not math.isfinite(grad_norm_f):
-            log.warning("step %d: non-finite gradient norm, update skipped", step)
         if self.scaler:
             self.scaler.update()
         self.sync.after_optimizer_step(self.model, self.optimizer, control)
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count = step + 1
-        loss_f = float(loss_sum)
         seconds = time.perf_counter() - t0
         eval_loss = None
         every = self.manifest.eval.every_steps
         if every and self.step_count % every == 0:
             eval_loss = self.evaluate()
         result = StepResult(
-            step=self.step_count,
-            loss=loss_f,
-            lr=lr,
-            grad_norm=grad_norm_f,
-            tokens=self.tokens_per_step,
-            seconds=seconds,
-            tokens_per_s=self.tokens_per_step / max(seconds, 1e-9),
-            applied=apply,
-            eval_loss=eval_loss,
-        )
+            step=self.step_count, loss=None if loss_sum is None or aborted else float(loss_sum), lr=lr,
+            grad_norm=grad_norm, tokens=self.tokens_per_step, seconds=seconds,
+            tokens_per_s=self.tokens_per_step / max(seconds, 1e-9), applied=apply, eval_loss=eval_loss,
+            wait_s=self._wait_s, aborted=aborted, failed_peer=failed_peer)
         self.last = result
         control.result, control.state_hash = result, self.sync.state_hash()
         control.advance(StepStage.DONE)
@@ -198,14 +297,23 @@ class Trainer:
         return result
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss over the fixed held-out batches (deterministic for given weights)."""
+    def evaluate(self) -> float | None:
+        """Mean loss over the fixed held-out batches, through the lane (deterministic for given weights): the last
+        stage's figure, None at the other stages and when the lane fails on the way."""
         self.model.eval()
+        step = self.step_count
         total = 0.0
-        for ids in self.eval_ids:
-            x, y = self.heldout_samples.get(ids)
-            with self._autocast():
-                total += float(lm_loss(self.model(x.to(self.device)), y.to(self.device)))
+        try:
+            for i, ids in enumerate(self.eval_ids):
+                _, out = self._forward(step, i, ids if self.is_first else None, self.heldout_samples, EVAL)
+                if self.is_last:
+                    total += float(out)
+        except LaneAborted as e:
+            log.warning("stage %d lane %d eval at step %d aborted: %s", self.stage, self.replica, step, e)
+            self.boundary.abort(step, str(e), phase=EVAL)
+            return None
+        if not self.is_last:
+            return None
         self.last_eval_loss = total / len(self.eval_ids)
         return self.last_eval_loss
 
@@ -221,7 +329,7 @@ class Trainer:
             "epoch": self.sampler.epoch(),
         }
 
-    # -- checkpoints
+    # -- checkpoints and hand-over
 
     def state_dict(self) -> dict[str, Any]:
         rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -230,6 +338,7 @@ class Trainer:
         return {
             "format": CHECKPOINT_FORMAT,
             "run_id": self.manifest.run_id,
+            "stage": self.stage,
             "step": self.step_count,
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
@@ -242,10 +351,13 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise checkpoint.CheckpointError(f"checkpoint format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+        if state.get("format") not in READABLE_FORMATS:
+            raise checkpoint.CheckpointError(f"checkpoint format {state.get('format')!r}, this version reads "
+                                             f"{', '.join(map(str, READABLE_FORMATS))}")
         if state["run_id"] != self.manifest.run_id:
             raise checkpoint.CheckpointError(f"checkpoint belongs to run {state['run_id'][:16]}, not {self.manifest.run_id[:16]}")
+        if state.get("stage", 0) != self.stage:
+            raise checkpoint.CheckpointError(f"checkpoint of stage {state.get('stage')}, this trainer is stage {self.stage}")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler and state["scaler"]:

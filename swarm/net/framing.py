@@ -27,18 +27,51 @@ async def read_exactly(stream, n: int) -> bytes:
     return bytes(buf)
 
 
-async def read_frame(stream, max_bytes: int) -> bytes:
-    header = await read_exactly(stream, _LEN.size)
-    (n,) = _LEN.unpack(header)
+async def read_length(stream, max_bytes: int, reader: BufferedReader | None = None) -> int:
+    """A frame's length prefix, checked against the limit (the body is still to read)."""
+    raw = await reader.read(_LEN.size) if reader is not None else await read_exactly(stream, _LEN.size)
+    (n,) = _LEN.unpack(raw)
     if n > max_bytes:
         raise TooLargeError(f"frame of {n} bytes exceeds the limit of {max_bytes}")
     if n == 0:
         raise DecodeError("empty frame")
-    return await read_exactly(stream, n)
+    return n
+
+
+async def read_frame(stream, max_bytes: int) -> bytes:
+    return await read_exactly(stream, await read_length(stream, max_bytes))
+
+
+class BufferedReader:
+    """Reads a stream in large chunks and hands out exact byte counts: one read per message that arrived whole,
+    rather than one per field (py-libp2p's yamux answers every read with a window update: a packet each)."""
+
+    def __init__(self, stream, chunk_bytes: int = 1 << 16):
+        self.stream = stream
+        self.chunk_bytes = chunk_bytes
+        self.buf = bytearray()
+
+    async def read(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            try:
+                chunk = await self.stream.read(max(n - len(self.buf), self.chunk_bytes))
+            except Exception as e:  # py-libp2p raises on EOF and on reset (several exception types)
+                raise StreamClosed(f"stream ended after {len(self.buf)} of {n} bytes: {type(e).__name__}") from e
+            if not chunk:
+                raise StreamClosed(f"stream ended after {len(self.buf)} of {n} bytes")
+            self.buf += chunk
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+
+def frame(payload: bytes) -> bytes:
+    """The bytes of one length-prefixed frame (to write several in one write)."""
+    return _LEN.pack(len(payload)) + payload
 
 
 async def write_frame(stream, payload: bytes) -> None:
-    await stream.write(_LEN.pack(len(payload)) + payload)
+    await stream.write(frame(payload))
 
 
 async def close_quietly(stream) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import multiaddr
 import trio
@@ -28,7 +30,15 @@ from shoal.swarm.net.addresses import expand_wildcard
 from shoal.swarm.net.identity import libp2p_key_pair, peer_id_of
 from shoal.swarm.net.listen import AddressInUse, check_free, check_sole_listener
 
+if TYPE_CHECKING:
+    from shoal.swarm.net.nat import NatConfig, NatTraversal
+
 log = logging.getLogger(__name__)
+
+# py-libp2p's yamux by default also releases receive credit on reads its go-yamux-like rule would defer: a
+# WINDOW_UPDATE frame (a packet, and an acknowledgement back) on nearly every read. Off, it sends about a third as
+# many (measured: bench/results/network/overhead.md). The library reads this knob from the environment only.
+os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
 
 
 class JoinError(ConnectionError):
@@ -40,8 +50,10 @@ class HostConfig:
     listen: str = "/ip4/127.0.0.1/tcp/0"
     join: tuple[str, ...] = ()
     connect_timeout_s: float = 10.0
+    refresh_timeout_s: float = 3.0  # the routing-table refresh after joining; best effort (the DHT refreshes later)
     gossip_heartbeat_s: int = 1  # GossipSub mesh maintenance; the library default (120 s) leaves meshes unformed
     dht_mode_server: bool = True  # observers run the DHT as clients
+    nat: NatConfig | None = None  # reachability, relays, hole punching (None: a plain host, as in most tests)
 
     def __post_init__(self) -> None:
         for a in (self.listen, *self.join):
@@ -52,8 +64,8 @@ class HostConfig:
         for a in self.join:
             if "/p2p/" not in a:
                 raise ValueError(f"--join needs the peer id in the address (…/p2p/12D3Koo…): {a!r}")
-        if self.connect_timeout_s <= 0:
-            raise ValueError("connect_timeout_s must be positive")
+        if self.connect_timeout_s <= 0 or self.refresh_timeout_s <= 0:
+            raise ValueError("connect_timeout_s and refresh_timeout_s must be positive")
 
 
 class SwarmHost:
@@ -67,6 +79,7 @@ class SwarmHost:
         self.config = config
         self.peer_id: str = peer_id_of(key)
         self.join_errors: dict[str, str] = {}  # --join address -> why bootstrap could not reach it
+        self.nat: NatTraversal | None = None  # set by open_host when config.nat is given
 
     @property
     def addrs(self) -> list[str]:
@@ -81,8 +94,19 @@ class SwarmHost:
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p in self.host.get_connected_peers()]
 
+    def direct_peers(self) -> list[str]:
+        """Connected peers with at least one direct (not relayed) connection."""
+        from shoal.swarm.net.paths import connection_kinds
+
+        return sorted(p.to_base58() for p in self.host.get_connected_peers() if connection_kinds(self.host, p)[0])
+
     async def connect(self, addr: str) -> str:
-        """Dial a full multiaddr, add the peer to the DHT routing table, return its peer id."""
+        """Dial a full multiaddr (a relayed one too), add the peer to the DHT routing table, return its peer id."""
+        if "/p2p-circuit/p2p/" in addr:
+            from shoal.swarm.net.relay import dial_via_relay
+
+            conn = await dial_via_relay(self.host, addr, self.config.connect_timeout_s)
+            return conn.muxed_conn.peer_id.to_base58()
         info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
         with trio.fail_after(self.config.connect_timeout_s):
             await self.host.connect(info)
@@ -107,7 +131,7 @@ class SwarmHost:
                 n.start_soon(one, a)
         if joined:
             try:
-                with trio.move_on_after(self.config.connect_timeout_s):
+                with trio.move_on_after(self.config.refresh_timeout_s):
                     await self.dht.refresh_routing_table()
             except Exception as e:
                 log.warning("routing table refresh failed: %s", e)
@@ -128,6 +152,9 @@ class SwarmHost:
             except trio.Cancelled:
                 raise
             except BaseException as e:  # noqa: BLE001 - one escaped exception kills a py-libp2p host
+                if isinstance(e, BaseExceptionGroup) and e.subgroup(lambda x: not isinstance(x, trio.Cancelled)) \
+                        is None:
+                    raise  # only cancellations, from a nursery inside the handler: the host is shutting down
                 log.warning("handler %s failed: %s: %s", protocol, type(e).__name__, e)
                 try:
                     await stream.reset()
@@ -136,7 +163,29 @@ class SwarmHost:
 
         self.host.set_stream_handler(TProtocol(protocol), guarded)
 
-    async def open_stream(self, peer_id: str, protocol: str):
+    async def prepare_path(self, peer_id: str) -> None:
+        """Make the direct path a bulk stream to `peer_id` needs (a relayed dial and a hole punch for a NATed
+        peer; nothing otherwise), so that a caller can bound opening the stream itself tightly."""
+        if self.nat is not None:
+            await self.nat.paths.ensure(peer_id, bulk=True)
+
+    async def open_stream(self, peer_id: str, protocol: str, *, bulk: bool = False):
+        """A stream to `peer_id`, on a direct connection when there is one.
+
+        With NAT traversal on, a peer that announced itself as relayed is dialed through its relay, and a
+        `bulk` stream (tensors, state) waits for a hole punch instead of riding a relay (NoDirectPath if none
+        comes); a peer whose direct dial fails is tried through its relays."""
+        if self.nat is None:
+            return await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+        paths = self.nat.paths
+        await paths.ensure(peer_id, bulk=bulk)
+        try:
+            return await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+        except Exception:
+            if not paths.circuit_addrs(peer_id) or self.host.get_network().get_connections(ID.from_base58(peer_id)):
+                raise
+        await paths.dial_relayed(peer_id)
+        await paths.ensure(peer_id, bulk=bulk)
         return await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
 
     async def disconnect(self, peer_id: str) -> None:
@@ -216,6 +265,8 @@ async def open_host(key: Ed25519PrivateKey, config: HostConfig) -> AsyncIterator
             await stack.enter_async_context(background_trio_service(router))
             await pubsub.wait_until_ready()
             sh = SwarmHost(host, dht, pubsub, key, config)
+            if config.nat is not None:
+                sh.nat = await stack.enter_async_context(_nat_services(sh, config.nat))
             log.info("host %s listening on %s", sh.peer_id, sh.addrs)
             yield sh
             closed_normally = True
@@ -224,3 +275,22 @@ async def open_host(key: Ed25519PrivateKey, config: HostConfig) -> AsyncIterator
             raise
         log.warning("closing the libp2p host raised %s: %s (the host is closed anyway)", type(e).__name__, e,
                     exc_info=True)
+
+
+@asynccontextmanager
+async def _nat_services(sh: SwarmHost, config: NatConfig) -> AsyncIterator[NatTraversal]:
+    """The relay (STOP side), the dial-back service, the hole puncher and the path notifee, stopped on exit.
+    The reachability loop itself (probing, relaying, reservations) is started by the node: `sh.nat.run`."""
+    from shoal.swarm.net.nat import NatTraversal
+
+    nat = NatTraversal(sh, config)
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(background_trio_service(nat.relay))
+        if nat.puncher is not None:
+            await stack.enter_async_context(background_trio_service(nat.puncher))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        await nursery.start(nat.paths.run)
+        try:
+            yield nat
+        finally:
+            nursery.cancel_scope.cancel()

@@ -90,7 +90,7 @@ class Membership:
             e.status = signed
         elif isinstance(rec, Announcement):
             old = e.announcement_record
-            if old is not None and rec.started_at < old.started_at:
+            if old is not None and (rec.started_at, rec.revision) < (old.started_at, old.revision):
                 return events
             e.announcement = signed
         if seen_at > e.last_seen or not e.live:

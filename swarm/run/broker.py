@@ -38,6 +38,9 @@ class BrokerConfig:
     straggler_window_s: float = 600.0
     demote_hold_s: float = 300.0  # ... is moved to the backup pool, and not promoted again for this long
     dht_timeout_s: float = 5.0
+    # a pipeline lane with a slot empty this long and no backup of that stage to fill it is dissolved: its
+    # members return to the backup pool (each keeping its stage warm)
+    dissolve_after_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s <= self.fail_after_s:
@@ -46,16 +49,19 @@ class BrokerConfig:
             raise ValueError("need 0 < lease_renew_s < lease_timeout_s")
         if self.suspect_after_beats < 1 or min(self.republish_s, self.ping_timeout_s, self.dht_timeout_s) <= 0:
             raise ValueError("suspect_after_beats >= 1 and positive intervals are required")
+        if self.dissolve_after_s <= 0:
+            raise ValueError("dissolve_after_s must be positive")
         if self.straggler_misses < 1 or self.straggler_window_s <= 0 or self.demote_hold_s < 0:
             raise ValueError("straggler_misses >= 1, straggler_window_s > 0 and demote_hold_s >= 0 are required")
 
     @classmethod
-    def for_fail_after(cls, fail_after_s: float) -> BrokerConfig:
+    def for_fail_after(cls, fail_after_s: float, **more: float) -> BrokerConfig:
         """Settings scaled to one failure-detection time: the lease lapses after it too, liveness is checked three
-        times within it and the lease renewed four times (never less often than the defaults)."""
+        times within it (never less often than the default) and the lease renewed four times (each renewal is
+        gossiped and put in the DHT: no more often than that)."""
         d = cls()
         return cls(fail_after_s=fail_after_s, lease_timeout_s=fail_after_s,
-                   heartbeat_s=min(d.heartbeat_s, fail_after_s / 3), lease_renew_s=min(d.lease_renew_s, fail_after_s / 4))
+                   heartbeat_s=min(d.heartbeat_s, fail_after_s / 3), lease_renew_s=fail_after_s / 4, **more)
 
 
 @dataclass(slots=True)
@@ -81,9 +87,13 @@ class AdmissionError(RuntimeError):
 class Broker:
     """Runs on the broker node. Start with `await nursery.start(broker.run)`; the table is `broker.table`.
 
-    Slots are (stage, replica). A provider is placed into a free slot of the stage that has the most free slots, or
-    joins the backup pool keeping one stage warm (the stage with the fewest backups); a failed slot is filled by a
-    backup of its stage."""
+    Slots are (stage, replica); replica r of every stage is lane r, and a lane trains only with every stage filled.
+    A provider is placed into the first free slot of the lowest lane (the stage with the most parameters first,
+    among the stages whose memory need it fits), or joins the backup pool keeping one stage warm (the stage with the
+    fewest backups); a failed slot is filled by a backup of its stage (the fastest first). With several stages, a
+    lane is filled whole or not at all, and a lane whose empty slot no backup can fill for `dissolve_after_s` is
+    dissolved: its members return to the pool. A change of one stage's group changes every stage's epoch then
+    (lane completeness decides every stage's group)."""
 
     def __init__(self, ctx: RunContext, config: BrokerConfig = BrokerConfig(), *, lease_epoch: int = 0,
                  version: int = 0):
@@ -109,6 +119,8 @@ class Broker:
         self.reforms = 0  # groups re-formed (same members, next epoch) after a member missed a round but answered
         self._offences: dict[tuple[int, int, str], set[str]] = {}  # (stage, epoch, offender) -> reporters
         self._checking: set[tuple[int, int, str]] = set()  # (stage, epoch, peer) reported missing, being pinged
+        self._empty_since: dict[tuple[int, int], float] = {}  # slots of partly filled lanes: empty since (clock)
+        self.dissolved = 0  # lanes dissolved for want of a backup
         self._dirty = trio.Event()
         self.handlers: dict[str, Handler] = {"run.admit": self._rpc_admit, "run.table": self._rpc_table,
                                              "run.leave": self._rpc_leave,
@@ -180,18 +192,41 @@ class Broker:
     def _free_slots(self, stage: int) -> list[tuple[int, int]]:
         return [(stage, r) for r in range(self.replicas) if (stage, r) not in self.slots]
 
-    def _placement(self) -> tuple[int, int] | None:
-        """Where a newcomer goes: the first free slot of the stage with the most free slots (None: all full)."""
-        stage = max(range(self.stages), key=lambda s: (len(self._free_slots(s)), -s))
-        free = self._free_slots(stage)
-        return free[0] if free else None
+    def _fits(self, hw: HardwareProfile | None, stage: int) -> bool:
+        return hw is None or hw.memory_bytes <= 0 or self.ctx.manifest.stage_memory_bytes(stage) <= hw.memory_bytes
 
-    def _warm_stage(self) -> int:
-        """The stage a new backup keeps warm: the one with the fewest backups (the lowest on ties)."""
+    def _training(self) -> bool:
+        """Whether the run has begun training (a group change then takes effect at a step past 0)."""
+        return self.ctx.switch_step is not None and self.ctx.switch_step(0) > 0
+
+    def _placement(self, hw: HardwareProfile | None) -> tuple[int, int] | None:
+        """Where a newcomer goes: the first free slot of the lowest lane, the busiest stage (most parameters) first,
+        among the stages it has the memory for (None: no such slot). With several stages, once training has begun,
+        only a slot of a part-filled lane: an empty lane is re-formed from the pool, whole (`_fill_free_slots`)."""
+        m = self.ctx.manifest
+        lanes_in_use = {r for _, r in self.slots}
+        free = [(r, -m.stage_params(st), st) for st in range(self.stages) if self._fits(hw, st)
+                for _, r in self._free_slots(st)
+                if self.stages == 1 or r in lanes_in_use or not self._training()]
+        if not free:
+            return None
+        r, _, st = min(free)
+        return st, r
+
+    def _warm_stage(self, hw: HardwareProfile | None) -> int:
+        """The stage a new backup keeps warm: the one with the fewest backups among those it fits (the lowest on
+        ties)."""
         counts = [0] * self.stages
         for b in self._backups():
             counts[b.stage] += 1
-        return min(range(self.stages), key=lambda s: (counts[s], s))
+        fitting = [s for s in range(self.stages) if self._fits(hw, s)] or list(range(self.stages))
+        return min(fitting, key=lambda s: (counts[s], s))
+
+    def _group_changed(self, stage: int) -> None:
+        """A new epoch for `stage`'s group; with several stages for every stage's (a lane's completeness decides
+        each stage's group, so any slot change may change them all)."""
+        for s in (range(self.stages) if self.stages > 1 else (stage,)):
+            self.epochs[s] += 1
 
     def _pick_standby(self) -> None:
         if self.standby is not None:
@@ -237,13 +272,14 @@ class Broker:
         p = self._provider(peer_id, REGISTERED, hardware=hw, score=(-hw.memory_bytes, -hw.matmul_tflops, 0))
         self.providers[peer_id] = p
         p.state = BENCHMARKED  # the profile carries the node's measured compute and memory
-        free = None if req.backup_only else self._placement()
+        free = None if req.backup_only else self._placement(hw)
         if free is not None:
             self.slots[free] = peer_id
             p.state, p.stage = ACTIVE, free[0]
-            self.epochs[free[0]] += 1
+            self._empty_since.pop(free, None)
+            self._group_changed(free[0])
         else:
-            p.state, p.stage = BACKUP, self._warm_stage()
+            p.state, p.stage = BACKUP, self._warm_stage(hw)
         self._pick_standby()
         self._rebuild()
         log.info("admitted %s as %s", peer_id, slot_name(*free) if free else f"backup of stage {p.stage}")
@@ -266,8 +302,9 @@ class Broker:
         for key, pid in list(self.slots.items()):
             if pid == peer_id:
                 del self.slots[key]
-                self.epochs[key[0]] += 1
-                self._promote_into(key, peer_id)
+                self._group_changed(key[0])
+                if not self._promote_into(key, peer_id):
+                    self._empty_since.setdefault(key, self.clock())
         if self.standby == peer_id:
             self.standby = None
         self._pick_standby()
@@ -287,13 +324,46 @@ class Broker:
         return True
 
     def _fill_free_slots(self) -> bool:
+        """Backups into free slots: with one stage, any free slot; with several, a lane only when every free slot
+        of it can be filled at once (a part-filled lane cannot train)."""
         changed = False
-        for stage in range(self.stages):
-            for key in self._free_slots(stage):
-                if not self._promote_into(key, ""):
-                    break
-                self.epochs[stage] += 1
-                changed = True
+        for r in range(self.replicas):
+            free = [(st, r) for st in range(self.stages) if (st, r) not in self.slots]
+            if not free:
+                continue
+            if self.stages > 1 and any(not self._promotable(st) for st, _ in free):
+                continue  # not every free slot of the lane can be filled now
+            for key in free:
+                if self._promote_into(key, ""):
+                    self._empty_since.pop(key, None)
+                    self._group_changed(key[0])
+                    changed = True
+        return changed
+
+    def _dissolve_stale_lanes(self) -> bool:
+        """Dissolve every lane with a slot empty for `dissolve_after_s` that no backup can fill: its members go back
+        to the pool, keeping their stage warm."""
+        now, changed = self.clock(), False
+        for key, since in list(self._empty_since.items()):
+            if key in self.slots:
+                del self._empty_since[key]
+                continue
+            if now - since < self.config.dissolve_after_s or self._promotable(key[0]):
+                continue
+            lane = key[1]
+            members = [(k, pid) for k, pid in self.slots.items() if k[1] == lane]
+            for k, pid in members:
+                del self.slots[k]
+                p = self.providers.get(pid)
+                if p is not None:
+                    p.state, p.stage = BACKUP, k[0]
+            for k in [k for k in self._empty_since if k[1] == lane]:
+                del self._empty_since[k]
+            self._group_changed(key[0])
+            self.dissolved += 1
+            changed = True
+            log.warning("dissolved lane %d: slot %s empty for %.0f s with no backup of stage %d; its %d members "
+                        "return to the pool", lane, slot_name(*key), now - since, key[0], len(members))
         return changed
 
     def touch(self, peer_id: str) -> None:
@@ -330,6 +400,7 @@ class Broker:
                     log.info("provider %s %s", p.peer_id, "suspect" if suspect else "back")
         old_standby = self.standby
         filled = self._fill_free_slots()
+        filled |= self.stages > 1 and self._dissolve_stale_lanes()
         self._pick_standby()
         if filled or self.standby != old_standby:
             self._rebuild()
@@ -363,10 +434,15 @@ class Broker:
             for pid in set(rep.offenders):
                 if pid in members and pid != caller:
                     self._offence(rep.stage, rep.epoch, pid, caller)
-        missing = [pid for pid in set(rep.missing) if pid in members and pid != caller]
+        missing = [(pid, rep.stage, rep.epoch) for pid in set(rep.missing) if pid in members and pid != caller]
+        for pid in set(rep.neighbours):  # only the caller's own lane neighbours, at their stage's current epoch
+            slot = self.table.slot_of(pid)
+            mine = self.table.slot_of(caller)
+            if slot is not None and mine is not None and slot[1] == mine[1] and abs(slot[0] - mine[0]) == 1:
+                missing.append((pid, slot[0], self.epochs[slot[0]]))
         async with trio.open_nursery() as n:
-            for pid in missing:
-                n.start_soon(self._check_missing, pid, caller, rep.stage, rep.epoch)
+            for pid, stage, epoch in missing:
+                n.start_soon(self._check_missing, pid, caller, stage, epoch)
         return {"accepted": current, "epoch": self.epochs[rep.stage]}
 
     def _offence(self, stage: int, epoch: int, offender: str, reporter: str) -> None:
@@ -424,7 +500,7 @@ class Broker:
 
     def reform(self, stage: int, reason: str) -> None:
         """The same members under the next epoch, from a step every member can still reach."""
-        self.epochs[stage] += 1
+        self._group_changed(stage)
         self.reforms += 1
         log.info("re-forming the group of stage %d (epoch %d): %s", stage, self.epochs[stage], reason)
         self._rebuild()

@@ -210,13 +210,13 @@ class RunClient:
         log.info("admitted to run %s as %s", self.ctx.run_id[:16], resp.slot or resp.state)
         return resp
 
-    async def report_missing(self, missing: list[str], *, epoch: int, stage: int,
-                             offenders: list[str] = ()) -> bool:
+    async def report_missing(self, missing: list[str], *, epoch: int, stage: int, offenders: list[str] = (),
+                             neighbours: list[str] = ()) -> bool:
         """Tell the broker that `missing` members missed a round's deadline (it checks them: a silent one is
-        replaced, one that answers makes it re-form the group) or that `offenders` sent updates we rejected
-        (evicted once most members say so)."""
+        replaced, one that answers makes it re-form the group), that `offenders` sent updates we rejected
+        (evicted once most members say so), or that a link to these lane `neighbours` failed (checked alike)."""
         rep = MissingReport(run_id=self.ctx.run_id, stage=stage, epoch=epoch, missing=tuple(missing),
-                            offenders=tuple(offenders))
+                            offenders=tuple(offenders), neighbours=tuple(neighbours))
         try:
             ans = await self._ask("run.report_missing", rep.to_wire())
         except RpcError as e:

@@ -1,4 +1,9 @@
-"""Tagged point-to-point exchange for data-parallel rounds: one stream per message, bounded inbox, deadline-bound waits."""
+"""Tagged point-to-point exchange for data-parallel rounds: one long-lived stream per peer, bounded inbox, deadlines.
+
+A stream carries messages one after another, each `[len][header][len][payload]` written at once; opening a
+libp2p stream per message cost more bytes and packets than a compressed round's payload (protocol negotiation,
+yamux open and close, each its own TCP segment and acknowledgement).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +15,13 @@ import trio
 
 from shoal.protocol.errors import DecodeError, ProtocolError
 from shoal.protocol.wire import expect_map, get_field, pack, unpack
-from shoal.swarm.net.framing import PREFIX_BYTES, StreamClosed, close_quietly, read_frame, write_frame
+from shoal.swarm.net.framing import PREFIX_BYTES, BufferedReader, StreamClosed, close_quietly, frame, read_length
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 
 log = logging.getLogger(__name__)
 
-COLLECTIVE_PROTOCOL = "/shoal/coll/1.0.0"
+COLLECTIVE_PROTOCOL = "/shoal/coll/1.1.0"
 MAX_HEADER_BYTES = 1024
 MAX_TAG_CHARS = 200
 DONE_TAGS_KEPT = 4096  # finished tags remembered, so late messages for them are dropped
@@ -28,6 +33,8 @@ class Collective:
     Messages that arrive before the local `exchange` for their tag starts wait in a bounded inbox (per-peer and
     total byte caps; the oldest tags are evicted first). Tags already finished are remembered briefly, and late
     messages for them are dropped. Malformed messages penalize their sender and never reach the caller.
+    Messages to a peer go one after another on one stream kept open for it; a send that fails on a kept stream
+    (the peer restarted, the connection was replaced) is tried once more on a new one.
     """
 
     def __init__(
@@ -62,37 +69,46 @@ class Collective:
         self._done: deque[str] = deque(maxlen=DONE_TAGS_KEPT)
         self._done_set: set[str] = set()
         self._changed = trio.Event()
+        self._out: dict[str, object] = {}  # peer -> the stream our messages to it go on
+        self._out_locks: dict[str, trio.Lock] = {}  # one message at a time on a stream
         sh.set_handler(COLLECTIVE_PROTOCOL, self._serve)
 
     # -- receiving ----------------------------------------------------------------------------------
 
     async def _serve(self, stream) -> None:
+        """Messages from one peer, one after another, until it closes the stream; a malformed one ends it."""
         peer = stream.muxed_conn.peer_id.to_base58()
-        if self.penalties.is_banned(peer):
-            await stream.reset()
-            return
-        try:
-            with trio.fail_after(self.read_timeout_s):
-                raw = await read_frame(stream, MAX_HEADER_BYTES)
-                header = expect_map(unpack(raw, max_bytes=MAX_HEADER_BYTES), "collective header")
-                tag = get_field(header, "tag", str)
-                n = get_field(header, "n", int)
-                if not tag or len(tag) > MAX_TAG_CHARS:
-                    raise DecodeError(f"tag must be 1..{MAX_TAG_CHARS} characters")
-                if not 0 < n <= self.max_frame_bytes:
-                    raise DecodeError(f"announced payload of {n} bytes is outside 1..{self.max_frame_bytes}")
-                payload = await read_frame(stream, n)
-                if len(payload) != n:
-                    raise DecodeError(f"payload of {len(payload)} bytes, header announced {n}")
-        except (ProtocolError, trio.TooSlowError) as e:
-            self.penalties.penalize(peer, f"collective: {type(e).__name__}: {e}")
-            await _reset(stream)
-            return
-        except StreamClosed as e:
-            log.debug("collective stream from %s closed early: %s", peer, e)
-            return
-        await close_quietly(stream)
-        self._deliver(tag, peer, payload, wire=2 * PREFIX_BYTES + len(raw) + n)
+        reader = BufferedReader(stream)
+        while True:
+            if self.penalties.is_banned(peer):
+                await _reset(stream)
+                return
+            try:
+                try:
+                    n_head = await read_length(stream, MAX_HEADER_BYTES, reader)  # idle between messages: no deadline
+                except StreamClosed:
+                    await close_quietly(stream)  # the peer closed its end: done
+                    return
+                with trio.fail_after(self.read_timeout_s):
+                    raw = await reader.read(n_head)
+                    header = expect_map(unpack(raw, max_bytes=MAX_HEADER_BYTES), "collective header")
+                    tag = get_field(header, "tag", str)
+                    n = get_field(header, "n", int)
+                    if not tag or len(tag) > MAX_TAG_CHARS:
+                        raise DecodeError(f"tag must be 1..{MAX_TAG_CHARS} characters")
+                    if not 0 < n <= self.max_frame_bytes:
+                        raise DecodeError(f"announced payload of {n} bytes is outside 1..{self.max_frame_bytes}")
+                    payload = await reader.read(await read_length(stream, n, reader))
+                    if len(payload) != n:
+                        raise DecodeError(f"payload of {len(payload)} bytes, header announced {n}")
+            except (ProtocolError, trio.TooSlowError) as e:
+                self.penalties.penalize(peer, f"collective: {type(e).__name__}: {e}")
+                await _reset(stream)
+                return
+            except StreamClosed as e:
+                log.debug("collective stream from %s closed early: %s", peer, e)
+                return
+            self._deliver(tag, peer, payload, wire=2 * PREFIX_BYTES + len(raw) + n)
 
     def _deliver(self, tag: str, peer: str, payload: bytes, wire: int) -> None:
         if tag in self._done_set:
@@ -144,23 +160,51 @@ class Collective:
 
     async def _send(self, peer: str, tag: str, payload: bytes, sent: set[str], failed: set[str]) -> None:
         header = pack({"tag": tag, "n": len(payload)})
+        message = frame(header) + frame(payload)
+        lock = self._out_locks.setdefault(peer, trio.Lock())
         try:
             with trio.fail_after(self.send_timeout_s):
-                with trio.fail_after(self.open_timeout_s):  # a dead peer's stale connection hangs here
-                    stream = await self.sh.open_stream(peer, COLLECTIVE_PROTOCOL)
-                try:
-                    await write_frame(stream, header)
-                    await write_frame(stream, payload)
-                finally:
-                    await close_quietly(stream)
+                async with lock:
+                    await self._write(peer, message)
         except Exception as e:  # a peer's failure (trio.TooSlowError too) is data: the round goes on without it
             log.info("collective send %s to %s failed: %s: %s", tag, peer, type(e).__name__, e)
             failed.add(peer)  # unreachable (a killed process's connections are reset): not waited for either
             self._wake()
             return
-        self.bytes_sent += 2 * PREFIX_BYTES + len(header) + len(payload)
+        self.bytes_sent += len(message)
         self.messages_sent += 1
         sent.add(peer)
+
+    async def _write(self, peer: str, message: bytes) -> None:
+        """Write one message on the peer's kept stream; on failure, once more on a new stream. A write that did not
+        finish (an error, or a deadline that cancelled it) leaves part of a message on the stream: that stream is
+        reset, so the peer sees it end instead of reading the next message as the rest of this one."""
+        stream = self._out.get(peer)
+        if stream is not None:
+            try:
+                await stream.write(message)
+                return
+            except Exception as e:  # noqa: BLE001 - a stale stream: try a fresh one
+                log.debug("collective stream to %s failed (%s): opening a new one", peer, e)
+                await self._discard(peer, stream)
+            except BaseException:
+                await self._discard(peer, stream)
+                raise
+        await self.sh.prepare_path(peer)  # through a relay and a hole punch, for a NATed peer: not "opening"
+        with trio.fail_after(self.open_timeout_s):  # a dead peer's stale connection hangs here
+            stream = await self.sh.open_stream(peer, COLLECTIVE_PROTOCOL, bulk=True)
+        self._out[peer] = stream
+        try:
+            await stream.write(message)
+        except BaseException:
+            await self._discard(peer, stream)
+            raise
+
+    async def _discard(self, peer: str, stream) -> None:
+        if self._out.get(peer) is stream:
+            del self._out[peer]
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            await _reset(stream)
 
     async def exchange(
         self, tag: str, sends: dict[str, bytes], expect: set[str], timeout_s: float

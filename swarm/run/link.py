@@ -39,8 +39,10 @@ class LinkHub:
     """The node's lane-link service: one handler for LANE_PROTOCOL that hands inbound links to the open LinkEnds.
     Create with `open_link_hub` (its nursery runs the outbound links' credit readers)."""
 
-    def __init__(self, sh: SwarmHost, penalties: Penalties, config: LinkConfig, nursery: trio.Nursery):
+    def __init__(self, sh: SwarmHost, penalties: Penalties, config: LinkConfig, nursery: trio.Nursery,
+                 plan: tuple[str, int, int] | None = None):
         self.sh, self.penalties, self.config, self.nursery = sh, penalties, config, nursery
+        self.plan = plan  # (run id, stages, lanes) this node trains, known before any end is open
         self._inbound: dict[tuple[str, int, int, str], tuple[LinkEnd, _Link]] = {}
         self._ends: list[LinkEnd] = []
         sh.set_handler(LANE_PROTOCOL, self._serve)
@@ -62,11 +64,15 @@ class LinkHub:
         self._ends = [e for e in self._ends if e is not end]
 
     def _plausible(self, hello: LinkHello) -> bool | None:
-        """None: no open end serves this run; else whether its boundary and lane exist in the run's plan."""
-        specs = [e.spec for e in self._ends if e.spec.run_id == hello.run]
-        if not specs:
+        """None: this node trains no such run; else whether its boundary and lane exist in the run's plan (a
+        neighbour may dial before this node's end of the link is open: it is refused and dials again)."""
+        plans = [(e.spec.run_id, e.spec.num_stages, e.spec.replicas) for e in self._ends]
+        if self.plan is not None:
+            plans.append(self.plan)
+        plan = next((p for p in plans if p[0] == hello.run), None)
+        if plan is None:
             return None
-        return hello.boundary < specs[0].num_stages - 1 and hello.lane < specs[0].replicas
+        return hello.boundary < plan[1] - 1 and hello.lane < plan[2]
 
     async def _serve(self, stream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
@@ -104,9 +110,11 @@ class LinkHub:
 
 
 @asynccontextmanager
-async def open_link_hub(sh: SwarmHost, penalties: Penalties, config: LinkConfig = LinkConfig()):
+async def open_link_hub(sh: SwarmHost, penalties: Penalties, config: LinkConfig = LinkConfig(), *,
+                        plan: tuple[str, int, int] | None = None):
+    """The node's LinkHub for as long as the block runs; `plan`: (run id, stages, lanes) of the run it trains."""
     async with trio.open_nursery() as nursery:
-        hub = LinkHub(sh, penalties, config, nursery)
+        hub = LinkHub(sh, penalties, config, nursery, plan)
         try:
             yield hub
         finally:

@@ -13,12 +13,25 @@ MAX_TABLES = 64  # tables kept: enough to answer for every step a member can sti
 
 
 def group_of(table: AssignmentTable, me: str) -> Group | None:
-    """`me`'s group under `table` (its stage's members and epoch), or None when the table gives it no slot."""
+    """`me`'s group under `table` (its stage's members in complete lanes, and the epoch), or None when the table
+    gives it no slot or its lane is not complete (a lane trains only with every stage filled)."""
     slot = table.slot_of(me)
-    if slot is None:
+    if slot is None or slot[1] not in table.complete_lanes():
         return None
     stage = slot[0]
-    return Group(run_id=table.run_id, stage=stage, epoch=table.epochs[stage], members=table.members(stage), me=me)
+    return Group(run_id=table.run_id, stage=stage, epoch=table.epochs[stage], members=table.group_members(stage),
+                 me=me)
+
+
+def lane_peers(table: AssignmentTable, me: str) -> tuple[str | None, str | None]:
+    """(previous, next) stage's peer in `me`'s lane under `table` (None at the lane's ends or for an empty slot)."""
+    slot = table.slot_of(me)
+    if slot is None:
+        return None, None
+    stage, lane = slot
+    prev = table.slot_peer(stage - 1, lane) if stage > 0 else None
+    nxt = table.slot_peer(stage + 1, lane) if stage + 1 < table.stages else None
+    return prev, nxt
 
 
 class GroupSchedule:

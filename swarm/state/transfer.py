@@ -158,7 +158,7 @@ async def pull_state(sh: SwarmHost, peer_id: str, *, config: StateTransferConfig
     with `Snapshot.merged`; its hash covers what was sent). Raises StateTransferError."""
     try:
         with trio.fail_after(config.timeout_s):
-            stream = await sh.open_stream(peer_id, STATE_PROTOCOL)
+            stream = await sh.open_stream(peer_id, STATE_PROTOCOL, bulk=True)
             try:
                 req = {"want": "state", "revision": revision}
                 if only is not None:
@@ -187,7 +187,7 @@ async def pull_state(sh: SwarmHost, peer_id: str, *, config: StateTransferConfig
         raise
     except Exception as e:
         raise StateTransferError(f"state from {peer_id[:16]}…: {type(e).__name__}: {e}") from e
-    got = state_hash(tensors, skeleton)
+    got = await trio.to_thread.run_sync(state_hash, tensors, skeleton)  # a big state: not on the event loop
     if got != hsh:
         raise StateTransferError(f"state from {peer_id[:16]}… fails its checksum ({got[:12]}… != {hsh[:12]}…)")
     if only is None:
