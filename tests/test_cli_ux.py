@@ -101,10 +101,17 @@ def test_the_memory_estimate_matches_what_training_allocates_on_cuda():
         del t
 
 
-def test_a_pipeline_run_is_refused_in_one_place():
-    m = mf.RunManifest.default("tiny", plan=mf.ParallelPlan(stages=2, replicas=1))
-    with pytest.raises(UnsupportedPlan, match="2 pipeline stages"):
-        preflight(m, RunConfig(manifest=m))
+def test_a_plan_this_version_cannot_train_is_refused_in_one_place():
+    model = mf.ModelSpec.preset("tiny", tie_embeddings=False)
+    for compression, refused in (("aqsgd", True), ("none", False)):
+        m = mf.RunManifest.default("tiny", model=model, plan=mf.ParallelPlan(
+            stages=2, replicas=1, pipeline=mf.PipelineSpec(compression=compression)))
+        if refused:
+            with pytest.raises(UnsupportedPlan, match="asks for aqsgd between its stages"):
+                preflight(m, RunConfig(manifest=m))
+        else:
+            need = preflight(m, RunConfig(manifest=m))
+            assert need.params == min(m.stage_params(0), m.stage_params(1))
 
 
 # -- errors ------------------------------------------------------------------------------------------------------

@@ -68,8 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--scenario", default="home-100", help="comma-separated scenario names or JSON files")
     n.add_argument("--sync", default="cocktail,allreduce", help="comma-separated workloads")
     n.add_argument("--baseline", default="", help="hivemind: also train with hivemind (default averaging and 8-bit)")
-    n.add_argument("--size", default="tiny", choices=("tiny", "small"))
-    n.add_argument("--nodes", type=int, default=4)
+    n.add_argument("--size", default="tiny", choices=("tiny", "small"), help="model preset (default: %(default)s)")
+    n.add_argument("--nodes", type=int, default=4, help="nodes, each in its own namespace (default: %(default)s)")
     n.add_argument("--steps", type=int, default=None, help="steps per segment at most (tiny 120, small 6)")
     n.add_argument("--window", default=None, metavar="A,B",
                    help="measure throughput, bytes and CPU from step A to B (tiny 20,80; small 2,5)")
@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--no-target", action="store_true", help="time no target loss (throughput and bytes only)")
     n.add_argument("--hivemind-compression", default="none,8bit",
                    help="hivemind variants: none (its default), fp16, 8bit (default: none,8bit)")
-    n.add_argument("--lr", type=float, default=3e-3)
+    n.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)g)")
     n.add_argument("--segment-time", type=float, default=None, help="training seconds per segment at most "
                                                                      "(tiny 240, small 900)")
     n.add_argument("--status-interval", type=float, default=2.0, help="the nodes' --status-interval (default 2)")
@@ -89,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--prefix", default="shnet", help="names of the namespaces, veths and bridge start with this")
     n.add_argument("--subnet", default="10.15.0", help="the /24 inside the namespaces (first three octets)")
     n.add_argument("--workdir", type=Path, default=None, help="node logs and status files (default: a temp dir)")
-    n.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "network")
+    n.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "network",
+                   help="folder for the result files (default: bench/results/network)")
     n.add_argument("--name", default=None, help="basename of the result files (default: the scenario names)")
 
 
