@@ -4,6 +4,7 @@ runs; when the default identity is taken, the next free default (identity-2.key,
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -33,15 +34,30 @@ def lock_path_of(key_path: Path) -> Path:
     return key_path.with_name(f"{key_path.name}.lock")
 
 
-def lock_identity(key_path: Path) -> IdentityLock:
+def _open_lock(key_path: Path, fallback_dir: Path | None) -> tuple[Path, int]:
+    """The lock file beside the key, or when that folder is read-only (a key mounted read-only), one named after
+    the key's absolute path in `fallback_dir`."""
+    lock = lock_path_of(key_path)
+    try:
+        key_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return lock, os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        if fallback_dir is None or e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+    digest = hashlib.sha256(str(key_path.resolve()).encode()).hexdigest()[:16]
+    lock = Path(fallback_dir).expanduser() / "locks" / f"{key_path.name}-{digest}.lock"
+    lock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return lock, os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+
+
+def lock_identity(key_path: Path, fallback_dir: Path | None = None) -> IdentityLock:
     """Take the lock of `key_path` (the key itself need not exist yet); IdentityInUse if a live process holds it.
-    The lock is the kernel's (flock), so it goes with the process that held it, however that process ended."""
+    The lock is the kernel's (flock), so it goes with the process that held it, however that process ended.
+    `fallback_dir` (the shoal home) holds the lock when the key's folder is read-only."""
     import fcntl
 
     key_path = Path(key_path).expanduser()
-    key_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    lock = lock_path_of(key_path)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    lock, fd = _open_lock(key_path, fallback_dir)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

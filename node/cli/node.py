@@ -122,9 +122,12 @@ def main(args: argparse.Namespace) -> int:
     log_path = args.log_file or home / "logs" / f"node-{short_id(peer_id)}.log"
     try:
         args.log_file_handler.open(log_path)
+        where = f"log: {log_path}"
     except OSError as e:
-        raise CliError(f"--log-file {log_path}: {e.strerror or e}") from None
-    _say(f"shoal node {peer_id} (identity {lock.key_path}); log: {log_path}")
+        if args.log_file is not None:
+            raise CliError(f"--log-file {log_path}: {e.strerror or e}") from None
+        where = f"no log file ({log_path}: {e.strerror or e}; --log-file chooses one)"
+    _say(f"shoal node {peer_id} (identity {lock.key_path}); {where}")
     _say("probing hardware…")
     device, free = args.device, None
     run = None
@@ -177,7 +180,7 @@ def identity(args: argparse.Namespace, home: Path):
     from shoal.swarm.net.identity import IdentityError, load_or_create_identity
 
     try:
-        lock = lock_identity(args.identity) if args.identity is not None else default_identity(home)
+        lock = lock_identity(args.identity, home) if args.identity is not None else default_identity(home)
     except OSError as e:
         raise CliError(f"identity {args.identity or home}: {e.strerror or e}", Exit.IDENTITY_UNUSABLE) from None
     try:
