@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.node.version import shoal_version
 from shoal.protocol import PROTOCOL_VERSION
@@ -20,7 +21,8 @@ from shoal.protocol.records import Announcement, HardwareProfile, LeaveNotice, S
 from shoal.swarm.net.dht_records import announcement_key
 from shoal.swarm.net.gossip import RecordGossip
 from shoal.swarm.net.host import HostConfig, SwarmHost, open_host
-from shoal.swarm.net.identity import load_or_create_identity
+from shoal.node.twins import TwinDetected, refuse_twin
+from shoal.swarm.net.identity import load_or_create_identity, peer_id_of
 from shoal.swarm.net.membership import Event, MAX_MEMBERS_ROWS, Membership, MembershipConfig, verified_members
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.pulse import Pulse, steady_clock
@@ -74,16 +76,19 @@ class NodeConfig:
 
 
 class Node:
-    def __init__(self, config: NodeConfig, hardware: HardwareProfile):
+    def __init__(self, config: NodeConfig, hardware: HardwareProfile, *, key: Ed25519PrivateKey | None = None):
+        """`key`: the identity, already loaded (else read from `config.identity`)."""
         self.config = config
         self.hardware = hardware
-        self.key = load_or_create_identity(config.identity)
+        self.key = key if key is not None else load_or_create_identity(config.identity)
+        self._peer_id = peer_id_of(self.key)
         self.sh: SwarmHost | None = None
         self.membership: Membership | None = None
         self.pulse = Pulse(steady_clock)  # one clock for the membership, the run's timeouts and freeze detection
         self.penalties = Penalties()
         self.gossip: RecordGossip | None = None
         self.state = "starting"
+        self.phase = "starting"  # what start-up is doing now, for the command line's progress
         self.role = "idle"
         self.started_at = time.time()
         self._t0 = time.monotonic()
@@ -102,8 +107,7 @@ class Node:
 
     @property
     def peer_id(self) -> str:
-        assert self.sh is not None
-        return self.sh.peer_id
+        return self._peer_id
 
     # -- records -------------------------------------------------------------------------------------------
     def ingest(self, signed: Signed, age_s: float = 0.0) -> None:
@@ -345,6 +349,18 @@ class Node:
             await trio.sleep(self.config.remember_peers_s)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        join = list(self.config.host.join)
+        if any(a.rstrip("/").endswith(f"/p2p/{self.peer_id}") for a in join):
+            raise TwinDetected(f"the --join address is this node's own peer id ({self.peer_id}): another node runs "
+                               f"with this identity")
+        if join:  # before joining as this identity, which would disturb a twin's connections
+            self.phase = f"joining the swarm via {len(join)} address{'es' if len(join) > 1 else ''}"
+
+            def checking() -> None:
+                self.phase = "the swarm lists this node's peer id: checking that no other node runs with it"
+
+            await refuse_twin(join, self.peer_id, gossip_period_s=self.gossip_period_s,
+                              rpc_timeout_s=self.config.rpc_timeout_s, on_check=checking)
         async with open_host(self.key, self.config.host) as sh:
             self.sh = sh
             self.membership = Membership(sh.peer_id, self.config.membership, self.pulse.clock, self.pulse)
@@ -358,14 +374,7 @@ class Node:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.gossip.run)
                 await nursery.start(self.pulse.run)
-                joined = await sh.bootstrap()
-                recalled = await self._recall_peers(joined)
-                if self.config.host.join and not joined:
-                    if not recalled:
-                        raise ConnectionError(f"could not reach any of {list(self.config.host.join)}")
-                    log.warning("none of --join %s answered; going on with %d remembered peers",
-                                list(self.config.host.join), len(recalled))
-                joined += [p for p in recalled if p not in joined]
+                joined = await self._join()
                 for pid in joined:
                     await self.sync_from(pid)
                 if sh.nat is not None:
@@ -377,44 +386,65 @@ class Node:
                         await sh.dht.put_value(announcement_key(sh.peer_id), self._announcement)
                 except Exception as e:  # noqa: BLE001 - the DHT copy is a convenience, gossip carries it too
                     log.info("announcement not stored in the DHT: %s", e)
-                self.state = "ready"
+                self.state = self.phase = "ready"
                 await self.publish(self._announcement)
-                async with trio.open_nursery() as periodic:
-                    periodic.start_soon(self._status_loop)
-                    periodic.start_soon(self._announce_loop)
-                    periodic.start_soon(self._remember_loop)
-                    if sh.nat is not None:
-                        await periodic.start(sh.nat.run)
-                        periodic.start_soon(self._reannounce_loop)
-                    if self.config.run is not None:
-                        from shoal.node.run.runtime import RunRuntime
+                try:
+                    async with trio.open_nursery() as periodic:
+                        periodic.start_soon(self._status_loop)
+                        periodic.start_soon(self._announce_loop)
+                        periodic.start_soon(self._remember_loop)
+                        if sh.nat is not None:
+                            await periodic.start(sh.nat.run)
+                            periodic.start_soon(self._reannounce_loop)
+                        if self.config.run is not None:
+                            from shoal.node.run.runtime import RunRuntime
 
-                        self.runtime = RunRuntime(self, self.config.run, self.hardware)
-                        await periodic.start(self._run_training, joined)
-                    task_status.started(self)
-                    await self._stop.wait()
-                    if self.runtime is not None:
-                        await self.runtime.leave()
-                    periodic.cancel_scope.cancel()  # no status may follow the leave notice
+                            self.runtime = RunRuntime(self, self.config.run, self.hardware)
+                            await periodic.start(self._run_training, joined)
+                        task_status.started(self)
+                        await self._stop.wait()
+                        if self.runtime is not None:
+                            await self.runtime.leave()
+                        periodic.cancel_scope.cancel()  # no status may follow the leave notice
+                except BaseException as e:  # refused, failed or interrupted: the swarm need not wait for silence
+                    with trio.CancelScope(shield=True):
+                        await self.publish_leave(f"{type(e).__name__}", wait_s=1.0)
+                    raise
                 await self.leave(nursery)
+
+    async def _join(self) -> list[str]:
+        """Connect to the --join addresses and the peers remembered from the last run; JoinError when none
+        answers."""
+        join = self.config.host.join
+        joined = await self.sh.bootstrap()
+        recalled = await self._recall_peers(joined)
+        if join and not joined:
+            if not recalled:
+                raise self.sh.join_error()
+            log.warning("none of --join %s answered; going on with %d remembered peers", list(join), len(recalled))
+        return joined + [p for p in recalled if p not in joined]
 
     async def _run_training(self, joined: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The run's part of the node; a failure there is reported in the status, and the node leaves."""
         try:
             await self.runtime.run(joined, task_status=task_status)
         except Exception as e:
-            log.exception("training stopped")
+            log.info("training stopped: %s: %s", type(e).__name__, e, exc_info=True)  # the caller reports it
             self.runtime.error = f"{type(e).__name__}: {e}"
             self._last_status = seal(self.status_record(), self.key)
             await self.publish(self._last_status)
             raise
 
-    async def leave(self, nursery: trio.Nursery, reason: str = "shutdown") -> None:
-        """Publish a leave notice, give it a moment to spread, then close everything."""
+    async def publish_leave(self, reason: str, wait_s: float = 2.0) -> None:
+        """Publish a leave notice and give it a moment to spread."""
         self.state = "leaving"
         self.write_status_file()
-        notice = seal(LeaveNotice(peer_id=self.peer_id, time=time.time(), reason=reason), self.key)
-        with trio.move_on_after(2.0):
+        notice = seal(LeaveNotice(peer_id=self.peer_id, time=time.time(), reason=reason[:200]), self.key)
+        with trio.move_on_after(wait_s):
             await self.publish(notice)
             await trio.sleep(0.3)
+
+    async def leave(self, nursery: trio.Nursery, reason: str = "shutdown") -> None:
+        """Publish a leave notice, give it a moment to spread, then close everything."""
+        await self.publish_leave(reason)
         nursery.cancel_scope.cancel()

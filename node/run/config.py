@@ -15,7 +15,8 @@ class RunConfig:
     manifest: RunManifest | None = None  # None: fetched from the joined peers by `run_id`
     run_id: str | None = None
     secret: str | None = None
-    device: str = "cpu"
+    device: str = "cpu"  # a resolved device (cpu, cuda, cuda:N, mps), not auto
+    device_free_bytes: int | None = None  # its free memory at start (None: not checked), see run/preflight.py
     threads: int | None = None  # torch threads for the trainer (None: torch's default)
     max_steps: int | None = None  # stop training after this many steps (None: the manifest's total)
     switch_lead_s: float = 2.0  # group changes take effect this far ahead (time for the table to reach everyone)

@@ -21,6 +21,7 @@ from typing import Any
 import trio
 
 from shoal.node.run.config import RunConfig
+from shoal.node.run.preflight import UnknownRun, preflight
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Throughput
 from shoal.node.run.votes import MIN_VOTERS, HashVotes
@@ -49,10 +50,6 @@ START_POLL_S = 0.5  # a new run's first members re-check whether the group is fu
 PULL_RETRY_S = 0.2  # entering a group: the pause between rounds of pull attempts while no peer has the revision
 FINAL_POLL_S = 0.5  # the end of a run: the pause between asks for the group's final hashes
 VOTE_EXTRA_STEPS = 2  # after a vote, the next one waits the switch lead plus this many steps
-
-
-class RunError(RuntimeError):
-    """The run cannot go on on this node (e.g. a plan this version cannot train); the message says why."""
 
 
 class RunRuntime:
@@ -583,7 +580,7 @@ class RunRuntime:
                 return m
             except (RpcError, ValueError, TypeError) as e:
                 log.info("manifest from %s: %s", p, e)
-        raise ConnectionError(f"no joined peer gave the manifest of run {run_id[:16]}…")
+        raise UnknownRun(f"no joined peer gave the manifest of run {run_id[:16]}…")
 
     async def _find_table(self, joined: list[str], *, patient: bool) -> tuple[Signed, str] | None:
         """A table a joined peer holds (and that peer), asking again for `admit_timeout_s`. A node that is not
@@ -600,8 +597,8 @@ class RunRuntime:
             if not patient:
                 return None
             if self.clock() + cfg.retry_s > deadline:
-                raise ConnectionError(f"none of the joined peers knows run {self.manifest.run_id[:16]}… "
-                                      f"(asked for {cfg.admit_timeout_s:.0f} s)")
+                raise UnknownRun(f"none of the joined peers knows run {self.manifest.run_id[:16]}… "
+                                 f"(asked for {cfg.admit_timeout_s:.0f} s)")
             await trio.sleep(cfg.retry_s)
 
     async def run(self, joined: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -610,10 +607,7 @@ class RunRuntime:
         self._start_deadline = self.clock() + self.config.start_wait_s
         if self.manifest is None:
             self.manifest = await self.fetch_manifest(self.config.run_id, joined)
-        pipe = self.manifest.plan.pipeline
-        if self.manifest.plan.stages > 1 and pipe.compression != "none":
-            raise RunError(f"run {self.manifest.run_id[:16]}… asks for {pipe.compression} between stages; this "
-                           f"version of shoal sends activations uncompressed only (pipeline.compression = 'none')")
+        preflight(self.manifest, self.config)  # the plan (one place: run/preflight.py) and the device's memory
         self.schedule = GroupSchedule(node.peer_id)
         self.hashes = HashVotes(node.peer_id, self.node_call)
         node.rpc.register("run.manifest", self._rpc_manifest)

@@ -29,6 +29,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from shoal.swarm.net.addresses import expand_wildcard
 from shoal.swarm.net.identity import libp2p_key_pair, peer_id_of
+from shoal.swarm.net.listen import AddressInUse, check_free, check_sole_listener
 
 if TYPE_CHECKING:
     from shoal.swarm.net.nat import NatConfig, NatTraversal
@@ -42,6 +43,10 @@ os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
 
 STALE_CONNECTION_RETRIES, STALE_CONNECTION_WAIT_S = 5, 0.1  # a closed connection leaves the list within moments
 RELEASE_TIMEOUT_S = 2.0  # closing the sockets at exit
+
+
+class JoinError(ConnectionError):
+    """None of the --join addresses could be reached."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,6 +82,7 @@ class SwarmHost:
         self.key = key
         self.config = config
         self.peer_id: str = peer_id_of(key)
+        self.join_errors: dict[str, str] = {}  # --join address -> why bootstrap could not reach it
         self.nat: NatTraversal | None = None  # set by open_host when config.nat is given
 
     @property
@@ -125,7 +131,10 @@ class SwarmHost:
             try:
                 joined.append(await self.connect(addr))
             except Exception as e:  # trio.TooSlowError included
-                log.warning("could not join %s: %s", addr, e)
+                why = f"no answer within {self.config.connect_timeout_s:g} s" if isinstance(e, trio.TooSlowError) \
+                    else dial_failure(e)
+                self.join_errors[addr] = why
+                log.info("could not join %s: %s", addr, why)  # the caller decides whether that is an error
 
         async with trio.open_nursery() as n:
             for a in self.config.join:
@@ -137,6 +146,12 @@ class SwarmHost:
             except Exception as e:
                 log.warning("routing table refresh failed: %s", e)
         return joined
+
+    def join_error(self) -> JoinError:
+        """The error for a bootstrap that reached none of the --join addresses, with each one's reason."""
+        why = "; ".join(f"{a}: {e}" for a, e in self.join_errors.items())
+        which = "any of the --join addresses" if len(self.config.join) > 1 else "the --join address"
+        return JoinError(f"could not reach {which} ({why})")
 
     def set_handler(self, protocol: str, handler: Callable[[object], Awaitable[None]]) -> None:
         """Register a stream handler that can never take the host down: whatever escapes it is logged."""
@@ -202,6 +217,22 @@ class SwarmHost:
             log.debug("disconnect %s: %s", peer_id, e)
 
 
+def dial_failure(exc: BaseException) -> str:
+    """The root cause of a failed dial, short ("connection refused"), from py-libp2p's chain of wrapped errors."""
+    seen: set[int] = set()
+    stack, deepest = [exc], exc
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None and e.strerror:
+            return e.strerror.lower()
+        deepest = e
+        stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ()), *getattr(e, "errors", ())]
+    return str(deepest) or type(deepest).__name__
+
+
 def build_libp2p_host(key: Ed25519PrivateKey, listen: str):
     """A host that speaks Noise only (no plaintext, secio or TLS fallback) and yamux only."""
     kp = libp2p_key_pair(key)
@@ -240,17 +271,25 @@ async def _release_sockets(host) -> None:
 
 @asynccontextmanager
 async def open_host(key: Ed25519PrivateKey, config: HostConfig) -> AsyncIterator[SwarmHost]:
-    """The libp2p host with its DHT and GossipSub, closed on exit.
+    """The libp2p host with its DHT and GossipSub, closed on exit. A fixed listen port another process holds
+    raises AddressInUse (swarm/net/listen.py).
 
     A failure while closing, after the caller's block ended normally, is logged and not raised: the
     node has already left (its leave notice is out), and a library teardown hiccup must not turn a
     clean stop into a crash. A failure inside the block propagates as usual."""
+    check_free(config.listen)
     host = build_libp2p_host(key, config.listen)
     closed_normally = False
     try:
         async with AsyncExitStack() as stack:
-            await stack.enter_async_context(host.run([multiaddr.Multiaddr(config.listen)]))
+            try:
+                await stack.enter_async_context(host.run([multiaddr.Multiaddr(config.listen)]))
+            except Exception as e:
+                if "Address already in use" in str(e):  # py-libp2p wraps the OSError in its own error
+                    raise AddressInUse(config.listen) from e
+                raise
             stack.push_async_callback(_release_sockets, host)
+            check_sole_listener(config.listen)
             mode = DHTMode.SERVER if config.dht_mode_server else DHTMode.CLIENT
             dht = KadDHT(host, mode, enable_random_walk=False)
             router = GossipSub(
