@@ -359,7 +359,12 @@ class Node:
             def checking() -> None:
                 self.phase = "the swarm lists this node's peer id: checking that no other node runs with it"
 
-            await refuse_twin(join, self.peer_id, gossip_period_s=self.gossip_period_s,
+            # through the --join addresses and the peers remembered from the last run (a restarted bootstrap may
+            # listen elsewhere now; the node's own join below tries both too)
+            remembered = load_recent_peers(self.config.peers_file) if self.config.peers_file is not None else {}
+            via = join + [a for pid, addrs in remembered.items() if pid != self.peer_id for a in addrs[:1]
+                          if a not in join]
+            await refuse_twin(via, self.peer_id, gossip_period_s=self.gossip_period_s,
                               rpc_timeout_s=self.config.rpc_timeout_s, on_check=checking)
         async with open_host(self.key, self.config.host) as sh:
             self.sh = sh

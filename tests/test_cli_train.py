@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from shoal.node.cli.errors import Exit
+
 
 def shoal(*args: str, cwd, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -117,9 +119,10 @@ def test_pipeline_manifests_train_across_nodes_and_aqsgd_is_refused_until_it_lan
     assert "run id" in made.stdout
     shown = shoal("run", "show", str(run), cwd=tmp_path).stdout
     assert "micro_batch_size = 2" in shown  # 16 sequences in 4 x 2 micro-batches
-    for cmd, why in ((("node", "--run", str(run), "--listen", "/ip4/127.0.0.1/tcp/0", "--identity",
-                       str(tmp_path / "id.key")), "uncompressed only"),
-                     (("train", "--run", str(run), "--out", str(tmp_path / "out")), "across nodes")):
+    for cmd, why, status in ((("node", "--run", str(run), "--listen", "/ip4/127.0.0.1/tcp/0", "--identity",
+                               str(tmp_path / "id.key")), "uncompressed only", Exit.UNSUPPORTED_PLAN),
+                             (("train", "--run", str(run), "--out", str(tmp_path / "out")), "across nodes",
+                              Exit.USAGE)):
         refused = shoal(*cmd, cwd=tmp_path, check=False)
-        assert refused.returncode == 2, refused.stderr
+        assert refused.returncode == status, refused.stderr
         assert why in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
