@@ -75,6 +75,11 @@ class Penalties:
         r = self._peers.get(peer_id)
         return max(0.0, r.banned_until - self.clock()) if r else 0.0
 
+    def strikes(self, peer_id: str) -> int:
+        """Violations since the peer's last ban (or since they were forgotten)."""
+        r = self._peers.get(peer_id)
+        return 0 if r is None else r.strikes
+
     def reasons(self, peer_id: str) -> list[str]:
         r = self._peers.get(peer_id)
         return list(r.reasons) if r else []
