@@ -125,7 +125,9 @@ def main() -> int:
                      f" | {r['shoal_vs_bare']:.2f} | {r['shoal_eager_tokens_per_s']:,} | {r['eager_vs_bare']:.2f} |")
     lines += ["", "bare: the same model under torch.compile, bf16 autocast, fused AdamW, gradient clipping, batches "
               "already on the GPU, no host sync. shoal: Trainer.step() with its defaults (compiled, fused AdamW, "
-              "one host sync per step for loss and gradient norm). shoal eager: compile and fusion off.", ""]
+              "a non-finite step skipped on the device, loss and gradient norm read back asynchronously, the next "
+              "batch staged through pinned buffers; batches come from its sampler). shoal eager: compile and "
+              "fusion off.", ""]
     (args.out / f"{args.name}.md").write_text("\n".join(lines))
     return 0
 
