@@ -173,10 +173,6 @@ def run_config(args: argparse.Namespace):
     if path.exists():
         manifest = RunManifest.from_toml(path.read_text())
         manifest.verify()
-        pipe = manifest.plan.pipeline
-        if manifest.plan.stages > 1 and pipe.compression != "none":
-            raise ValueError(f"--run {args.run}: the run asks for {pipe.compression} between its stages; this "
-                             f"version of shoal sends activations uncompressed only (pipeline.compression = 'none')")
     elif not args.join:
         raise ValueError(f"--run {args.run}: no such manifest file (a run id needs --join)")
     else:

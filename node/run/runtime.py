@@ -318,8 +318,7 @@ class RunRuntime:
         t, m = self.trainer, self.manifest
         spec = LaneSpec.from_manifest(m, stage=t.stage, lane=t.replica, prev_peer=peers[0], next_peer=peers[1],
                                       train_samples=t.train_samples.num_samples,
-                                      eval_samples=t.heldout_samples.num_samples,
-                                      kind=m.plan.pipeline.wire_dtype)
+                                      eval_samples=t.heldout_samples.num_samples)
         self._lane_end = self._hub.open(spec)
         self._lane_peers = peers
         t.boundary = BlockingLinkEnd(self._lane_end, self._token)
