@@ -118,6 +118,8 @@ class RunRuntime:
             fields["eval_loss"] = t.last_eval_loss
         if self._lane_end is not None or any(self._link_bytes_closed):
             fields["link_bytes_sent"], fields["link_bytes_recv"] = self.link_bytes()
+        if self._lane_end is not None:
+            fields["lane_links"] = self._lane_end.link_statuses()
         if s is not None:
             hashes = self.hashes.hashes
             # the hash recorded with the step published (once done, the final state's)
@@ -528,10 +530,6 @@ class RunRuntime:
         self._start_deadline = self.clock() + self.config.start_wait_s
         if self.manifest is None:
             self.manifest = await self.fetch_manifest(self.config.run_id, joined)
-        pipe = self.manifest.plan.pipeline
-        if self.manifest.plan.stages > 1 and pipe.compression != "none":
-            raise RunError(f"run {self.manifest.run_id[:16]}… asks for {pipe.compression} between stages; this "
-                           f"version of shoal sends activations uncompressed only (pipeline.compression = 'none')")
         self.schedule = GroupSchedule(node.peer_id)
         self.hashes = HashVotes(node.peer_id, self.node_call)
         node.rpc.register("run.manifest", self._rpc_manifest)

@@ -63,6 +63,7 @@ class LinkEnd:
         self.links = [x for x in (self.act_in, self.grad_out, self.act_out, self.grad_in) if x is not None]
         self.aq_out: AQSender | None = None  # AQ-SGD: this end's store of each activation link
         self.aq_in: AQReceiver | None = None
+        self.settled: tuple[int, dict[str, dict[str, Any]]] | None = None  # (step, stores()) after the last step
         if spec.aq is not None:
             rows, tag = (spec.seq_len, spec.d_model), f"{self.me[-12:]}-lane{spec.lane}"
             if nxt:
@@ -73,6 +74,20 @@ class LinkEnd:
     def counters(self) -> dict[str, dict[str, Any]]:
         """Per link ("b0/fwd"...): the neighbour and what was sent and received on it, for status and benchmarks."""
         return {x.name: {"peer": x.peer, "sent": asdict(x.sent), "recv": asdict(x.recv)} for x in self.links}
+
+    def link_statuses(self) -> list[dict[str, Any]]:
+        """What the status record says about this stage's activation links (protocol.records.LinkStatus fields):
+        the compression, and with AQ-SGD the store digest after the last finished step."""
+        out = []
+        stores = self.settled[1] if self.settled is not None else {}
+        for link, side in ((self.act_in, "receiver"), (self.act_out, "sender")):
+            if link is None:
+                continue
+            st = stores.get(link.name)
+            out.append({"link": link.name, "peer": link.peer, "side": side, "compression": self.spec.kind,
+                        **({"step": self.settled[0], "digest": st["digest"][:16], "rows": st["rows"],
+                            "nacks": st["nacks"]} if st else {})})
+        return out
 
     def stores(self) -> dict[str, dict[str, Any]]:
         """Per activation link ("b0/fwd"...) with AQ-SGD: this end's store (compression, digest, rows, NACKs)."""
@@ -212,6 +227,8 @@ class LinkEnd:
         """A call for `step`: messages of older steps are dropped (their credit returned)."""
         if self.step is not None and step <= self.step:
             return
+        if self.step is not None and self.spec.aq is not None:
+            self.settled = (self.step, self.stores())  # nothing of `step` has touched the stores yet
         self.step = step
         self._aborted = {k: v for k, v in self._aborted.items() if k[0] >= step - 1}
         if self.aq_out is not None:
