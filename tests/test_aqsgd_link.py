@@ -17,10 +17,11 @@ from shoal.protocol.frames import encode_frame, make_header
 from shoal.protocol.lane import Act, Grad, LaneNorm, Nack, encode_message, lane_message_nbytes
 from shoal.swarm.net.penalty import PenaltyConfig
 from shoal.swarm.run.aq_codec import AQSpec, encode_acts, encode_group, group_nbytes
+from shoal.swarm.run.aq_handover import StoreKey
 from shoal.swarm.run.aq_store import LinkStore, StoreConfig
 from shoal.swarm.run.link import BlockingLinkEnd, LaneSpec, LinkError
 from swarm_helpers import wait_for
-from test_lane_link import B, FAST, H, M, T, acts, chain, frame, hostile_dial, spec
+from test_lane_link import RUN, B, H, M, T, acts, chain, frame, hostile_dial, spec
 from test_pipeline_schedule import run_manifest
 
 AQS = AQSpec()  # fw 4, bw 8, first visits at 8 bits, in memory
@@ -266,3 +267,51 @@ async def test_three_stage_lane_keeps_both_ends_stores_equal_over_epochs_and_tra
     tail = slice(steps - 6, steps)
     got_tail, want_tail = sum(losses[tail]) / 6, sum(want[tail]) / 6
     assert abs(got_tail - want_tail) / want_tail < 0.02, (losses, want)
+
+
+# -- hand-over on churn ----------------------------------------------------------------------------------------
+
+async def test_a_replacement_pulls_the_survivors_store_and_a_link_with_both_ends_new_starts_empty():
+    """A (stage 0) and B (stage 1) train 2 steps; B is gone and C takes stage 1 at revision 2: A keeps its store,
+    C pulls it (digest checked) and the lane goes on with deltas and no NACK. Then D and E, both new, open a lane
+    of their own: nothing to pull, first visits again. A survivor serving a corrupt row is penalized."""
+    async with AsyncExitStack() as stack:
+        (ha, hb, hc), pens, (a, b, c) = await chain(stack, 3)
+        await hc.connect(ha.addrs[0])
+        ab = [ha.peer_id, hb.peer_id]
+        a0, b1 = a.open(aq_spec(0, ab)), b.open(aq_spec(1, ab))
+        for step in (0, 1):
+            await aq_step([a0, b1], step)
+        digest = a0.aq_out.store.digest()
+        assert digest == b1.aq_in.store.digest() and len(a0.aq_out.store) == M * B
+        await a0.aclose()
+        await b1.aclose()
+        ac = [ha.peer_id, hc.peer_id]
+        a0, c1 = a.open(aq_spec(0, ac)), c.open(aq_spec(1, ac))
+        assert await a0.adopt(2) == 0  # the survivor's store is kept, nothing to pull
+        assert a0.aq_out.store.digest() == digest
+        assert await c1.adopt(2) == 1
+        assert c1.aq_in.store.digest() == digest and c1.aq_in.store.snapshot() == a0.aq_out.store.snapshot()
+        assert c.aq_stores.handovers[0]["peer"] == ha.peer_id and c.aq_stores.handovers[0]["rows"] == M * B
+        await aq_step([a0, c1], 2)
+        assert a0.aq_out.nacks == c1.aq_in.nacks == 0
+        assert a0.aq_out.store.digest() == c1.aq_in.store.digest() != digest
+        assert a0.act_out.sent.payload_bytes == M * group_nbytes(B, T, H, 4)  # deltas only
+        # both ends new: B (stage 0 now) and a fresh C end on lane 1 have no store of lane 1
+        bc = [hb.peer_id, hc.peer_id]
+        await hb.connect(hc.addrs[0])
+        b0, c1b = b.open(aq_spec(0, bc, lane=1)), c.open(aq_spec(1, bc, lane=1))
+        assert await b0.adopt(3) == 0 and await c1b.adopt(3) == 0
+        assert len(b0.aq_out.store) == len(c1b.aq_in.store) == 0
+        await aq_step([b0, c1b], 3)
+        assert b0.act_out.sent.payload_bytes == M * group_nbytes(B, T, H, 8)  # first visits
+        assert b0.aq_out.store.digest() == c1b.aq_in.store.digest()
+        assert not any(p.reasons(q) for p in pens for q in (ha.peer_id, hb.peer_id, hc.peer_id))
+        # a survivor whose store holds a non-finite row: the replacement refuses it, penalizes, starts empty
+        await c1.aclose()
+        c.aq_stores.drop(StoreKey(RUN, 0, 0, "receiver"))  # C leaves the slot and comes back as a new end
+        a0.aq_out.store.get(0)[0, 0] = float("nan")  # (corrupted in place, behind the store's back)
+        c1 = c.open(aq_spec(1, ac))
+        assert await c1.adopt(3) == 0
+        assert any("hand-over" in r and "non-finite" in r for r in pens[2].reasons(ha.peer_id))
+        assert len(c1.aq_in.store) == 0

@@ -323,6 +323,7 @@ class RunRuntime:
                                       eval_samples=t.heldout_samples.num_samples)
         self._lane_end = self._hub.open(spec)
         self._lane_peers = peers
+        await self._lane_end.adopt(step)  # AQ-SGD: a replacement pulls its links' stores from the survivors
         t.boundary = BlockingLinkEnd(self._lane_end, self._token)
         log.info("lane %d stage %d links: previous %s, next %s", t.replica, t.stage,
                  (peers[0] or "-")[-8:], (peers[1] or "-")[-8:])

@@ -21,13 +21,13 @@ from shoal.swarm.run.aq_store import LinkStore, StoreConfig
 from shoal.swarm.run.link_base import Violation
 
 
-def open_store(spec: AQSpec, row_shape: tuple[int, int], train_samples: int, name: str) -> LinkStore:
+def store_config(spec: AQSpec, row_shape: tuple[int, int], train_samples: int, name: str) -> StoreConfig:
+    """Where and how big one link end's store is (`name`: unique on this machine, for a disk file)."""
     path = None
     if spec.buffer == "disk":
         os.makedirs(spec.buffer_dir, exist_ok=True)
         path = os.path.join(spec.buffer_dir, f"{name}.fp16")
-    return LinkStore(StoreConfig(row_shape=row_shape, cap_mb=spec.cap_mb, train_samples=train_samples,
-                                 disk_path=path))
+    return StoreConfig(row_shape=row_shape, cap_mb=spec.cap_mb, train_samples=train_samples, disk_path=path)
 
 
 @dataclass(slots=True)

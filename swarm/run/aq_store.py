@@ -117,6 +117,47 @@ class LinkStore:
             parts.append(self.get(sid).contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return b"".join(parts)
 
+    def max_version(self) -> int:
+        return max(self._versions.values(), default=0)
+
+    def export(self) -> dict:
+        """Every row as plain tensors (ids int64, versions int64, rows fp16 (n, T, H)) and the digest (hex), for
+        a hand-over through the state-transfer machinery (never pickled)."""
+        ids = self.ids()
+        rows = (torch.stack([self.get(i) for i in ids]) if ids
+                else torch.empty((0, *self.config.row_shape), dtype=torch.float16))
+        return {"ids": torch.tensor(ids, dtype=torch.int64), "versions": torch.tensor(
+            [self._versions[i] for i in ids], dtype=torch.int64), "rows": rows.clone(), "digest": self.digest().hex()}
+
+    def load(self, ids: torch.Tensor, versions: torch.Tensor, rows: torch.Tensor, digest: str, revision: int) -> None:
+        """Replace this (empty) store by rows from the network: every id within capacity and once, every version
+        in 1..revision, rows of this store's shape and finite, and their digest the one announced. Raises
+        ValueError (nothing is kept then)."""
+        n = ids.numel()
+        if len(self):
+            raise ValueError("a store is loaded only when empty")
+        if (ids.dtype, versions.dtype, rows.dtype) != (torch.int64, torch.int64, torch.float16):
+            raise ValueError(f"dtypes {ids.dtype}, {versions.dtype}, {rows.dtype}: expected int64, int64, float16")
+        if ids.dim() != 1 or tuple(versions.shape) != (n,) or tuple(rows.shape) != (n, *self.config.row_shape):
+            raise ValueError(f"shapes {list(ids.shape)}, {list(versions.shape)}, {list(rows.shape)} for {n} rows "
+                             f"of {self.config.row_shape}")
+        if n > self.capacity:
+            raise ValueError(f"{n} rows, the store holds {self.capacity}")
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= self.capacity or ids.unique().numel() != n):
+            raise ValueError("sample ids out of range or repeated")
+        if n and (int(versions.min()) < 1 or int(versions.max()) > revision):
+            raise ValueError(f"versions outside 1..{revision}")
+        if not bool(torch.isfinite(rows).all()):
+            raise ValueError("non-finite rows")
+        try:
+            for sid, v, row in zip(ids.tolist(), versions.tolist(), rows):
+                self.put(sid, v, row)
+            if self.digest().hex() != digest:
+                raise ValueError(f"the rows hash to {self.digest().hex()[:16]}…, the sender announced {digest[:16]}…")
+        except ValueError:
+            self.clear()
+            raise
+
     def clear(self) -> None:
         self._versions.clear()
         self._hashes.clear()

@@ -19,7 +19,8 @@ from shoal.protocol.lane import (AQ, BWD, DATA_TYPES, FWD, LANE_PROTOCOL, MAX_RE
 from shoal.protocol.schema import WireRecord
 from shoal.swarm.net.framing import close_quietly, read_exactly, read_frame
 from shoal.swarm.run.aq_codec import decode_group, encode_group, group_nbytes
-from shoal.swarm.run.aq_link import AQReceiver, AQSender, link_status, open_store
+from shoal.swarm.run.aq_handover import StoreKey
+from shoal.swarm.run.aq_link import AQReceiver, AQSender, link_status, store_config
 from shoal.swarm.run.link_base import (LEN, MAX_CONTROL_BYTES, LaneSpec, LinkCounters, LinkError, Violation,
                                        decode_tensor_frame, encode_tensor_frame, reset_quietly)
 
@@ -64,16 +65,34 @@ class LinkEnd:
         self.aq_out: AQSender | None = None  # AQ-SGD: this end's store of each activation link
         self.aq_in: AQReceiver | None = None
         self.settled: tuple[int, dict[str, dict[str, Any]]] | None = None  # (step, stores()) after the last step
+        self._fresh: list[tuple[StoreKey, Any, str]] = []  # stores new here: pulled from the other end (adopt)
         if spec.aq is not None:
-            rows, tag = (spec.seq_len, spec.d_model), f"{self.me[-12:]}-lane{spec.lane}"
-            if nxt:
-                self.aq_out = AQSender(spec.aq, open_store(spec.aq, rows, spec.train_samples, f"{tag}-b{s}-out"))
-            if prev:
-                self.aq_in = AQReceiver(spec.aq, open_store(spec.aq, rows, spec.train_samples, f"{tag}-b{s - 1}-in"))
+            for boundary, side, peer in ((s, "sender", nxt), (s - 1, "receiver", prev)):
+                if peer is None:
+                    continue
+                key = StoreKey(spec.run_id, spec.lane, boundary, side)
+                cfg = store_config(spec.aq, (spec.seq_len, spec.d_model), spec.train_samples,
+                                   f"{self.me[-12:]}-{key.name}")
+                store, kept = hub.aq_stores.open(key, cfg)
+                if not kept:
+                    self._fresh.append((key, store, peer))
+                if side == "sender":
+                    self.aq_out = AQSender(spec.aq, store)
+                else:
+                    self.aq_in = AQReceiver(spec.aq, store)
 
     def counters(self) -> dict[str, dict[str, Any]]:
         """Per link ("b0/fwd"...): the neighbour and what was sent and received on it, for status and benchmarks."""
         return {x.name: {"peer": x.peer, "sent": asdict(x.sent), "recv": asdict(x.recv)} for x in self.links}
+
+    async def adopt(self, revision: int) -> int:
+        """A replacement's hand-over: fill each store that is new here from the other end of its link, at the switch
+        revision (a neighbour that is new too has none: that link starts empty). Returns the stores filled."""
+        fresh, self._fresh = self._fresh, []
+        filled = 0
+        for key, store, peer in fresh:
+            filled += await self.hub.aq_stores.pull(peer, key, store, revision)
+        return filled
 
     def link_statuses(self) -> list[dict[str, Any]]:
         """What the status record says about this stage's activation links (protocol.records.LinkStatus fields):
