@@ -148,9 +148,10 @@ class PipelineSpec(WireRecord):
     """What crosses a stage boundary: with compression "none", activations and gradients at `wire_dtype`; with
     "aqsgd", activation deltas forward and quantized gradients backward (AQ-SGD, pipeline.md "AQ-SGD over a link"):
     a sample's first visit on a link goes at `first_visit_bits` and both ends keep what was decoded; later visits
-    send Q_fwd_bits(a - m); gradients go at `bwd_bits` (16: fp16). `warmup_epochs`: visits of a sample sent in full
-    (at first_visit_bits) before deltas start (1: only the first). Each end keeps its buffer in memory or in a
-    disk file, at most `buffer_cap_mb` per link end (samples past it always go in full)."""
+    send Q_fwd_bits(a - m); gradients go at `bwd_bits` (16: fp16). `warmup_epochs`: visits of a sample sent at
+    first_visit_bits before deltas start (only 1, the first visit, is implemented). Each end keeps its buffer in
+    memory or in a disk file, at most `buffer_cap_mb` per link end: samples whose id is below the rows that fit are
+    kept, the others always go at first_visit_bits."""
 
     compression: str = spec(Choice(frozenset(PIPELINE_COMPRESSION)), default="aqsgd")
     fwd_bits: int = spec(Int(1, 16), default=4)
@@ -171,6 +172,8 @@ class PipelineSpec(WireRecord):
             for name in ("bwd_bits", "first_visit_bits"):
                 if getattr(self, name) not in AQ_DIRECT_BITS:
                     raise FieldError(name, f"one of {AQ_DIRECT_BITS} bits (16: fp16), not {getattr(self, name)}")
+            if self.warmup_epochs != 1:
+                raise FieldError("warmup_epochs", "only 1 (deltas from the second visit on) is implemented")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -205,7 +205,7 @@ async def test_hostile_aq_messages_are_rejected_penalized_and_abort_only_that_st
 
 # -- a lane of trainers ----------------------------------------------------------------------------------------
 
-async def train_lane_over_links(m, steps: int, *, check_each_step) -> tuple[list, list]:
+async def train_lane_over_links(m, steps: int, *, check_each_step, buffer_dir=None) -> tuple[list, list]:
     """Every stage of lane 0 as a Trainer on its own host, one step at a time; `check_each_step(ends)` after each."""
     ref_corpus = Trainer(run_manifest(1)).corpus
     async with AsyncExitStack() as stack:
@@ -218,7 +218,8 @@ async def train_lane_over_links(m, steps: int, *, check_each_step) -> tuple[list
             end = hubs[s].open(LaneSpec.from_manifest(
                 m, stage=s, lane=0, prev_peer=peers[s - 1] if s else None,
                 next_peer=peers[s + 1] if s + 1 < m.plan.stages else None,
-                train_samples=t.train_samples.num_samples, eval_samples=t.heldout_samples.num_samples))
+                train_samples=t.train_samples.num_samples, eval_samples=t.heldout_samples.num_samples,
+                buffer_dir=buffer_dir))
             t.boundary = BlockingLinkEnd(end, token)
             stages.append(t)
             ends.append(end)
@@ -239,11 +240,13 @@ async def train_lane_over_links(m, steps: int, *, check_each_step) -> tuple[list
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-async def test_three_stage_lane_keeps_both_ends_stores_equal_over_epochs_and_trains_like_fp32():
-    """S = 3 (the middle stage holds two stores), 16 training samples, 8 per step: 12 epochs in 24 steps."""
+async def test_three_stage_lane_keeps_both_ends_stores_equal_over_epochs_and_trains_like_fp32(tmp_path):
+    """S = 3 (the middle stage holds two stores), 16 training samples, 8 per step: 12 epochs in 24 steps; the stores
+    in disk files (capped at 1 MiB per link end: 512 rows, more than the 16 samples)."""
     steps = 24
     base = run_manifest(3)
-    m = replace(base, data=replace(base.data, train_subset=16), eval=replace(base.eval, every_steps=1000))
+    m = replace(base, data=replace(base.data, train_subset=16), eval=replace(base.eval, every_steps=1000),
+                plan=replace(base.plan, pipeline=replace(base.plan.pipeline, buffer="disk", buffer_cap_mb=1)))
     digests: list[list[bytes]] = []
 
     def check(ends) -> None:
@@ -251,7 +254,8 @@ async def test_three_stage_lane_keeps_both_ends_stores_equal_over_epochs_and_tra
         assert all(a == b for a, b in pairs), f"step {len(digests)}: digests differ"
         digests.append([a for a, _ in pairs])
 
-    losses, ends = await train_lane_over_links(m, steps, check_each_step=check)
+    losses, ends = await train_lane_over_links(m, steps, check_each_step=check, buffer_dir=str(tmp_path))
+    assert len(list(tmp_path.glob("*.fp16"))) == 4  # one file per link end
     for s in range(2):
         out, inn = ends[s].aq_out, ends[s + 1].aq_in
         assert len(out.store) == 16 and out.store.snapshot() == inn.store.snapshot()

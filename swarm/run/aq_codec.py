@@ -34,6 +34,7 @@ class AQSpec:
     buffer: str = "memory"  # or "disk": one file per link end under buffer_dir
     cap_mb: int = 4096  # per link end
     buffer_dir: str | None = None
+    deltas: bool = True  # False: every row as a first visit (direct quantization: the benchmarks' control)
 
     def __post_init__(self) -> None:
         if self.fwd_bits not in AQ_BITS or self.bwd_bits not in AQ_DIRECT_BITS or self.first_bits not in AQ_DIRECT_BITS:
@@ -126,7 +127,7 @@ def encode_acts(spec: AQSpec, store: LinkStore, ids: list[int], acts: torch.Tens
         base = []
         for i, sid in enumerate(ids):
             v = store.version(sid)
-            delta = v > 0 and sid not in busy and sid not in seen and i not in force_first
+            delta = spec.deltas and v > 0 and sid not in busy and sid not in seen and i not in force_first
             base.append(v if delta else 0)
             seen.add(sid)
         first = [i for i, v in enumerate(base) if v == 0]

@@ -44,6 +44,7 @@ class AQSender:
     spec: AQSpec
     store: LinkStore
     pending: dict[tuple[int, int], _Pending] = field(default_factory=dict)  # (step, micro)
+    nacked_keys: set[tuple[int, int]] = field(default_factory=set)  # (step, micro) NACKed once already
     nacks: int = 0  # NACKs received
     resent_rows: int = 0
 
@@ -66,8 +67,11 @@ class AQSender:
         p = self.pending.get((rec.step, rec.micro))
         if p is None:
             raise Violation(f"NACK for step {rec.step} micro-batch {rec.micro}, which is not pending here")
+        if (rec.step, rec.micro) in self.nacked_keys:
+            raise Violation(f"a second NACK for step {rec.step} micro-batch {rec.micro}")
         if not rec.rows or any(r >= len(p.ids) or p.encoding.base_versions[r] == 0 for r in rec.rows):
             raise Violation(f"NACK of rows {list(rec.rows)[:8]} that were not sent as deltas")
+        self.nacked_keys.add((rec.step, rec.micro))
         self.nacks += 1
         self.resent_rows += len(rec.rows)
         return p
@@ -83,6 +87,7 @@ class AQSender:
         """Forget what was pending for steps up to this one (given up or over)."""
         for k in [k for k in self.pending if k[0] <= before_or_at]:
             del self.pending[k]
+        self.nacked_keys = {k for k in self.nacked_keys if k[0] > before_or_at}
 
 
 @dataclass(slots=True)
