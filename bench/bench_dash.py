@@ -52,7 +52,8 @@ def main() -> int:
     session = f"shoal-dash-bench-{os.getpid()}"
     try:
         t0 = time.monotonic()
-        while not (home / "local-swarm.json").exists():
+        while '"state": "running"' not in ((home / "local-swarm.json").read_text()
+                                            if (home / "local-swarm.json").exists() else ""):
             if time.monotonic() - t0 > 120 or swarm.poll() is not None:
                 raise SystemExit("the swarm did not start")
             time.sleep(0.5)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.node.version import shoal_version
 from shoal.protocol import PROTOCOL_VERSION
@@ -20,9 +21,12 @@ from shoal.protocol.records import Announcement, HardwareProfile, LeaveNotice, S
 from shoal.swarm.net.dht_records import announcement_key
 from shoal.swarm.net.gossip import RecordGossip
 from shoal.swarm.net.host import HostConfig, SwarmHost, open_host
-from shoal.swarm.net.identity import load_or_create_identity
+from shoal.node.twins import TwinDetected, refuse_twin
+from shoal.swarm.net.identity import load_or_create_identity, peer_id_of
 from shoal.swarm.net.membership import Event, MAX_MEMBERS_ROWS, Membership, MembershipConfig, verified_members
 from shoal.swarm.net.penalty import Penalties
+from shoal.swarm.net.pulse import Pulse, steady_clock
+from shoal.swarm.net.recent_peers import MAX_PEERS, load_recent_peers, save_recent_peers
 from shoal.swarm.net.rpc import RpcError, RpcServer, call
 
 if TYPE_CHECKING:
@@ -55,10 +59,16 @@ class NodeConfig:
     nat_settle_s: float = 15.0  # with NAT traversal: at most this long for the first reachability verdict
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     run: RunConfig | None = None  # train in this run (None: a plain swarm member)
+    # the recent-peers file (None: none kept): dialed at start, so a restarted node finds its swarm without --join
+    peers_file: Path | None = None
+    remember_peers_s: float = 2.0  # the live peers are checked this often; the file is rewritten when they changed
+    recall_timeout_s: float = 5.0  # dialing one remembered peer gives up after this long
 
     def __post_init__(self) -> None:
         if not 0.1 <= self.status_interval_s <= 60:
             raise ValueError("status_interval_s must be within [0.1, 60]")
+        if self.remember_peers_s <= 0 or self.recall_timeout_s <= 0:
+            raise ValueError("remember_peers_s and recall_timeout_s must be positive")
         if self.status_gossip_s is not None and not self.status_interval_s <= self.status_gossip_s <= 600:
             raise ValueError("status_gossip_s must be within [status_interval_s, 600]")
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
@@ -66,15 +76,19 @@ class NodeConfig:
 
 
 class Node:
-    def __init__(self, config: NodeConfig, hardware: HardwareProfile):
+    def __init__(self, config: NodeConfig, hardware: HardwareProfile, *, key: Ed25519PrivateKey | None = None):
+        """`key`: the identity, already loaded (else read from `config.identity`)."""
         self.config = config
         self.hardware = hardware
-        self.key = load_or_create_identity(config.identity)
+        self.key = key if key is not None else load_or_create_identity(config.identity)
+        self._peer_id = peer_id_of(self.key)
         self.sh: SwarmHost | None = None
         self.membership: Membership | None = None
+        self.pulse = Pulse(steady_clock)  # one clock for the membership, the run's timeouts and freeze detection
         self.penalties = Penalties()
         self.gossip: RecordGossip | None = None
         self.state = "starting"
+        self.phase = "starting"  # what start-up is doing now, for the command line's progress
         self.role = "idle"
         self.started_at = time.time()
         self._t0 = time.monotonic()
@@ -85,6 +99,7 @@ class Node:
         self._last_fields: dict[str, Any] = {}
         self.runtime: RunRuntime | None = None
         self.extra_ingest: list = []  # more consumers of verified records (the run client)
+        self._remembered: dict[str, list[str]] = {}
         self._gossip_due = True  # publish the status at the next interval even if unchanged
         self._stop = trio.Event()
         self._revision = 0
@@ -92,8 +107,7 @@ class Node:
 
     @property
     def peer_id(self) -> str:
-        assert self.sh is not None
-        return self.sh.peer_id
+        return self._peer_id
 
     # -- records -------------------------------------------------------------------------------------------
     def ingest(self, signed: Signed, age_s: float = 0.0) -> None:
@@ -202,8 +216,12 @@ class Node:
             await trio.sleep(self.config.status_interval_s)
 
     async def _announce_loop(self) -> None:
+        """Announce again soon after start (1, 2, 4, 8 s: the gossip mesh forms meanwhile, and peers must learn the
+        new address of a node that restarted), then every `announce_interval_s`."""
+        delay = 1.0
         while True:
-            await trio.sleep(self.config.announce_interval_s)
+            await trio.sleep(min(delay, self.config.announce_interval_s))
+            delay *= 2
             await self.publish(self._announcement)
 
     # -- reachability (NAT traversal) ------------------------------------------------------------------------
@@ -280,12 +298,79 @@ class Node:
     def stop(self) -> None:
         self._stop.set()
 
+    # -- recent peers --------------------------------------------------------------------------------------
+    async def _recall_peers(self, joined: list[str]) -> list[str]:
+        """Dial the peers of the recent-peers file that `joined` lacks (concurrently); the peer ids reached."""
+        path = self.config.peers_file
+        remembered = load_recent_peers(path) if path is not None else {}
+        self._remembered = remembered
+        reached: list[str] = []
+
+        async def one(pid: str, addrs: list[str]) -> None:
+            for a in addrs:
+                with trio.move_on_after(self.config.recall_timeout_s):
+                    try:
+                        reached.append(await self.sh.connect(a))
+                        return
+                    except Exception as e:  # noqa: BLE001 - a remembered peer may be gone for good
+                        log.debug("remembered peer %s at %s: %s", pid, a, e)
+
+        async with trio.open_nursery() as n:
+            for pid, addrs in remembered.items():
+                if pid not in joined and pid != self.peer_id:
+                    n.start_soon(one, pid, addrs)
+        if remembered:
+            log.info("reached %d of %d remembered peers", len(reached), len(remembered))
+        return reached
+
+    def remember_peers(self) -> None:
+        """Write the live peers' addresses (most recently seen first, then the ones remembered before)."""
+        path = self.config.peers_file
+        if path is None or self.membership is None:
+            return
+        peers: dict[str, list[str]] = {}
+        for e in sorted(self.membership.live_peers(), key=lambda e: -e.last_seen):
+            ann = e.announcement_record
+            if ann is not None and ann.addrs:
+                peers[e.peer_id] = list(ann.addrs)
+        for pid, addrs in self._remembered.items():
+            peers.setdefault(pid, addrs)
+        peers = dict(list(peers.items())[:MAX_PEERS])
+        if peers != self._remembered:
+            try:
+                save_recent_peers(path, peers)
+                self._remembered = peers
+            except OSError as e:
+                log.warning("could not write the recent-peers file %s: %s", path, e)
+
+    async def _remember_loop(self) -> None:
+        while True:
+            self.remember_peers()
+            await trio.sleep(self.config.remember_peers_s)
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        join = list(self.config.host.join)
+        if any(a.rstrip("/").endswith(f"/p2p/{self.peer_id}") for a in join):
+            raise TwinDetected(f"the --join address is this node's own peer id ({self.peer_id}): another node runs "
+                               f"with this identity")
+        if join:  # before joining as this identity, which would disturb a twin's connections
+            self.phase = f"joining the swarm via {len(join)} address{'es' if len(join) > 1 else ''}"
+
+            def checking() -> None:
+                self.phase = "the swarm lists this node's peer id: checking that no other node runs with it"
+
+            # through the --join addresses and the peers remembered from the last run (a restarted bootstrap may
+            # listen elsewhere now; the node's own join below tries both too)
+            remembered = load_recent_peers(self.config.peers_file) if self.config.peers_file is not None else {}
+            via = join + [a for pid, addrs in remembered.items() if pid != self.peer_id for a in addrs[:1]
+                          if a not in join]
+            await refuse_twin(via, self.peer_id, gossip_period_s=self.gossip_period_s,
+                              rpc_timeout_s=self.config.rpc_timeout_s, on_check=checking)
         async with open_host(self.key, self.config.host) as sh:
             self.sh = sh
-            self.membership = Membership(sh.peer_id, self.config.membership)
+            self.membership = Membership(sh.peer_id, self.config.membership, self.pulse.clock, self.pulse)
             self.gossip = RecordGossip(sh, self.penalties, self.ingest)
-            rpc = self.rpc = RpcServer(sh, self.penalties)
+            rpc = self.rpc = RpcServer(sh, self.penalties, later=("run.",))
             rpc.register("members", self._rpc_members)
             rpc.register("announce", self._rpc_announce)
             rpc.register("time", self._rpc_time)
@@ -293,9 +378,8 @@ class Node:
             self._last_status = seal(self.status_record(), self.key)
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.gossip.run)
-                joined = await sh.bootstrap()
-                if self.config.host.join and not joined:
-                    raise ConnectionError(f"could not reach any of {list(self.config.host.join)}")
+                await nursery.start(self.pulse.run)
+                joined = await self._join()
                 for pid in joined:
                     await self.sync_from(pid)
                 if sh.nat is not None:
@@ -307,43 +391,65 @@ class Node:
                         await sh.dht.put_value(announcement_key(sh.peer_id), self._announcement)
                 except Exception as e:  # noqa: BLE001 - the DHT copy is a convenience, gossip carries it too
                     log.info("announcement not stored in the DHT: %s", e)
-                self.state = "ready"
+                self.state = self.phase = "ready"
                 await self.publish(self._announcement)
-                async with trio.open_nursery() as periodic:
-                    periodic.start_soon(self._status_loop)
-                    periodic.start_soon(self._announce_loop)
-                    if sh.nat is not None:
-                        await periodic.start(sh.nat.run)
-                        periodic.start_soon(self._reannounce_loop)
-                    if self.config.run is not None:
-                        from shoal.node.run.runtime import RunRuntime
+                try:
+                    async with trio.open_nursery() as periodic:
+                        periodic.start_soon(self._status_loop)
+                        periodic.start_soon(self._announce_loop)
+                        periodic.start_soon(self._remember_loop)
+                        if sh.nat is not None:
+                            await periodic.start(sh.nat.run)
+                            periodic.start_soon(self._reannounce_loop)
+                        if self.config.run is not None:
+                            from shoal.node.run.runtime import RunRuntime
 
-                        self.runtime = RunRuntime(self, self.config.run, self.hardware)
-                        await periodic.start(self._run_training, joined)
-                    task_status.started(self)
-                    await self._stop.wait()
-                    if self.runtime is not None:
-                        await self.runtime.leave()
-                    periodic.cancel_scope.cancel()  # no status may follow the leave notice
+                            self.runtime = RunRuntime(self, self.config.run, self.hardware)
+                            await periodic.start(self._run_training, joined)
+                        task_status.started(self)
+                        await self._stop.wait()
+                        if self.runtime is not None:
+                            await self.runtime.leave()
+                        periodic.cancel_scope.cancel()  # no status may follow the leave notice
+                except BaseException as e:  # refused, failed or interrupted: the swarm need not wait for silence
+                    with trio.CancelScope(shield=True):
+                        await self.publish_leave(f"{type(e).__name__}", wait_s=1.0)
+                    raise
                 await self.leave(nursery)
+
+    async def _join(self) -> list[str]:
+        """Connect to the --join addresses and the peers remembered from the last run; JoinError when none
+        answers."""
+        join = self.config.host.join
+        joined = await self.sh.bootstrap()
+        recalled = await self._recall_peers(joined)
+        if join and not joined:
+            if not recalled:
+                raise self.sh.join_error()
+            log.warning("none of --join %s answered; going on with %d remembered peers", list(join), len(recalled))
+        return joined + [p for p in recalled if p not in joined]
 
     async def _run_training(self, joined: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The run's part of the node; a failure there is reported in the status, and the node leaves."""
         try:
             await self.runtime.run(joined, task_status=task_status)
         except Exception as e:
-            log.exception("training stopped")
+            log.info("training stopped: %s: %s", type(e).__name__, e, exc_info=True)  # the caller reports it
             self.runtime.error = f"{type(e).__name__}: {e}"
             self._last_status = seal(self.status_record(), self.key)
             await self.publish(self._last_status)
             raise
 
-    async def leave(self, nursery: trio.Nursery, reason: str = "shutdown") -> None:
-        """Publish a leave notice, give it a moment to spread, then close everything."""
+    async def publish_leave(self, reason: str, wait_s: float = 2.0) -> None:
+        """Publish a leave notice and give it a moment to spread."""
         self.state = "leaving"
         self.write_status_file()
-        notice = seal(LeaveNotice(peer_id=self.peer_id, time=time.time(), reason=reason), self.key)
-        with trio.move_on_after(2.0):
+        notice = seal(LeaveNotice(peer_id=self.peer_id, time=time.time(), reason=reason[:200]), self.key)
+        with trio.move_on_after(wait_s):
             await self.publish(notice)
             await trio.sleep(0.3)
+
+    async def leave(self, nursery: trio.Nursery, reason: str = "shutdown") -> None:
+        """Publish a leave notice, give it a moment to spread, then close everything."""
+        await self.publish_leave(reason)
         nursery.cancel_scope.cancel()

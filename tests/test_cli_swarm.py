@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shoal.node.cli import COMMANDS
-from shoal.node.cli.localswarm import LocalSwarm, LocalSwarmConfig, tail
+from shoal.node.cli.localswarm import LocalSwarm, LocalSwarmConfig, same_process, tail
 
 pytestmark = pytest.mark.slow
 SHOAL = [sys.executable, "-m", "shoal.node.cli"]
@@ -96,7 +96,7 @@ def test_peers_command_lists_the_swarm_as_json(swarm, tmp_path):
     s.wait_converged(CONVERGE_S)
     out = subprocess.run([*SHOAL, "peers", "--join", s.bootstrap_addrs()[0], "--json"], capture_output=True,
                          text=True, timeout=60, env=env_for(tmp_path / "home"))
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0 and out.stderr == "", out.stderr  # no library warning on stderr
     rows = json.loads(out.stdout)
     assert {r["peer_id"] for r in rows} == set(s.peer_ids().values())
     for r in rows:
@@ -118,27 +118,104 @@ def test_swarm_up_end_to_end(tmp_path):
     assert not (tmp_path / "home" / "local-swarm.json").exists()
 
 
-def test_swarm_up_ctrl_c_stops_everything(tmp_path):
-    proc = subprocess.Popen([*SHOAL, "swarm", "up", "--no-train", "--nodes", "2", "--dir", str(tmp_path / "w")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for(tmp_path / "home"))
+def swarm_file(home: Path) -> dict:
     try:
-        wait(lambda: (tmp_path / "home" / "local-swarm.json").exists(), 90, "the swarm to start")
-        status = [json.loads((tmp_path / "w" / f"node{i}.json").read_text()) for i in range(2)]
+        return json.loads((home / "local-swarm.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def node_pids(home: Path) -> list[tuple[int, int | None]]:
+    return [(n["pid"], n["start_time"]) for n in swarm_file(home).get("nodes", [])]
+
+
+def assert_all_gone(pids: list[tuple[int, int | None]], timeout_s: float) -> float:
+    """Every recorded node process (by PID and start time) has ended; how long that took."""
+    return wait(lambda: not any(same_process(pid, t) for pid, t in pids), timeout_s, f"nodes {pids} gone")
+
+
+def start_swarm_up(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([*SHOAL, "swarm", "up", "--no-train", "--dir", str(tmp_path / "w"), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for(tmp_path / "home"))
+
+
+def finish(proc: subprocess.Popen) -> tuple[str, str]:
+    """The supervisor's output once it ended (stopped by SIGINT, by PID, if a failed test left it running)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
+
+
+@pytest.mark.parametrize("how", ["SIGHUP", "swarm down"])
+def test_swarm_up_stops_every_node_on_a_closed_terminal_or_swarm_down(tmp_path, how):
+    """SIGHUP (the terminal closed) or `shoal swarm down` from another process (a SIGTERM to the supervisor): every
+    node is stopped by its PID before the supervisor exits."""
+    home = tmp_path / "home"
+    proc = start_swarm_up(tmp_path, "--nodes", "2")
+    try:
+        wait(lambda: swarm_file(home).get("state") == "running", 90, "the swarm to start")
+        pids = node_pids(home)
+        assert len(pids) == 2 and all(same_process(p, t) for p, t in pids)
+        if how == "SIGHUP":
+            proc.send_signal(signal.SIGHUP)
+        else:
+            down = subprocess.run([*SHOAL, "swarm", "down"], capture_output=True, text=True, timeout=90,
+                                  env=env_for(home))
+            assert down.returncode == 0 and f"its supervisor (pid {proc.pid})" in down.stdout, down.stdout + down.stderr
+        assert proc.wait(timeout=60) == 0
+    finally:
+        out, err = finish(proc)
+    assert_all_gone(pids, 5)  # stopped by their PIDs before the supervisor exited
+    assert "stopped 2 nodes (exit codes [0])" in err, err
+    assert not (home / "local-swarm.json").exists()
+
+
+def test_swarm_up_interrupted_while_starting_leaves_nothing(tmp_path):
+    proc = start_swarm_up(tmp_path, "--nodes", "3")
+    try:
+        wait(lambda: len(node_pids(tmp_path / "home")) >= 2, 90, "nodes being started")
+        pids = node_pids(tmp_path / "home")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # let it stop its nodes by PID
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
-    for st in status:  # the nodes were stopped by their PIDs
-        with pytest.raises(ProcessLookupError):
-            os.kill(st["pid"], 0)
+        out, err = finish(proc)
+    assert_all_gone(pids, 5)
+    assert "Traceback" not in err, err
+
+
+def test_nodes_leave_when_their_supervisor_is_killed_and_swarm_down_status(tmp_path):
+    """SIGKILL leaves the supervisor no chance to stop its nodes: they notice it is gone and leave by themselves.
+    `swarm status` and `swarm down` find the swarm from another process; `peers --json` stays quiet on stderr."""
+    home = tmp_path / "home"
+    proc = start_swarm_up(tmp_path, "--nodes", "2")
+    try:
+        wait(lambda: swarm_file(home).get("state") == "running", 90, "the swarm to start")
+        pids = node_pids(home)
+        st = subprocess.run([*SHOAL, "swarm", "status", "--json"], capture_output=True, text=True, timeout=60,
+                            env=env_for(home))
+        doc = json.loads(st.stdout)
+        assert st.returncode == 0 and doc["running"] and [n["pid"] for n in doc["nodes"]] == [p for p, _ in pids]
+        assert all(n["alive"] and n["state"] == "ready" for n in doc["nodes"])
+        peers = subprocess.run([*SHOAL, "peers", "--local", "--json"], capture_output=True, text=True, timeout=60,
+                               env=env_for(home))
+        assert peers.returncode == 0 and peers.stderr == "" and len(json.loads(peers.stdout)) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        took = assert_all_gone(pids, 20)
+        assert took < 10, took  # each node polls its parent every second, then leaves (a leave notice, exit)
+        for i in range(2):
+            assert "is gone; leaving the swarm" in (tmp_path / "w" / f"node{i}.out").read_text()
+        st = subprocess.run([*SHOAL, "swarm", "status"], capture_output=True, text=True, timeout=60, env=env_for(home))
+        assert st.returncode == 0 and "swarm down" in st.stdout, st.stdout  # the supervisor is gone
+        down = subprocess.run([*SHOAL, "swarm", "down"], capture_output=True, text=True, timeout=60, env=env_for(home))
+        assert down.returncode == 0 and "stopped the local swarm" in down.stdout, down.stdout + down.stderr
+        assert not (home / "local-swarm.json").exists()
+    finally:
+        finish(proc)
 
 
 def test_node_refuses_a_bad_join_address(tmp_path):
@@ -164,7 +241,10 @@ def test_swarm_up_trains_by_default_and_reports_per_node(tmp_path):
                           str(tmp_path / "w")], capture_output=True, text=True, timeout=400,
                          env=env_for(tmp_path / "home"))
     assert out.returncode == 0, out.stderr[-3000:]
-    nodes = json.loads(out.stdout)["nodes"]
+    doc = json.loads(out.stdout)
+    nodes, run = doc["nodes"], doc["run"]
+    assert run["replicas"] == 2 and run["steps"] == 25 and run["hashes_agree"] and run["steps_per_s"] > 0
+    assert run["wall_s"] > run["train_s"] > 0 and run["eval_loss"] == min(n["eval_loss"] for n in nodes if n.get("slot"))
     active = [n for n in nodes if n.get("slot")]
     assert len(active) == 2 and [n["role"] for n in nodes].count("backup") == 1
     for n in active:

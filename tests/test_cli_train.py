@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from shoal.node.cli.errors import Exit
+
 
 def shoal(*args: str, cwd, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -119,5 +121,5 @@ def test_pipeline_manifests_train_across_nodes_only(tmp_path):
     assert "micro_batch_size = 2" in shown  # 16 sequences in 4 x 2 micro-batches
     assert 'compression = "aqsgd"' in shown
     refused = shoal("train", "--run", str(run), "--out", str(tmp_path / "out"), cwd=tmp_path, check=False)
-    assert refused.returncode == 2, refused.stderr
+    assert refused.returncode == Exit.USAGE, refused.stderr
     assert "across nodes" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr

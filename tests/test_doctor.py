@@ -47,7 +47,10 @@ def test_the_checklist_on_this_machine(tmp_path):
     assert by["python"]["verdict"] == "ok" and by["python"]["data"]["version"] == platform.python_version()
     assert by["torch"]["data"]["version"] == torch.__version__
     assert by["torch"]["data"]["cuda_available"] == torch.cuda.is_available()
-    assert by["device"]["data"]["device"] == "cpu"  # `shoal node` with --device auto trains on the CPU
+    import torch
+
+    # `shoal node` with --device auto trains on the GPU when torch sees one
+    assert by["device"]["data"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert 0 < by["device"]["data"]["free_bytes"] <= by["device"]["data"]["total_bytes"]
     assert "tiny" in by["models"]["data"]["fits"]
     assert by["libp2p"]["verdict"] == "ok" and by["libp2p"]["data"]["libp2p"] == "0.8.1"
@@ -183,13 +186,15 @@ def test_wildcard_addresses_become_dialable_ones():
 
 
 def test_the_model_fit_counts_the_real_models_parameters():
-    from shoal.node.train.model import GPTConfig, build_model
-    from shoal.protocol.manifest import MODEL_PRESETS, ModelSpec
+    import dataclasses
 
+    from shoal.node.train.model import GPTConfig, build_model
+    from shoal.protocol.manifest import ModelSpec, RunManifest
+
+    assert num_params("tiny") == build_model(GPTConfig.from_spec(ModelSpec.preset("tiny"), 128)).num_params()
     for positions in ("rope", "learned"):
-        spec = ModelSpec.preset("tiny", positions=positions)
-        seq = MODEL_PRESETS["tiny"][3]
-        assert num_params(spec, seq) == build_model(GPTConfig.from_spec(spec, seq)).num_params()
+        m = dataclasses.replace(RunManifest.default("tiny"), model=ModelSpec.preset("tiny", positions=positions))
+        assert m.stage_params(0) == build_model(GPTConfig.from_spec(m.model, m.batch.seq_len)).num_params()
     assert fit("tiny", 0).max_micro_batch == 0 and not fit("base", 2 * 10**9).fits
     big = fit("base", 80 * 10**9)
     assert big.fits and 1 <= big.max_micro_batch <= 16

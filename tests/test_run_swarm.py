@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from shoal.node.cli.errors import Exit
 from shoal.node.cli.localswarm import LocalSwarm, LocalSwarmConfig
 from shoal.protocol import manifest as mf
 from shoal.swarm.net.identity import load_or_create_identity
@@ -128,7 +129,7 @@ def test_a_private_run_refuses_a_node_without_the_secret(tmp_path):
                               s.bootstrap_addrs()[0], "--identity", str(tmp_path / "intruder.key")],
                              capture_output=True, text=True, timeout=120,
                              env={"SHOAL_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"})
-        assert out.returncode == 1
+        assert out.returncode == Exit.SECRET, out.stderr
         assert "join secret is required" in out.stderr
     finally:
         s.stop()

@@ -12,7 +12,7 @@ from shoal.protocol.wire import pack
 from shoal.swarm.net.framing import read_frame, write_frame
 from shoal.swarm.state.snapshot import Snapshot, StateTransferError, flatten_state, state_hash, unflatten_state
 from shoal.swarm.state.transfer import STATE_PROTOCOL, StateServer, StateTransferConfig, pull_state
-from shoal.swarm.state.vote import holder, majority
+from shoal.swarm.state.vote import agreed, holder
 from tests.swarm_helpers import bare_host
 
 
@@ -177,16 +177,21 @@ async def test_server_with_nothing_to_serve_says_so():
                 await pull_state(client, server.peer_id)
 
 
-def test_the_majority_rule_needs_more_than_half_of_the_group():
+def test_the_agreed_hash_is_a_strict_majority_or_a_deterministic_choice_once_everyone_voted():
     votes = {"a": "h1", "b": "h1", "c": "h2"}
-    assert majority(votes, 3) == "h1" and holder(votes, "h1") == "a"
-    assert majority(votes, 4) is None  # a member that did not vote counts against every hash
-    assert majority(votes, 5) is None
-    assert majority({"a": "zz", "b": "aa"}, 2) is None  # a split of two has no majority
-    assert majority({"a": "x", "b": "x"}, 2) == "x"
-    assert majority({}, 3) is None
+    assert agreed(votes, 3) == "h1" and holder(votes, "h1") == "a"
+    assert agreed(votes, 4) is None  # a member that did not vote counts against every hash
+    assert agreed(votes, 5) is None
+    assert agreed({"a": "x", "b": "x"}, 2) == "x"
+    assert agreed({}, 3) is None
+    # a split of two has no majority: once both voted, the lowest hash, whichever replica holds it
+    assert agreed({"a": "zz", "b": "aa"}, 2) == "aa" == agreed({"a": "aa", "b": "zz"}, 2)
+    assert agreed({"a": "zz"}, 2) is None  # the other replica has not voted yet
+    assert agreed({"a": "h3", "b": "h2", "c": "h1"}, 3) == "h1"  # three replicas, three hashes
+    assert agreed({"a": "h2", "b": "h2", "c": "h1", "d": "h1"}, 4) == "h1"  # 2:2
+    assert agreed({"a": "h2", "b": "h2", "c": "h1", "d": "h3"}, 4) == "h2"  # the most held, not the lowest
     # the same answer whatever the order of the votes
-    assert majority(dict(reversed(list(votes.items()))), 3) == "h1"
+    assert agreed(dict(reversed(list(votes.items()))), 3) == "h1"
     assert holder({"c": "h1", "b": "h1", "a": "h2"}, "h1") == "b"
 
 

@@ -170,7 +170,7 @@ def test_si(value, text):
 
 def test_ago_and_sizes():
     assert [fmt.ago(s) for s in (0.4, 42, 125, 7300, 90000)] == ["0s", "42s", "2m", "2h", "1d"]
-    assert fmt.nbytes(24 << 30) == "24.0 GiB" and fmt.nbytes(12) == "12 B"
+    assert fmt.nbytes(24 << 30) == "25.8 GB" and fmt.nbytes(12) == "12 B"
 
 
 def test_aqsgd_link_digests_are_judged_against_the_other_end_at_a_common_step():

@@ -1,37 +1,15 @@
-"""Short human-readable renderings of rates, sizes, durations and times for the dashboard's cells."""
+"""Short human-readable renderings of rates, sizes, durations and times for the dashboard's cells (sizes and peer
+ids as everywhere in shoal: protocol/display.py)."""
 
 from __future__ import annotations
 
 import time as _time
 
-
-def si(value: float, unit: str = "", digits: int = 3) -> str:
-    """1234567 -> '1.23M' (+unit); keeps `digits` significant digits."""
-    v = float(value)
-    for prefix in ("", "k", "M", "G", "T", "P"):
-        if abs(v) < 999.5 or prefix == "P":
-            break
-        v /= 1000.0
-    if v == int(v) and abs(v) < 1000:
-        text = f"{int(v)}"
-    else:
-        whole = len(str(int(abs(v))))
-        text = f"{v:.{max(digits - whole, 0)}f}"
-    return f"{text}{prefix}{unit}"
+from shoal.protocol.display import nbytes, si  # noqa: F401 - one formatting for shoal's tables and this
 
 
 def rate(bytes_per_s: float) -> str:
     return si(bytes_per_s, "B/s")
-
-
-def nbytes(n: float) -> str:
-    """Binary sizes for memory and disk: 8589934592 -> '8.0 GiB'."""
-    v = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if v < 1024 or unit == "PiB":
-            return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
-        v /= 1024.0
-    raise AssertionError  # pragma: no cover
 
 
 def ago(seconds: float) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from shoal.protocol.display import short_id  # noqa: F401 - the one abbreviation, re-exported for the panes
 from shoal.protocol.records import Announcement, LeaveNotice, StatusRecord
 
 
@@ -390,9 +391,3 @@ def _on_leave(view: SwarmView, n: LeaveNotice, now: float) -> None:
 
 def _mean(vals: list[float] | None) -> float | None:
     return sum(vals) / len(vals) if vals else None
-
-
-def short_id(peer_id: str, n: int = 8) -> str:
-    """A peer id short enough for a table: libp2p's common '12D3KooW' prefix dropped."""
-    body = peer_id[8:] if peer_id.startswith("12D3KooW") and len(peer_id) > 8 else peer_id
-    return body[:n]

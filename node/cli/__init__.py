@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
-
-from shoal.node.version import shoal_version
+import threading
 
 #: subcommand name -> module defining HELP, add_arguments(parser) and main(args) -> int.
 #: Command modules import only argparse-level things at top level; heavy imports go inside main().
@@ -25,6 +25,9 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shoal.node.cli.errors import exit_codes_text
+    from shoal.node.version import shoal_version
+
     parser = argparse.ArgumentParser(
         prog="shoal",
         description=(
@@ -33,10 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
             "Join one:    shoal node --join ADDR    (ADDR is printed by the node you join)\n"
             "Look at one: shoal peers --join ADDR"
         ),
+        epilog=exit_codes_text() + "\n\nstate and logs live under $SHOAL_HOME (default: ~/.shoal)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"shoal {shoal_version()}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    add_verbose(parser, "verbose")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, modname in COMMANDS.items():
         mod = importlib.import_module(modname)
@@ -44,29 +48,87 @@ def build_parser() -> argparse.ArgumentParser:
             name,
             help=mod.HELP,
             description=getattr(mod, "DESCRIPTION", mod.HELP),
+            epilog=getattr(mod, "EPILOG", None),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         mod.add_arguments(p)
         p.set_defaults(_main=mod.main)
+        _verbose_everywhere(p, depth=1)
     return parser
 
 
-def setup_logging(verbosity: int) -> None:
-    level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    if verbosity < 2:  # py-libp2p logs routine peer churn as warnings
-        for noisy in ("libp2p", "multiaddr", "async_service"):
-            logging.getLogger(noisy).setLevel(logging.CRITICAL)
+def add_verbose(parser: argparse.ArgumentParser, dest: str) -> None:
+    parser.add_argument("-v", "--verbose", dest=dest, action="count", default=0,
+                        help="more output: -v shows info and libraries' warnings on the terminal and tracebacks of "
+                             "errors, -vv debug")
+
+
+def _verbose_everywhere(parser: argparse.ArgumentParser, depth: int) -> None:
+    """-v after a subcommand too (`shoal node -v`, `shoal swarm up -v`): its own dest per level, summed in main
+    (a subparser's defaults would overwrite the parent's value)."""
+    add_verbose(parser, f"_verbose_{depth}")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _verbose_everywhere(child, depth + 1)
+
+
+def verbosity(args: argparse.Namespace) -> int:
+    return args.verbose + sum(v for k, v in vars(args).items() if k.startswith("_verbose_"))
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM and SIGHUP stop a command like Ctrl+C (commands that stay up handle them)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; an expected error is one line with a hint and its exit status (errors.Exit), a bug one
+    line too unless -v asks for the traceback. Ctrl+C, SIGTERM and SIGHUP at any moment: one line, exit 130."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _interrupt)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before the command's own handling took over (imports, argument parsing)
+        command = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), "")
+        print(f"shoal {command}".strip() + ": interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    from shoal.node.cli.errors import CliError, Exit, classify
+    from shoal.node.cli.logs import setup_logging
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_main", None):
         parser.print_help()
-        return 2
-    setup_logging(args.verbose)
+        return Exit.USAGE
+    verbose = verbosity(args)
+    args.verbose = verbose
+    args.log_file_handler = setup_logging(verbose)
+    if args.command != "node":  # a node names its own log file once it knows its identity
+        from shoal.node.cli.node import shoal_home
+
+        args.log_file_handler.lazy_path = shoal_home() / "logs" / f"{args.command}.log"
+    prog = f"shoal {args.command}"
     try:
         return int(args._main(args) or 0)
-    except KeyboardInterrupt:
-        return 130
+    except BaseException as e:  # noqa: BLE001 - the one place that turns errors into exit statuses
+        if isinstance(e, SystemExit):
+            raise
+        err = classify(e)
+        if err is None:
+            if verbose:
+                raise
+            path = args.log_file_handler.path or args.log_file_handler.lazy_path
+            where = f"; log: {path}" if path else ""
+            err = CliError(f"unexpected error: {type(e).__name__}: {e}", Exit.FAILED,
+                           hint=f"run again with -v for the traceback and report it{where}")
+        elif verbose and err.code is not Exit.INTERRUPTED:
+            import traceback
+
+            traceback.print_exception(e, file=sys.stderr)
+        logging.getLogger("shoal.cli").info("%s (exit %d)", err.message, err.code)
+        print(err.line(prog), file=sys.stderr, flush=True)
+        return int(err.code)

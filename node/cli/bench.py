@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", metavar="WHAT", required=True)
     c = sub.add_parser("codecs", help="compression codecs on a heavy-tailed gradient")
     c.add_argument("--numel", type=int, default=25_000_000, help="input size in float32 values")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, help="seed of the synthetic gradient (default: %(default)s)")
     c.add_argument("--repeats", type=int, default=3, help="timed runs per codec (median reported) after one warm-up")
     c.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for codecs.json and codecs.md")
     c.add_argument("--name", default="codecs", help="basename of the result files")
@@ -36,16 +36,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--steps", type=int, default=1000, help="optimizer steps per variant")
     v.add_argument("--init-steps", type=int, default=2000,
                    help="the continued regime's pretraining: steps of one replica alone")
-    v.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=REGIMES)
-    v.add_argument("--replicas", type=int, default=4)
-    v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--d-model", type=int, default=64)
-    v.add_argument("--layers", type=int, default=2)
+    v.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=REGIMES,
+                   help="from scratch, and/or continuing from a common pretrained model (default: both)")
+    v.add_argument("--replicas", type=int, default=4, help="data-parallel replicas D (default: %(default)s)")
+    v.add_argument("--seed", type=int, default=0, help="model initialization and data order (default: %(default)s)")
+    v.add_argument("--d-model", type=int, default=64, help="the model's width (default: %(default)s)")
+    v.add_argument("--layers", type=int, default=2, help="the model's layers (default: %(default)s)")
     v.add_argument("--batch", type=int, default=8, help="sequences per replica per step")
-    v.add_argument("--lr", type=float, default=3e-3)
+    v.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)g)")
     v.add_argument("--cocktail", type=cocktail_setting, action="append", metavar="P,R,B",
                    help="a cocktail variant's mask fraction, top-k fraction and bits (repeat for several; "
-                        "default 0.1,0.2,4, the issue's defaults)")
+                        "default: 0.1,0.2,4)")
     v.add_argument("--inner-steps", type=int, default=50, help="DiLoCo H for the fp32 variant")
     v.add_argument("--inner-steps-e3m0", type=int, default=100, help="DiLoCo H for the E3M0 variants")
     v.add_argument("--fragments", type=int, default=2, help="Streaming DiLoCo fragments")
@@ -54,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--timeout", type=float, default=60.0, help="round deadline in seconds")
     v.add_argument("--only", nargs="*", default=(), help="run only variants whose label contains one of these "
                                                          "(all-reduce, the baseline, always runs)")
-    v.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    v.add_argument("--out", type=Path, default=REPO / "bench" / "results",
+                   help="folder for the result files (default: bench/results)")
     v.add_argument("--name", default="convergence", help="basename of the result files")
     pl = sub.add_parser("pipeline", help="one lane of S stages over real links: tokens/s, loss, bytes, bubble",
                         description="One lane of S = 1, 2, 4 stages, each a real libp2p host on 127.0.0.1 with its "
@@ -84,8 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--scenario", default="home-100", help="comma-separated scenario names or JSON files")
     n.add_argument("--sync", default="cocktail,allreduce", help="comma-separated workloads")
     n.add_argument("--baseline", default="", help="hivemind: also train with hivemind (default averaging and 8-bit)")
-    n.add_argument("--size", default="tiny", choices=("tiny", "small"))
-    n.add_argument("--nodes", type=int, default=4)
+    n.add_argument("--size", default="tiny", choices=("tiny", "small"), help="model preset (default: %(default)s)")
+    n.add_argument("--nodes", type=int, default=4, help="nodes, each in its own namespace (default: %(default)s)")
     n.add_argument("--steps", type=int, default=None, help="steps per segment at most (tiny 120, small 6)")
     n.add_argument("--window", default=None, metavar="A,B",
                    help="measure throughput, bytes and CPU from step A to B (tiny 20,80; small 2,5)")
@@ -94,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--no-target", action="store_true", help="time no target loss (throughput and bytes only)")
     n.add_argument("--hivemind-compression", default="none,8bit",
                    help="hivemind variants: none (its default), fp16, 8bit (default: none,8bit)")
-    n.add_argument("--lr", type=float, default=3e-3)
+    n.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)g)")
     n.add_argument("--segment-time", type=float, default=None, help="training seconds per segment at most "
                                                                      "(tiny 240, small 900)")
     n.add_argument("--status-interval", type=float, default=2.0, help="the nodes' --status-interval (default 2)")
@@ -105,7 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--prefix", default="shnet", help="names of the namespaces, veths and bridge start with this")
     n.add_argument("--subnet", default="10.15.0", help="the /24 inside the namespaces (first three octets)")
     n.add_argument("--workdir", type=Path, default=None, help="node logs and status files (default: a temp dir)")
-    n.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "network")
+    n.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "network",
+                   help="folder for the result files (default: bench/results/network)")
     n.add_argument("--name", default=None, help="basename of the result files (default: the scenario names)")
 
 

@@ -52,14 +52,11 @@ def main(args: argparse.Namespace) -> int:
     # the UI owns the terminal (Textual draws on stderr): this process logs to a file instead
     from shoal.node.cli.node import shoal_home
 
-    home = shoal_home()
-    home.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
     for h in list(root.handlers):
-        root.removeHandler(h)
-    handler = logging.FileHandler(home / "dash.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(handler)
+        if h is not args.log_file_handler:
+            root.removeHandler(h)
+    args.log_file_handler.open(shoal_home() / "logs" / "dash.log")
     source = join[0].rsplit("/p2p/", 1)[0] + (f" (+{len(join) - 1})" if len(join) > 1 else "")
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "shoal.tui", "--records-fd", str(read_fd), "--source", source,

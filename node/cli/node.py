@@ -15,11 +15,15 @@ others use to join it; with --join it joins an existing swarm.
 
   shoal node                                   # first node of a new swarm
   shoal node --join /ip4/192.0.2.7/tcp/4001/p2p/12D3KooW...
+  shoal node --join ADDR --run RUN_ID          # train in a run the swarm trains
 
-The node keeps its identity (its peer id) in --identity (created on first run).
+The node keeps its identity (its peer id) in --identity (created on first run;
+a second node on this machine gets identity-2.key, … unless given its own).
 To be reachable from other machines, listen on all interfaces with a fixed port:
   shoal node --listen /ip4/0.0.0.0/tcp/4001
-Ctrl+C or SIGTERM leaves the swarm cleanly (a leave notice, then exit 0).
+It prints what it is doing: start-up steps, then a status line every few seconds.
+Libraries' messages go to the log file only (--log-file; -v shows them here too).
+Ctrl+C, SIGTERM or SIGHUP leaves the swarm cleanly (a leave notice, then exit 0).
 """
 
 
@@ -27,38 +31,45 @@ def shoal_home() -> Path:
     return Path(os.environ.get("SHOAL_HOME", "~/.shoal")).expanduser()
 
 
-def train_device(device_flag: str) -> str:
-    """The device `shoal node --device device_flag` trains on: auto trains on the CPU (a GPU is used when asked)."""
-    return "cpu" if device_flag == "auto" else device_flag
-
-
 def add_common_network_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--join", action="append", default=[], metavar="MULTIADDR|@FILE",
                    help="address of a node in the swarm, with its /p2p/ peer id (repeatable); @FILE reads them "
                         "from a file, one per line (another node's --address-file)")
     p.add_argument("--join-wait", type=float, default=60.0, metavar="SECONDS",
-                   help="how long to wait for a --join @FILE to appear (default: 60)")
+                   help="how long to wait for a --join @FILE to appear (default: %(default)g)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_network_arguments(p)
     p.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", metavar="MULTIADDR",
-                   help="where to listen (default: all interfaces, a free port)")
+                   help="where to listen (default: all interfaces, a free port); a fixed port another process holds "
+                        "is refused")
     p.add_argument("--identity", type=Path, default=None, metavar="PATH",
-                   help="Ed25519 key file, created on first run (default: $SHOAL_HOME/identity.key)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+                   help="Ed25519 key file, created on first run (default: $SHOAL_HOME/identity.key, or "
+                        "identity-2.key, … when another node here runs with it)")
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="where to train: auto (CUDA, else MPS, else the CPU), cpu, cuda, cuda:N or mps "
+                        "(default: %(default)s)")
+    p.add_argument("--log-file", type=Path, default=None, metavar="PATH",
+                   help="the node's log, libraries' messages included (default: $SHOAL_HOME/logs/node-PEERID.log; "
+                        "printed at start)")
+    p.add_argument("--print-every", type=float, default=5.0, metavar="SECONDS",
+                   help="print a status line this often, 0 for never (default: %(default)g)")
     p.add_argument("--address-file", type=Path, default=None, metavar="PATH",
                    help="once ready, write the addresses others join this node with to PATH (for --join @PATH)")
     p.add_argument("--status-file", type=Path, default=None, metavar="PATH",
                    help="rewrite a JSON file with peer_id, addrs, peers and state every few seconds")
     p.add_argument("--status-interval", type=float, default=2.0, metavar="SECONDS",
-                   help="how often to publish status (default: 2)")
+                   help="how often to publish status (default: %(default)g)")
     p.add_argument("--gone-after", type=float, default=12.0, metavar="SECONDS",
-                   help="a peer silent this long is marked gone (default: 12)")
+                   help="a peer silent this long is marked gone (default: %(default)g)")
+    p.add_argument("--parent", type=int, default=None, metavar="PID",
+                   help="leave the swarm when process PID exits (how `shoal swarm up` keeps its nodes from "
+                        "outliving it)")
     n = p.add_argument_group("behind a NAT")
     n.add_argument("--relay", default="auto", choices=("auto", "on", "off"),
                    help="relay for peers behind NATs: auto (when this node is publicly dialable), on, off "
-                        "(default: auto)")
+                        "(default: %(default)s)")
     n.add_argument("--no-hole-punch", action="store_true",
                    help="do not try to upgrade relayed connections to direct ones (DCUtR)")
     n.add_argument("--no-nat", action="store_true",
@@ -70,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--secret", default=None, help="the run's join secret, for a private run "
                                                   "(or set SHOAL_JOIN_SECRET)")
     t.add_argument("--steps", type=int, default=None, metavar="N", help="stop training after N steps")
-    t.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads")
+    t.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
     t.add_argument("--round-timeout", type=float, default=defaults.ROUND_TIMEOUT_S, metavar="SECONDS",
                    help="a replica not heard within this long is dropped from a synchronization round "
                         "(default: %(default)g)")
@@ -82,32 +93,67 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--backup-refresh", type=float, default=defaults.BACKUP_REFRESH_S, metavar="SECONDS",
                    help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
                         "the group's synchronized state (default: %(default)g; raise it for big models)")
+    t.add_argument("--min-step-time", type=float, default=0.0, metavar="SECONDS",
+                   help="pace training: every step takes at least this long, as a slower model's would (for tests "
+                        "and benchmarks on a fast machine; default: 0, no pacing)")
+
+
+def _say(text: str) -> None:
+    """One line of the node's output; a closed stdout (`shoal node | head`) silences it, it does not stop the node."""
+    try:
+        print(text, flush=True)
+    except (BrokenPipeError, ValueError):
+        pass
 
 
 def main(args: argparse.Namespace) -> int:
-    import signal
-    import sys
+    from shoal.node.cli.errors import CliError, Exit
+    from shoal.node.cli.joinfile import expand_join
 
-    import trio
-
-    from shoal.node.cli.joinfile import expand_join, write_address_file
-    from shoal.node.daemon import Node, NodeConfig, status_gossip_s
-    from shoal.swarm.run.broker import AdmissionError
-    from shoal.swarm.net.rpc import RpcError
-    from shoal.node.train.hardware import hardware_profile
-    from shoal.swarm.net.host import HostConfig
-    from shoal.swarm.net.membership import MembershipConfig
-
+    if args.parent is not None and os.getppid() != args.parent:
+        raise CliError(f"the process that started this node (pid {args.parent}) is gone", Exit.INTERRUPTED, hint="")
     home = shoal_home()
     try:
-        args.join = expand_join(args.join, args.join_wait)
-        run = None
-        if args.run is not None:
-            run = run_config(args)
+        join = expand_join(args.join, args.join_wait)
+    except (ValueError, OSError) as e:
+        raise CliError(str(e)) from None
+    lock, key = identity(args, home)
+    from shoal.protocol.display import short_id
+    from shoal.swarm.net.identity import peer_id_of
+
+    peer_id = peer_id_of(key)
+    log_path = args.log_file or home / "logs" / f"node-{short_id(peer_id)}.log"
+    try:
+        args.log_file_handler.open(log_path)
+        where = f"log: {log_path}"
+    except OSError as e:
+        if args.log_file is not None:
+            raise CliError(f"--log-file {log_path}: {e.strerror or e}") from None
+        where = f"no log file ({log_path}: {e.strerror or e}; --log-file chooses one)"
+    _say(f"shoal node {peer_id} (identity {lock.key_path}); {where}")
+    _say("probing hardware…")
+    device, free = args.device, None
+    run = None
+    if args.run is not None:
+        device, free = resolve_training_device(args.device)
+        run = run_config(args, join, device, free)
+    from shoal.node.train.hardware import hardware_profile
+
+    try:
+        hardware = hardware_profile(device, home)
+    except RuntimeError as e:
+        raise CliError(str(e), Exit.FAILED, hint="shoal doctor checks this machine") from None
+    from shoal.node.daemon import NodeConfig, status_gossip_s
+    from shoal.swarm.net.host import HostConfig
+    from shoal.swarm.net.membership import MembershipConfig
+    from shoal.swarm.net.recent_peers import recent_peers_path
+
+    try:
         config = NodeConfig(
             run=run,
-            host=HostConfig(listen=args.listen, join=tuple(args.join), nat=nat_config(args)),
-            identity=args.identity or home / "identity.key",
+            host=HostConfig(listen=args.listen, join=tuple(join), nat=nat_config(args)),
+            identity=lock.key_path,
+            peers_file=recent_peers_path(lock.key_path),
             device=args.device,
             home=home,
             status_file=args.status_file,
@@ -117,38 +163,124 @@ def main(args: argparse.Namespace) -> int:
                                                           run.broker.fail_after_s if run else None), args.gone_after),
                 gone_after_s=args.gone_after),
         )
-        hardware = hardware_profile(args.device, home)
-    except (ValueError, RuntimeError, OSError) as e:
-        print(f"shoal node: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if run is None:
+        _say(f"device: {hardware.device_kind} ({hardware.device_name}); no run to train (--run)")
+    elif run.manifest is not None:
+        from shoal.node.cli.progress import describe_run
 
-    async def run() -> int:
-        node = Node(config, hardware)
-        async with trio.open_nursery() as nursery:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                try:
-                    await nursery.start(node.run)
-                except (ConnectionError, AdmissionError, RpcError) as e:
-                    print(f"shoal node: {e}", file=sys.stderr)
-                    return 1
-                join_addr = next((a for a in node.sh.addrs if "/127.0.0.1/" not in a), node.sh.addrs[0])
-                if node.sh.nat is not None and node.sh.nat.reachability in ("public", "relayed"):
-                    join_addr = node.sh.nat.advertised_addrs()[0]  # where a peer dialed us, or our relay
+        _say(describe_run(run.manifest, device, free))
+    try:  # a run joined by id is described when its manifest arrives
+        return serve(args, config, hardware, key, device if run is not None and run.manifest is None else None,
+                     free)
+    finally:
+        lock.release()
+
+
+def identity(args: argparse.Namespace, home: Path):
+    """The locked identity file and its key: --identity, or the first free default one."""
+    from shoal.node.cli.errors import CliError, Exit
+    from shoal.node.identity_lock import default_identity, lock_identity
+    from shoal.swarm.net.identity import IdentityError, load_or_create_identity
+
+    try:
+        lock = lock_identity(args.identity, home) if args.identity is not None else default_identity(home)
+    except OSError as e:
+        raise CliError(f"identity {args.identity or home}: {e.strerror or e}", Exit.IDENTITY_UNUSABLE) from None
+    try:
+        return lock, load_or_create_identity(lock.key_path)
+    except IdentityError as e:
+        lock.release()
+        raise CliError(str(e), Exit.IDENTITY_UNUSABLE) from None
+    except OSError as e:
+        lock.release()
+        raise CliError(f"identity {lock.key_path}: cannot read it: {e.strerror or e}", Exit.IDENTITY_UNUSABLE) from None
+
+
+def resolve_training_device(flag: str) -> tuple[str, int]:
+    """The device a run trains on (auto: CUDA, MPS, else the CPU) and its free memory now."""
+    from shoal.node.cli.errors import CliError
+    from shoal.node.train.device import DeviceUnavailable, free_memory_bytes, resolve_device
+
+    try:
+        dev = resolve_device(flag)
+    except DeviceUnavailable:
+        raise
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    return str(dev), free_memory_bytes(dev)
+
+
+def serve(args: argparse.Namespace, config, hardware, key, device: str | None, free: int | None) -> int:
+    """Run the node until a signal (a clean leave, exit 0) or a failure (raised). A signal before the node is up
+    stops the start-up at once (KeyboardInterrupt: exit 130)."""
+    import functools
+    import signal
+    import sys
+
+    import trio
+
+    from shoal.node.cli.joinfile import write_address_file
+    from shoal.node.cli.progress import print_progress
+    from shoal.node.daemon import Node
+
+    async def run() -> bool:
+        node = Node(config, hardware, key=key)
+        up, interrupted = False, False
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+            async with trio.open_nursery() as nursery:
+                async def on_signals() -> None:
+                    nonlocal interrupted
+                    async for _ in signals:
+                        if not up or node.state == "leaving":  # not up yet, or a second Ctrl+C: stop now
+                            interrupted = True
+                            nursery.cancel_scope.cancel()
+                            return
+                        print("leaving the swarm…", file=sys.stderr, flush=True)
+                        if args.address_file is not None:
+                            args.address_file.unlink(missing_ok=True)
+                        node.stop()
+
+                async def watch_parent() -> None:
+                    while os.getppid() == args.parent:
+                        await trio.sleep(1.0)
+                    _say(f"the process that started this node (pid {args.parent}) is gone; leaving the swarm…")
+                    node.stop()
+
+                async def run_node(task_status=trio.TASK_STATUS_IGNORED) -> None:
+                    await node.run(task_status=task_status)
+                    nursery.cancel_scope.cancel()  # left: stop the helpers
+
+                nursery.start_soon(on_signals)
+                if args.parent is not None:
+                    nursery.start_soon(watch_parent)
+                nursery.start_soon(functools.partial(print_progress, node, args.print_every, _say, device=device,
+                                                     free_bytes=free))
+                await nursery.start(run_node)
+                up = True
                 if args.address_file is not None:
                     write_address_file(args.address_file, node.sh.addrs)
-                print(f"shoal node {node.peer_id} ready ({hardware.device_kind}: {hardware.device_name}); "
-                      f"others join with: shoal node --join {join_addr}", flush=True)
-                if node.sh.nat is not None:
-                    print(f"reachability: {node.sh.nat.describe()}", flush=True)
-                async for _ in signals:
-                    print("leaving the swarm…", file=sys.stderr, flush=True)
-                    if args.address_file is not None:
-                        args.address_file.unlink(missing_ok=True)
-                    node.stop()
-                    break
-        return 0
+                _say(ready_line(node))
+        return interrupted
 
-    return trio.run(run)
+    if trio.run(run):
+        raise KeyboardInterrupt
+    return 0
+
+
+def ready_line(node) -> str:
+    """The node's join addresses: dialable ones first (a wildcard listen address listed per interface; behind a
+    NAT, where a peer dialed us or our relay), and what the NAT traversal found."""
+    addrs = node.sh.addrs
+    public = [a for a in addrs if "/127.0.0.1/" not in a] or addrs
+    nat = node.sh.nat
+    if nat is not None and nat.reachability in ("public", "relayed"):
+        public = nat.advertised_addrs()[:1] + public
+    more = [a for a in addrs if a != public[0]]
+    also = f"\n  also reachable at: {', '.join(more[:4])}" if more else ""
+    reach = f"\nreachability: {nat.describe()}" if nat is not None else ""
+    return f"ready; others join with: shoal node --join {public[0]}{also}{reach}"
 
 
 def nat_config(args: argparse.Namespace):
@@ -162,23 +294,37 @@ def nat_config(args: argparse.Namespace):
     return NatConfig(relay=RelayConfig(service=args.relay), paths=PathConfig(hole_punch=not args.no_hole_punch))
 
 
-def run_config(args: argparse.Namespace):
-    """The RunConfig for --run: a manifest file (verified), or a run id whose manifest comes from the swarm."""
+def run_config(args: argparse.Namespace, join: list[str], device: str, free: int):
+    """The RunConfig for --run: a manifest file (verified, checked against this node's device), or a run id whose
+    manifest comes from the swarm (checked when it arrives)."""
+    from shoal.node.cli.errors import CliError
     from shoal.node.run.config import RunConfig
+    from shoal.node.run.preflight import preflight
+    from shoal.protocol.errors import ProtocolError
     from shoal.protocol.manifest import RunManifest
     from shoal.swarm.run.broker import BrokerConfig
 
     path = Path(args.run)
     manifest, run_id = None, None
     if path.exists():
-        manifest = RunManifest.from_toml(path.read_text())
-        manifest.verify()
-    elif not args.join:
-        raise ValueError(f"--run {args.run}: no such manifest file (a run id needs --join)")
+        try:
+            manifest = RunManifest.from_toml(path.read_text())
+            manifest.verify()
+        except (OSError, ProtocolError, ValueError) as e:
+            raise CliError(f"--run {args.run}: not a valid signed manifest: {e}") from None
+    elif not join:
+        raise CliError(f"--run {args.run}: no such manifest file (a run id needs --join)")
     else:
         run_id = args.run
-    broker = BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after)
-    return RunConfig(manifest=manifest, run_id=run_id, secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"),
-                     device=train_device(args.device), threads=args.threads,
-                     max_steps=args.steps, round_timeout_s=args.round_timeout, broker=broker,
-                     backup_refresh_s=args.backup_refresh)
+    try:
+        config = RunConfig(manifest=manifest, run_id=run_id,
+                           secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"), device=device,
+                           device_free_bytes=free, threads=args.threads, max_steps=args.steps,
+                           round_timeout_s=args.round_timeout,
+                           broker=BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after),
+                           backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if manifest is not None:
+        preflight(manifest, config)
+    return config

@@ -61,6 +61,7 @@ def peer_rows(obs) -> list[dict]:
             "device": f"{ann.hardware.device_kind}: {ann.hardware.device_name}" if ann else "unknown",
             "matmul_tflops": ann.hardware.matmul_tflops if ann else None,
             "step": st.step if st else 0,
+            "slot": st.slot if st else None,
         })
     return rows
 
@@ -89,23 +90,41 @@ def main(args: argparse.Namespace) -> int:
             nursery.cancel_scope.cancel()
         return peer_rows(obs)
 
-    try:
-        rows = trio.run(run)
-    except ConnectionError as e:
-        print(f"shoal peers: {e}", file=sys.stderr)
-        return 1
+    rows = trio.run(run)  # a join address that does not answer: JoinError, its own exit status (cli/errors.py)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     from rich.console import Console
+
+    Console().print(peers_table(rows))
+    return 0
+
+
+def _host_port(addr: str) -> str:
+    """/ip4/192.0.2.7/tcp/4001/p2p/… -> 192.0.2.7:4001 (the full address is in --json)."""
+    parts = addr.strip("/").split("/")
+    return f"{parts[1]}:{parts[3]}" if len(parts) >= 4 and parts[0] in ("ip4", "ip6", "dns4", "dns6") else addr
+
+
+def peers_table(rows: list[dict]):
+    """Every live peer in a table that fits 80 columns (peer ids shortened as in the dashboard)."""
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=f"{len(rows)} live peers")
-    for col in ("peer", "role", "state", "step", "device", "TFLOP/s", "last seen", "address"):
-        t.add_column(col, no_wrap=True, overflow="ellipsis")
+    from shoal.protocol.display import short_id
+
+    t = Table(title=f"{len(rows)} live peers", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0), show_edge=False)
+    for col in ("peer", "role", "slot", "state", "step", "device", "TFLOPs", "address"):
+        t.add_column(col, no_wrap=True, overflow="ellipsis", justify="right" if col in ("step", "TFLOPs") else "left")
     for r in rows:
-        t.add_row(r["peer_id"][-10:], r["role"], r["state"], str(r["step"]), r["device"][:24],
-                  f"{r['matmul_tflops']:.2f}" if r["matmul_tflops"] is not None else "?",
-                  f"{r['last_seen_s']:.1f} s", (r["addrs"] or ["?"])[0])
-    Console().print(t)
-    return 0
+        t.add_row(short_id(r["peer_id"]), r["role"], r.get("slot") or "-", r["state"], str(r["step"]),
+                  _device(r["device"]), f"{r['matmul_tflops']:.1f}" if r["matmul_tflops"] is not None else "?",
+                  _host_port((r["addrs"] or ["?"])[0]))
+    return t
+
+
+def _device(text: str, width: int = 12) -> str:
+    """'cuda: NVIDIA H100 80GB HBM3' -> 'H100 80GB HB', 'cpu: x86_64' -> 'cpu x86_64'."""
+    kind, _, name = text.partition(": ")
+    name = name.replace("NVIDIA ", "").replace("GeForce ", "")
+    return (name if kind == "cuda" else f"{kind} {name}".strip())[:width]

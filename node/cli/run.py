@@ -13,72 +13,127 @@ DESCRIPTION = (
 )
 
 
+CREATE_DESCRIPTION = """\
+Write a new run manifest, signed with your identity: the model, the data, the
+parallel plan (pipeline stages S x data-parallel replicas D), the
+synchronization and its compression, the optimizer, and who may join. Its
+content hash is the run id; the first node started with the file hosts the
+run's broker, and others join with the run id.
+
+  shoal run create -o run.toml                               tiny GPT, stdlib corpus, 1 replica
+  shoal run create --replicas 4 -o run.toml                  4 replicas with CocktailSGD
+  shoal run create --size small --replicas 8 --steps 20000 --data ~/corpus/ -o run.toml
+  shoal run create --replicas 4 --sync diloco --diloco-h 50 -o run.toml
+  shoal run create --stages 2 --replicas 2 --size small -o run.toml      # a pipeline of 2 stages x 2 lanes
+  shoal run create --replicas 2 --join-secret-file secret.txt -o run.toml   # a private run
+  shoal run create --data hf:roneneldan/TinyStories -o run.toml             # a Hugging Face dataset
+
+--data: 'stdlib' (the Python standard library's own source, on every machine),
+a .txt file, a .jsonl file (one document per line: a string or {"text": ...}),
+a folder of them, or hf:NAME (a Hugging Face dataset's "train" split, "text"
+column; needs `pip install datasets` and the network). Every node reads the
+source itself, so a file or folder must be at the same path on every machine.
+Text is tokenized as bytes.
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="run_command", metavar="ACTION", required=True)
-    c = sub.add_parser("create", help="write a new signed manifest", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    c.add_argument("-o", "--output", required=True, help="where to write the manifest (TOML)")
+    c = sub.add_parser("create", help="write a new signed manifest", description=CREATE_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("-o", "--output", required=True, metavar="PATH", help="where to write the manifest (TOML)")
     c.add_argument("--if-missing", action="store_true",
                    help="keep a manifest already at --output (verified) instead of writing a new one")
-    c.add_argument("--name", default="shoal-run")
-    c.add_argument("--identity", default=None,
+    c.add_argument("--name", default="shoal-run", help="a name for people; not used by shoal (default: %(default)s)")
+    c.add_argument("--identity", default=None, metavar="PATH",
                    help="Ed25519 key file that signs (created if missing; default: $SHOAL_HOME/identity.key)")
-    c.add_argument("--size", choices=("tiny", "small", "base"), default="tiny", help="model preset")
-    c.add_argument("--layers", type=int, help="override the preset's layer count")
-    c.add_argument("--d-model", type=int, help="override the preset's width")
-    c.add_argument("--heads", type=int, help="override the preset's head count")
-    c.add_argument("--positions", choices=("rope", "learned"), default="rope")
-    c.add_argument("--data", default="stdlib", help="'stdlib', a .txt/.jsonl file or folder, or hf:NAME")
-    c.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
-    c.add_argument("--batch", type=int, default=16, help="sequences per optimizer step per replica")
-    c.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: --batch)")
-    c.add_argument("--steps", type=int, default=2000, help="total optimizer steps (the schedule's length)")
-    c.add_argument("--lr", type=float, default=3e-3)
-    c.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="the inner (local) optimizer")
-    c.add_argument("--warmup", type=int, default=50, help="learning-rate warm-up steps")
-    c.add_argument("--weight-decay", type=float, default=0.1)
-    c.add_argument("--grad-clip", type=float, default=1.0)
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--eval-every", type=int, default=100)
-    c.add_argument("--ckpt-every", type=int, default=100)
-    c.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
-    c.add_argument("--stages", type=int, default=1, help="pipeline stages S")
-    c.add_argument("--replicas", type=int, default=1, help="data-parallel replicas D per stage")
-    c.add_argument("--sync", choices=("none", "allreduce", "cocktail", "diloco"), help="default: none for D=1, else cocktail")
-    c.add_argument("--cocktail-p", type=float, default=0.1)
-    c.add_argument("--cocktail-r", type=float, default=0.2)
-    c.add_argument("--cocktail-bits", type=int, default=4)
-    c.add_argument("--cocktail-warmup", type=int, default=100)
-    c.add_argument("--diloco-h", type=int, default=100, help="inner steps between outer steps")
-    c.add_argument("--diloco-fragments", type=int, default=1)
-    c.add_argument("--diloco-e3m0", action="store_true", help="4-bit outer gradients")
-    c.add_argument("--diloco-overlap", type=int, default=0, metavar="TAU",
+    m = c.add_argument_group("model and data")
+    m.add_argument("--size", choices=("tiny", "small", "base"), default="tiny",
+                   help="model preset (default: %(default)s)")
+    m.add_argument("--layers", type=int, metavar="N", help="override the preset's layer count")
+    m.add_argument("--d-model", type=int, metavar="N", help="override the preset's width")
+    m.add_argument("--heads", type=int, metavar="N", help="override the preset's head count")
+    m.add_argument("--positions", choices=("rope", "learned"), default="rope",
+                   help="position encoding (default: %(default)s)")
+    m.add_argument("--data", default="stdlib", metavar="SOURCE",
+                   help="'stdlib', a .txt/.jsonl file or a folder of them, or hf:NAME (default: %(default)s)")
+    m.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence (default: the preset's)")
+    o = c.add_argument_group("optimization")
+    o.add_argument("--batch", type=int, default=16, metavar="N",
+                   help="sequences per optimizer step per replica (default: %(default)s)")
+    o.add_argument("--micro-batch", type=int, metavar="N", help="sequences per micro-batch (default: --batch)")
+    o.add_argument("--steps", type=int, default=2000, metavar="N",
+                   help="total optimizer steps, the schedule's length (default: %(default)s)")
+    o.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)g)")
+    o.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="the inner (local) optimizer (default: %(default)s)")
+    o.add_argument("--warmup", type=int, default=50, metavar="N",
+                   help="learning-rate warm-up steps (default: %(default)s)")
+    o.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: %(default)g)")
+    o.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clipping (default: %(default)g)")
+    o.add_argument("--seed", type=int, default=0, help="model initialization and data order (default: %(default)s)")
+    o.add_argument("--eval-every", type=int, default=100, metavar="N",
+                   help="held-out evaluation every N steps (default: %(default)s)")
+    o.add_argument("--ckpt-every", type=int, default=100, metavar="N",
+                   help="checkpoint every N steps (default: %(default)s)")
+    o.add_argument("--keep", type=int, default=3, metavar="N", help="checkpoints to keep (default: %(default)s)")
+    p = c.add_argument_group("parallel plan and synchronization")
+    p.add_argument("--stages", type=int, default=1, metavar="S",
+                   help="pipeline stages S: the model split into S consecutive pieces on different nodes "
+                        "(default: %(default)s)")
+    p.add_argument("--replicas", type=int, default=1, metavar="D",
+                   help="data-parallel replicas D per stage (default: %(default)s)")
+    p.add_argument("--sync", choices=("none", "allreduce", "cocktail", "diloco"),
+                   help="how replicas stay together (default: none for D=1, else cocktail)")
+    p.add_argument("--cocktail-p", type=float, default=0.1, metavar="P",
+                   help="CocktailSGD: share of coordinates kept by the random mask (default: %(default)g)")
+    p.add_argument("--cocktail-r", type=float, default=0.2, metavar="R",
+                   help="CocktailSGD: share of those kept by top-k (default: %(default)g)")
+    p.add_argument("--cocktail-bits", type=int, default=4, metavar="B",
+                   help="CocktailSGD: bits per quantized value (default: %(default)s)")
+    p.add_argument("--cocktail-warmup", type=int, default=100, metavar="N",
+                   help="CocktailSGD: steps synchronized uncompressed first (default: %(default)s)")
+    p.add_argument("--diloco-h", type=int, default=100, metavar="H",
+                   help="DiLoCo: inner steps between outer steps (default: %(default)s)")
+    p.add_argument("--diloco-fragments", type=int, default=1, metavar="N",
+                   help="Streaming DiLoCo: fragments synchronized in turn (default: %(default)s)")
+    p.add_argument("--diloco-e3m0", action="store_true", help="DiLoCo: 4-bit (E3M0) outer gradients")
+    p.add_argument("--diloco-overlap", type=int, default=0, metavar="TAU",
                    help="Streaming DiLoCo: inner steps trained while a fragment's outer gradient is on the wire "
-                        "(< H / fragments)")
-    c.add_argument("--diloco-alpha", type=float, default=0.0,
-                   help="after an outer step keep this share of the local parameters (Streaming DiLoCo uses 0.5)")
-    c.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                        "(< H / fragments; default: %(default)s)")
+    p.add_argument("--diloco-alpha", type=float, default=0.0, metavar="ALPHA",
+                   help="after an outer step keep this share of the local parameters (Streaming DiLoCo uses 0.5; "
+                        "default: %(default)g)")
+    p.add_argument("--micro-batches", type=int, default=None, metavar="M",
                    help="micro-batches per step (default: 4 x stages with several stages, else one; "
                         "--micro-batch sets their size instead)")
-    c.add_argument("--tie-embeddings", choices=("auto", "tied", "untied"), default="auto",
+    p.add_argument("--tie-embeddings", choices=("auto", "tied", "untied"), default="auto",
                    help="whether the head shares the embedding matrix (auto: tied with one stage, untied when split; "
-                        "a split model must be untied)")
-    c.add_argument("--pipeline-compression", choices=("none", "aqsgd"), default=None,
-                   help="what crosses a stage boundary: none (activations at --wire-dtype) or aqsgd (default: aqsgd "
-                        "with several stages)")
-    c.add_argument("--wire-dtype", choices=("fp32", "fp16"), default="fp32",
-                   help="activations and gradients between stages without compression (default: fp32)")
-    c.add_argument("--fwd-bits", type=int, default=4, help="AQ-SGD activation-delta bits")
-    c.add_argument("--bwd-bits", type=int, default=8, help="AQ-SGD gradient bits")
-    c.add_argument("--train-subset", type=int, default=0, metavar="N",
-                   help="train on the first N samples only, epoch after epoch (0: all)")
-    c.add_argument("--first-visit-bits", type=int, default=8, help="AQ-SGD first visits (16: fp16 in full)")
-    c.add_argument("--aq-buffer", choices=("memory", "disk"), default="memory", help="where AQ-SGD buffers live")
-    c.add_argument("--aq-buffer-cap-mb", type=int, default=4096, help="AQ-SGD buffer cap per link end (MiB)")
-    j = c.add_mutually_exclusive_group()
-    j.add_argument("--join-secret-file", help="file holding the join secret (only its salted hash is stored)")
+                        "a split model must be untied; default: %(default)s)")
+    p.add_argument("--pipeline-compression", choices=("none", "aqsgd"), default=None,
+                   help="what crosses a stage boundary: none (activations at --wire-dtype) or aqsgd "
+                        "(default: aqsgd with several stages)")
+    p.add_argument("--wire-dtype", choices=("fp32", "fp16"), default="fp32",
+                   help="activations and gradients between stages without compression (default: %(default)s)")
+    p.add_argument("--fwd-bits", type=int, default=4, metavar="B",
+                   help="AQ-SGD: bits of forward activation deltas (default: %(default)s)")
+    p.add_argument("--bwd-bits", type=int, default=8, metavar="B",
+                   help="AQ-SGD: bits of backward gradients (default: %(default)s)")
+    p.add_argument("--first-visit-bits", type=int, default=8, metavar="B",
+                   help="AQ-SGD: bits of a sample's first visit on a link, 16 = fp16 (default: %(default)s)")
+    p.add_argument("--aq-buffer", choices=("memory", "disk"), default="memory",
+                   help="AQ-SGD: where each link end keeps its buffer (default: %(default)s)")
+    p.add_argument("--aq-buffer-cap-mb", type=int, default=4096, metavar="MB",
+                   help="AQ-SGD: buffer cap per link end (default: %(default)s)")
+    p.add_argument("--train-subset", type=int, default=0, metavar="N",
+                   help="train on the first N samples only, epoch after epoch (default: all)")
+    j = c.add_argument_group("who may join").add_mutually_exclusive_group()
+    j.add_argument("--join-secret-file", metavar="PATH",
+                   help="file holding the join secret (only its salted hash is stored); nodes join with --secret")
     j.add_argument("--allow", action="append", metavar="PEER_ID", help="admit only these peers (repeat)")
-    s = sub.add_parser("show", help="print a manifest and verify its signature")
-    s.add_argument("path")
+    s = sub.add_parser("show", help="print a manifest and verify its signature",
+                       description="Print a run manifest, its run id, and whether its signature is valid.")
+    s.add_argument("path", metavar="RUN.toml", help="the manifest file")
 
 
 def build_manifest(args: argparse.Namespace):

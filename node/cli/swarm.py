@@ -1,4 +1,5 @@
-"""`shoal swarm up`: start a whole local swarm on this machine that trains together, show it live, stop it cleanly."""
+"""`shoal swarm up|down|status`: a whole local swarm on this machine that trains together, shown live, stopped
+cleanly (never orphaned), and found again from another terminal."""
 
 from __future__ import annotations
 
@@ -6,11 +7,19 @@ import argparse
 
 HELP = "run a whole local swarm on this machine that trains a model together (start here)"
 DESCRIPTION = """\
+A whole shoal swarm on this machine.
+
+  shoal swarm up          start one and show it live (Ctrl+C stops it)
+  shoal swarm status      show the one running here (from another terminal)
+  shoal swarm down        stop the one running here (its terminal is gone, say)
+"""
+UP_DESCRIPTION = """\
 Run a whole shoal swarm on this machine: N node processes on 127.0.0.1, the
 first one the bootstrap and the run's broker. By default they train the
 built-in tiny GPT on the built-in corpus (the Python standard library's source)
 with CocktailSGD: N-1 active replicas and one warm backup. It shows step, loss,
-tokens/s, bytes sent and roles live, and stops them all on Ctrl+C.
+tokens/s, bytes sent and roles live, and stops them all on Ctrl+C, SIGTERM or
+SIGHUP (a closed terminal); a node whose supervisor is gone leaves by itself.
 
   shoal swarm up                               # 4 nodes training, until Ctrl+C
   shoal swarm up --dash                        # the same, watched in the dashboard (q stops it)
@@ -21,12 +30,13 @@ tokens/s, bytes sent and roles live, and stops them all on Ctrl+C.
 
 While it runs, other terminals can look at it:  shoal peers --local  ·  shoal dash --local
 Kill one node's process (kill -9 PID from the table) and watch the backup take its slot.
+Each node's output is in DIR/nodeN.out, its log in DIR/nodeN.log (DIR: --dir).
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="swarm_command", metavar="ACTION", required=True)
-    up = sub.add_parser("up", help="start a local swarm", description=DESCRIPTION,
+    up = sub.add_parser("up", help="start a local swarm and show it live", description=UP_DESCRIPTION,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     up.add_argument("--nodes", type=int, default=None,
                     help="how many nodes (default: 4, 3 active + 1 backup; with --stages S: 3 x S, two lanes and "
@@ -34,21 +44,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--backups", type=int, default=None,
                     help="how many of them wait in the backup pool (default: 1; with --stages S: S)")
     up.add_argument("--stages", type=int, default=1, metavar="S",
-                    help="pipeline stages: the model is split into S stages across the nodes (default: 1)")
+                    help="pipeline stages: the model is split into S stages across the nodes (default: %(default)s)")
     up.add_argument("--sync", default="cocktail", choices=("allreduce", "cocktail", "diloco", "none"),
-                    help="how the replicas stay together (default: cocktail)")
+                    help="how the replicas stay together (default: %(default)s)")
     up.add_argument("--steps", type=int, default=None, metavar="N",
                     help="stop once every active replica has done N synchronized steps")
     up.add_argument("--no-train", action="store_true", help="only form the swarm, do not train")
     up.add_argument("--duration", type=float, default=None, metavar="SECONDS",
                     help="stop after this long (default: run until Ctrl+C, or until --steps)")
-    up.add_argument("--json", action="store_true", help="print a final JSON summary on stdout")
+    up.add_argument("--json", action="store_true",
+                    help="print a final JSON summary on stdout: the run (steps, wall time, steps/s, whether the "
+                         "replicas' hashes agree, held-out loss) and every node")
     up.add_argument("--dir", type=str, default=None, metavar="PATH",
-                    help="where node keys, status files and logs go (default: a new folder under $SHOAL_HOME/swarms)")
+                    help="where node keys, status files, output and logs go (default: a new folder under "
+                         "$SHOAL_HOME/swarms)")
     up.add_argument("--dash", action="store_true", help="open the dashboard on the swarm (quitting it stops the swarm)")
-    up.add_argument("--device", default="cpu", help="device for every node (default: cpu)")
+    up.add_argument("--device", default="cpu", metavar="DEVICE",
+                    help="device for every node: cpu, cuda, cuda:N, mps or auto (default: %(default)s; the nodes "
+                         "share it)")
     up.add_argument("--converge-timeout", type=float, default=90.0, metavar="SECONDS",
-                    help="give up if the nodes do not all see each other within this long (default: 90)")
+                    help="give up if the nodes do not all see each other within this long (default: %(default)g)")
+    down = sub.add_parser("down", help="stop the local swarm `shoal swarm up` runs on this machine",
+                          description="Stop the local swarm started by `shoal swarm up` with this $SHOAL_HOME: its "
+                                      "supervisor, then any of its nodes still running, by PID.")
+    down.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="how long the nodes get to leave cleanly before they are killed (default: %(default)g)")
+    status = sub.add_parser("status", help="show the local swarm `shoal swarm up` runs on this machine",
+                            description="Show the local swarm started by `shoal swarm up` with this $SHOAL_HOME: "
+                                        "its supervisor and every node (pid, role, step, loss, …).")
+    status.add_argument("--json", action="store_true", help="print it as JSON")
 
 
 def layout(args: argparse.Namespace) -> tuple[int, int, int]:
@@ -83,77 +107,117 @@ def write_manifest(args: argparse.Namespace, workdir, replicas: int):
     return path, m
 
 
-def _fmt_bytes(n) -> str:
-    n = float(n or 0)
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f}{unit}"
-        n /= 1000
-    return f"{n:.0f}TB"
-
-
-def _table(swarm, t0: float, converged_after: float | None, training: bool):
-    import time
-
+def table(rows: list[dict], nodes: int, title: str, training: bool):
+    """The swarm as a table that fits 80 columns: one row per node (peer ids shortened as in the dashboard, sizes in
+    MB as everywhere); a node whose process ended says it is gone and keeps only what it last reached. A pipeline
+    shows the bytes its stages sent along their lanes (links) instead of the peer count."""
+    from rich import box
     from rich.table import Table
 
-    title = f"shoal local swarm: {sum(n.alive for n in swarm.nodes)}/{len(swarm.nodes)} nodes, up {time.monotonic() - t0:.0f} s"
-    if converged_after is not None:
-        title += f", converged in {converged_after:.1f} s"
-    t = Table(title=title, caption="Ctrl+C stops the swarm · shoal dash --local")
-    cols = ["#", "peer id", "pid", "role", "state", "peers"]
+    from shoal.protocol.display import nbytes, short_id, si
+
+    pipeline = training and any(r.get("link_bytes_sent") for r in rows)
+    caption = None
     if training:
-        cols += ["slot", "step", "loss", "eval", "tok/s", "sent", "ratio", "links", "hash"]
+        evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None and r["alive"]]
+        caption = ((f"held-out loss {min(evals):.3f} · " if evals else "")
+                   + "ratio: raw/sent bytes since start, incl. warm-up")
+
+    def cells(r: dict) -> dict[str, str]:
+        gone = not r["alive"]
+        state = str(r["state"] or "-") if not gone else "gone"
+        if gone and not training and r.get("exit") not in (None, "gone"):
+            state = f"gone ({r['exit']})"
+        c = {"#": str(r["index"]), "peer": short_id(r["peer_id"]) if r["peer_id"] else "…", "pid": str(r["pid"]),
+             "role": str(r["role"] or "-"), "state": state,
+             "peers": "-" if gone else f"{r['peers_seen']}/{nodes - 1}"}
+        if training:  # a gone node keeps what it last reached, but no slot: that is someone else's now
+            loss, ratio = r.get("loss"), r.get("compression_ratio")
+            c.update({"slot": "-" if gone else (r.get("slot") or "-"), "step": str(r.get("step", "-")),
+                      "loss": f"{loss:.2f}" if loss is not None else "-",
+                      "tok/s": "-" if gone else si(r.get("tokens_per_s") or 0, digits=2),
+                      "sent": nbytes(r.get("bytes_sent") or 0), "ratio": f"{ratio:.1f}x" if ratio else "-",
+                      "links": nbytes(r.get("link_bytes_sent") or 0)})
+        return c
+
+    cols = ["#", "peer", "pid", "role", "state"] + ([] if pipeline else ["peers"])
+    if training:
+        cols += ["slot", "step", "loss", "tok/s", "sent", "ratio"] + (["links"] if pipeline else [])
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0), show_edge=False, caption=caption)
     for col in cols:
-        t.add_column(col, no_wrap=True)
-    for r in swarm.summary():
-        row = [str(r["index"]), (r["peer_id"] or "…")[-10:], str(r["pid"]), str(r["role"] or ""), str(r["state"]),
-               f"{r['peers_seen']}/{len(swarm.nodes) - 1}"]
-        if training:
-            loss, ev = r.get("loss"), r.get("eval_loss")
-            row += [r.get("slot") or "-", str(r.get("step", "-")), f"{loss:.3f}" if loss is not None else "-",
-                    f"{ev:.3f}" if ev is not None else "-", f"{r.get('tokens_per_s') or 0:.0f}",
-                    _fmt_bytes(r.get("bytes_sent")), f"{r.get('compression_ratio') or 0:.0f}x",
-                    _fmt_bytes(r.get("link_bytes_sent")) if r.get("link_bytes_sent") else "-",
-                    (r.get("state_hash") or "-")[:8]]
-        t.add_row(*row)
+        t.add_column(col, no_wrap=True, justify="right" if col in ("step", "tok/s", "sent", "ratio", "links")
+                     else "left")
+    for r in rows:
+        c = cells(r)
+        t.add_row(*(c[col] for col in cols), style="dim" if not r["alive"] else None)
     return t
 
 
-def _all_done(swarm, steps: int) -> bool:
-    rows = [r for r in swarm.summary() if r["alive"] and r.get("role") in ("active", "broker") and r.get("slot")]
+def _stage(slot: str) -> str:
+    """'s1r0' -> 's1' (replicas of one stage hold the same state; stages hold different layers)."""
+    return slot.split("r", 1)[0]
+
+
+def run_summary(rows: list[dict], wall_s: float, train_s: float | None) -> dict:
+    """The run as a whole: steps every active replica reached, times, steps/s, whether the state hashes of each
+    stage's replicas agree, and the held-out loss."""
+    active = [r for r in rows if r.get("slot") and r["alive"]]
+    steps = min((r.get("step") or 0 for r in active), default=0)
+    by_stage: dict[str, set] = {}
+    for r in active:
+        by_stage.setdefault(_stage(r["slot"]), set()).add(r.get("state_hash"))
+    evals = [r["eval_loss"] for r in active if r.get("eval_loss") is not None]
+    return {
+        "replicas": len(active), "steps": steps, "wall_s": round(wall_s, 2),
+        "train_s": round(train_s, 2) if train_s is not None else None,
+        "steps_per_s": round(steps / train_s, 3) if train_s and steps else None,
+        "hashes_agree": bool(active) and all(len(h) == 1 and None not in h for h in by_stage.values()),
+        "eval_loss": min(evals) if evals else None, "eval_loss_spread": (max(evals) - min(evals)) if evals else None,
+    }
+
+
+def _all_done(rows: list[dict], steps: int) -> bool:
+    rows = [r for r in rows if r["alive"] and r.get("role") in ("active", "broker") and r.get("slot")]
     return bool(rows) and all(r.get("step", 0) >= steps and r.get("state") == "done" for r in rows)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.swarm_command == "down":
+        return down(args)
+    if args.swarm_command == "status":
+        return status(args)
+    return up(args)
+
+
+def up(args: argparse.Namespace) -> int:
     import json
-    import os
-    import signal
-    import sys
     import time
     from pathlib import Path
 
     from rich.console import Console
-    from rich.live import Live
 
+    from shoal.node.cli.errors import CliError, Exit
+    from shoal.node.cli.localswarm import LocalSwarm, LocalSwarmConfig, SignalGuard
     from shoal.node.cli.node import shoal_home
-    from shoal.node.cli.localswarm import LocalSwarm, LocalSwarmConfig
     from shoal.swarm.net.observer import LOCAL_SWARM_FILE
 
-    def on_sigterm(signum, frame):  # stop the nodes by PID, as on Ctrl+C, rather than orphaning them
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    err = Console(stderr=True)
+    guard = SignalGuard()
+    guard.install()  # SIGINT, SIGTERM, SIGHUP: stop every node by PID, never orphan them
+    err = Console(stderr=True, soft_wrap=True)
     training = not args.no_train and args.sync is not None
     nodes, backups, lanes = layout(args)
     if training and lanes < 1:
-        err.print(f"shoal swarm up: need at least one lane of {args.stages} active node(s) "
-                  f"(--nodes minus --backups at least --stages)")
-        return 2
+        raise CliError(f"need at least one lane of {args.stages} active node(s) (--nodes minus --backups at least "
+                       f"--stages)")
     home = shoal_home()
+    local_file = home / LOCAL_SWARM_FILE
+    running = read_swarm_file(local_file)
+    if running is not None and running_supervisor(running):
+        raise CliError(f"a local swarm is already running here (pid {running['pid']}, {running['workdir']})",
+                       hint="shoal swarm down stops it, shoal swarm status shows it; or use another SHOAL_HOME")
     workdir = Path(args.dir) if args.dir else home / "swarms" / time.strftime("%Y%m%d-%H%M%S")
     extra: tuple[str, ...] = ()
+    t0 = time.monotonic()
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         if training:
@@ -162,68 +226,213 @@ def main(args: argparse.Namespace) -> int:
             if args.steps is not None:
                 extra += ("--steps", str(args.steps))
             shape = f"{lanes} replicas" if args.stages == 1 else f"{args.stages} stages x {lanes} lanes"
-            err.print(f"run {manifest.run_id[:16]}…: tiny GPT, {shape} with {args.sync}, {backups} backup(s)")
+            err.print(f"run {manifest.run_id[:8]}…: tiny GPT, {shape} with {args.sync}, {backups} backup(s); nodes' "
+                      f"output and logs in {workdir}")
         swarm = LocalSwarm(LocalSwarmConfig(nodes=nodes, workdir=workdir, home=home, device=args.device,
-                                            extra_node_args=extra))
+                                            extra_node_args=extra, swarm_file=local_file), guard)
     except (ValueError, OSError) as e:
-        err.print(f"shoal swarm up: {e}")
-        return 2
-    interactive = sys.stderr.isatty() and not args.json
-    local_file = home / LOCAL_SWARM_FILE
-    t0 = time.monotonic()
-    converged_after = None
-    code = 0
+        raise CliError(str(e)) from None
+    interactive = err.is_terminal and not args.json
+    converged_after = train_from = None
+    code = Exit.OK
     try:
-        err.print(f"starting {nodes} nodes in {workdir} …")
-        swarm.start()
-        converged_after = swarm.wait_converged(args.converge_timeout)
-        local_file.write_text(json.dumps({"pid": os.getpid(), "bootstrap": swarm.bootstrap_addrs(),
-                                          "workdir": str(workdir)}))
-        err.print(f"all {nodes} nodes see each other after {converged_after:.1f} s; "
-                  f"bootstrap: {swarm.bootstrap_addrs()[0]}", soft_wrap=True)
-        end = t0 + args.duration if args.duration is not None else float("inf")
+        with err.status("starting…", spinner="dots") if interactive else _nothing() as spinner:
+            def progress(text: str) -> None:
+                if spinner is not None:
+                    spinner.update(text)
+                else:
+                    err.print(text)
 
-        def running() -> bool:
+            swarm.start(progress)
+            converged_after = swarm.wait_converged(args.converge_timeout, progress)
+        err.print(f"all {nodes} nodes see each other after {time.monotonic() - t0:.1f} s; "
+                  f"bootstrap: {swarm.bootstrap_addrs()[0]}")
+        end = t0 + args.duration if args.duration is not None else float("inf")
+        train_from = time.monotonic()
+
+        def going() -> bool:
             if time.monotonic() >= end:
                 return False
-            return not (training and args.steps is not None and _all_done(swarm, args.steps))
+            return not (training and args.steps is not None and _all_done(swarm.summary(), args.steps))
 
-        if args.dash:
-            import subprocess
-
-            dash = subprocess.Popen([sys.executable, "-m", "shoal.node.cli", "dash", "--local"])
-            while dash.poll() is None and running():
-                time.sleep(0.3)
-            if dash.poll() is None:
-                dash.terminate()
-                dash.wait()
-        elif interactive:
-            with Live(_table(swarm, t0, converged_after, training), console=err, refresh_per_second=2) as live:
-                while running():
-                    time.sleep(0.5)
-                    live.update(_table(swarm, t0, converged_after, training))
-        else:
-            last = 0.0
-            while running():
-                time.sleep(0.5)
-                if training and time.monotonic() - last > 10:
-                    last = time.monotonic()
-                    steps = [r.get("step", 0) for r in swarm.summary() if r.get("slot")]
-                    err.print(f"{time.monotonic() - t0:.0f} s: steps {steps}")
+        watch(args, swarm, err, going, interactive, training, t0)
     except KeyboardInterrupt:
         err.print("stopping the swarm …")
     except (RuntimeError, TimeoutError) as e:
         err.print(f"[red]shoal swarm up: {e}[/red]")
-        code = 1
+        code = Exit.FAILED
     finally:
-        summary = swarm.summary()
+        guard.stopping = True  # from here on, signals cannot interrupt the stop
+        rows = swarm.summary()
+        wall_s = time.monotonic() - t0
         codes = swarm.stop()
         local_file.unlink(missing_ok=True)
+    train_s = time.monotonic() - train_from if train_from is not None else None
+    summary = run_summary(rows, wall_s, train_s) if training else None
     if args.json:
-        for row in summary:
+        for row in rows:
             row["exit_code"] = codes.get(row["index"])
-        print(json.dumps({"converged_after_s": converged_after, "workdir": str(workdir), "nodes": summary}, indent=1))
+        print(json.dumps({"converged_after_s": converged_after, "workdir": str(workdir), "run": summary,
+                          "nodes": rows}, indent=1))
     else:
-        err.print(_table(swarm, t0, converged_after, training) if training else "")
-        err.print(f"stopped {len(codes)} nodes (exit codes {sorted(set(codes.values()))}); logs in {workdir}")
-    return code
+        if training:
+            err.print(table(rows, len(swarm.nodes), "the swarm at its end (before it was stopped)", training))
+            s = summary
+            err.print(f"{s['replicas']} replicas reached step {s['steps']} in {s['wall_s']:.0f} s"
+                      + (f" ({s['steps_per_s']:.2f} steps/s)" if s["steps_per_s"] else "")
+                      + (f", held-out loss {s['eval_loss']:.3f}" if s["eval_loss"] is not None else "")
+                      + (", state hashes agree" if s["hashes_agree"] else ", state hashes differ"))
+        err.print(f"stopped {len(codes)} nodes (exit codes {sorted(set(codes.values()))}); output and logs in "
+                  f"{workdir}")
+    return int(code)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def watch(args, swarm, err, going, interactive: bool, training: bool, t0: float) -> None:
+    """Show the swarm until `going()` says stop: the dashboard, a live table, or a line every 10 s."""
+    import subprocess
+    import sys
+    import time
+
+    from rich.live import Live
+
+    def title() -> str:
+        alive = sum(n.alive for n in swarm.nodes)
+        return f"shoal local swarm: {alive}/{len(swarm.nodes)} nodes, up {time.monotonic() - t0:.0f} s"
+
+    if args.dash:
+        dash = subprocess.Popen([sys.executable, "-m", "shoal.node.cli", "dash", "--local"])
+        try:
+            while dash.poll() is None and going():
+                time.sleep(0.3)
+        finally:
+            if dash.poll() is None:
+                dash.terminate()
+                dash.wait()
+    elif interactive:
+        def view():
+            return table(swarm.summary(), len(swarm.nodes), title(), training)
+
+        with Live(view(), console=err, refresh_per_second=2) as live:
+            while going():
+                time.sleep(0.5)
+                live.update(view())
+        err.print("Ctrl+C stops the swarm · shoal dash --local watches it")
+    else:
+        last = 0.0
+        while going():
+            time.sleep(0.5)
+            if training and time.monotonic() - last > 10:
+                last = time.monotonic()
+                steps = [r.get("step", 0) for r in swarm.summary() if r.get("slot")]
+                err.print(f"{time.monotonic() - t0:.0f} s: steps {steps}")
+
+
+def read_swarm_file(path) -> dict | None:
+    import json
+
+    try:
+        doc = json.loads(path.read_text())
+        return doc if isinstance(doc, dict) and isinstance(doc.get("pid"), int) else None
+    except (OSError, ValueError):
+        return None
+
+
+def running_supervisor(doc: dict) -> bool:
+    from shoal.node.cli.localswarm import same_process
+
+    return same_process(doc["pid"], doc.get("start_time"))
+
+
+def live_nodes(doc: dict) -> list[dict]:
+    from shoal.node.cli.localswarm import same_process
+
+    return [n for n in doc.get("nodes", []) if isinstance(n, dict) and isinstance(n.get("pid"), int)
+            and same_process(n["pid"], n.get("start_time"))]
+
+
+def down(args: argparse.Namespace) -> int:
+    """Stop the supervisor (it stops its nodes), then whatever node of it still runs: SIGTERM, then SIGKILL."""
+    import os
+    import signal
+    import time
+
+    from shoal.node.cli.node import shoal_home
+    from shoal.swarm.net.observer import LOCAL_SWARM_FILE
+
+    path = shoal_home() / LOCAL_SWARM_FILE
+    doc = read_swarm_file(path)
+    if doc is None:
+        print("no local swarm is running here")
+        return 0
+    deadline = time.monotonic() + args.timeout
+    supervisor = running_supervisor(doc)
+    if supervisor:
+        os.kill(doc["pid"], signal.SIGTERM)
+        while running_supervisor(doc) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    nodes = live_nodes(doc)
+    for n in nodes:
+        os.kill(n["pid"], signal.SIGTERM)
+    while live_nodes(doc) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    killed = live_nodes(doc)
+    for n in killed:
+        os.kill(n["pid"], signal.SIGKILL)
+    if running_supervisor(doc):
+        os.kill(doc["pid"], signal.SIGKILL)
+    path.unlink(missing_ok=True)
+    print(f"stopped the local swarm in {doc.get('workdir')}: "
+          + (f"its supervisor (pid {doc['pid']})" if supervisor else "its supervisor was gone already")
+          + f", {len(doc.get('nodes', []))} nodes" + (f" ({len(killed)} killed after {args.timeout:g} s)"
+                                                     if killed else ""))
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from shoal.node.cli.node import shoal_home
+    from shoal.swarm.net.observer import LOCAL_SWARM_FILE
+
+    doc = read_swarm_file(shoal_home() / LOCAL_SWARM_FILE)
+    if doc is None:
+        if args.json:
+            print(json.dumps({"running": False}))
+        else:
+            print("no local swarm is running here (start one with `shoal swarm up`)")
+        return 0
+    alive = {n["index"] for n in live_nodes(doc)}
+    rows = []
+    for n in doc.get("nodes", []):
+        try:
+            st = json.loads((Path(doc["workdir"]) / f"node{n['index']}.json").read_text())
+        except (OSError, ValueError, KeyError):
+            st = {}
+        rows.append({**st, "index": n["index"], "pid": n["pid"], "alive": n["index"] in alive,
+                     "peer_id": st.get("peer_id"), "state": st.get("state"), "role": st.get("role"),
+                     "peers_seen": len(st.get("peers", [])), "exit": "gone"})
+    sup = running_supervisor(doc)
+    if args.json:
+        print(json.dumps({"running": sup, "supervisor_pid": doc["pid"], "state": doc.get("state"),
+                          "workdir": doc.get("workdir"), "bootstrap": doc.get("bootstrap"), "nodes": rows}, indent=1))
+        return 0
+    training = any(r.get("slot") for r in rows)
+    title = (f"local swarm ({doc.get('state')}), supervisor pid {doc['pid']}"
+             + ("" if sup else " (gone: `shoal swarm down` stops what is left)"))
+    console = Console()
+    console.print(table(rows, len(rows), title, training))
+    console.print(f"workdir {doc.get('workdir')}", soft_wrap=True)
+    if doc.get("bootstrap"):
+        console.print(f"join it: shoal node --join {doc['bootstrap'][0]}", soft_wrap=True)
+    return 0

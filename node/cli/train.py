@@ -15,8 +15,9 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", help="run manifest (TOML) from `shoal run create`; default: the built-in run")
-    parser.add_argument("--size", choices=("tiny", "small", "base"), default="tiny", help="model of the built-in run (without --run)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps")
+    parser.add_argument("--size", choices=("tiny", "small", "base"), default="tiny", help="model of the built-in run, without --run (default: %(default)s)")
+    parser.add_argument("--device", default="auto", metavar="DEVICE",
+                        help="auto (CUDA, else MPS, else the CPU), cpu, cuda, cuda:N or mps (default: %(default)s)")
     parser.add_argument("--steps", type=int, help="stop once this many steps are done (default: the run's total)")
     parser.add_argument("--out", help="checkpoint and metrics folder (default: runs/RUN_ID_PREFIX)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -78,8 +79,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"shoal train: the run has {manifest.plan.stages} pipeline stages; train it across nodes "
               f"(shoal node --run, or shoal swarm up --stages {manifest.plan.stages})", file=sys.stderr)
         return 2
+    from shoal.node.train.device import DeviceUnavailable
+
     try:
         trainer = Trainer(manifest, device=args.device)
+    except DeviceUnavailable:
+        raise  # its own exit status (node/cli/errors.py)
     except ValueError as e:
         print(f"shoal train: {e}", file=sys.stderr)
         return 2

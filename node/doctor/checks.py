@@ -128,7 +128,6 @@ def nvidia_driver_present() -> bool:
 def check_torch(device_flag: str) -> list[Check]:
     """torch itself, the device `shoal node --device device_flag` trains on (with its free memory), and the model
     presets that fit there."""
-    from shoal.node.cli.node import train_device
     from shoal.node.doctor.fit import fits
 
     try:
@@ -147,12 +146,15 @@ def check_torch(device_flag: str) -> list[Check]:
         out[0] = Check(name="torch", verdict="warn", summary=out[0].summary + ", but this machine has an NVIDIA driver",
                        fix="install torch's CUDA build to train on the GPU: pip install torch --index-url "
                            "https://download.pytorch.org/whl/cu128", data=out[0].data)
-    device = train_device(device_flag)
+    from shoal.node.train.device import resolve_device
+
+    try:
+        device = str(resolve_device(device_flag))
+    except ValueError as e:  # DeviceUnavailable included
+        return out + [Check(name="device", verdict="fail", summary=str(e),
+                            fix="drop --device (auto: the GPU if torch sees one, else the CPU), or install a CUDA "
+                                "build of torch and the driver", data={"device": device_flag})]
     if device.startswith("cuda"):
-        if not cuda_ok:
-            return out + [Check(name="device", verdict="fail", summary=f"--device {device_flag}: CUDA is not available",
-                                fix="drop --device (train on the CPU) or install a CUDA build of torch and the driver",
-                                data={"device": device})]
         dev = torch.device(device)
         free, total = torch.cuda.mem_get_info(dev)
         name = torch.cuda.get_device_name(dev)

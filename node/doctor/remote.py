@@ -74,7 +74,7 @@ async def probe_join(sh: SwarmHost, addr: str, timeout_s: float) -> tuple[Check,
         ip, port, peer_id = _parse(addr)
     except ValueError as e:
         return Check(name="join", verdict="fail", summary=str(e), fix="copy the address a node prints at start "
-                     "(shoal node … ready …; others join with: …)", data=data), []
+                     "(shoal node prints it: ready; others join with: …)", data=data), []
     try:
         data["tcp_ms"] = round(await _tcp_ms(ip, port, timeout_s), 2)
     except trio.TooSlowError:

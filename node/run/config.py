@@ -15,7 +15,8 @@ class RunConfig:
     manifest: RunManifest | None = None  # None: fetched from the joined peers by `run_id`
     run_id: str | None = None
     secret: str | None = None
-    device: str = "cpu"
+    device: str = "cpu"  # a resolved device (cpu, cuda, cuda:N, mps), not auto
+    device_free_bytes: int | None = None  # its free memory at start (None: not checked), see run/preflight.py
     threads: int | None = None  # torch threads for the trainer (None: torch's default)
     max_steps: int | None = None  # stop training after this many steps (None: the manifest's total)
     switch_lead_s: float = 2.0  # group changes take effect this far ahead (time for the table to reach everyone)
@@ -28,6 +29,7 @@ class RunConfig:
     final_check_s: float = 60.0  # at the end, how long to wait for the group's final hashes
     leave_timeout_s: float = 3.0  # a leave notice to the broker gives up after this long
     snapshot_every_steps: int = 50  # besides the steps joiners need, a fresh snapshot for backups this often
+    min_step_s: float = 0.0  # pace: every step takes at least this long (a slower model, emulated for tests/benches)
     broker: BrokerConfig = field(default_factory=BrokerConfig)  # when this node hosts (or takes over) the broker
     client: RunClientConfig = field(default_factory=RunClientConfig)
 
@@ -42,5 +44,7 @@ class RunConfig:
             raise ValueError("--backup-refresh and --round-timeout must be positive")
         if min(self.state_pull_timeout_s, self.state_pull_attempt_s, self.final_check_s, self.leave_timeout_s) <= 0:
             raise ValueError("state pull, final check and leave timeouts must be positive")
+        if self.min_step_s < 0:
+            raise ValueError("--min-step-time must be >= 0")
         if self.snapshot_every_steps < 1:
             raise ValueError("snapshot_every_steps must be >= 1")

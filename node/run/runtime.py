@@ -21,12 +21,14 @@ from typing import Any
 import trio
 
 from shoal.node.run.config import RunConfig
+from shoal.node.run.preflight import UnknownRun, preflight
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Throughput
-from shoal.node.run.votes import HashVotes
+from shoal.node.run.votes import MIN_VOTERS, HashVotes
 from shoal.node.sync.interface import Synchronizer
 from shoal.node.train.control import StepControl, StepResult
-from shoal.protocol.assignment import AssignmentTable
+from shoal.protocol.assignment import GONE, AssignmentTable
+from shoal.protocol.envelope import Signed
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HardwareProfile
 from shoal.swarm.net.rpc import RpcError, call
@@ -48,10 +50,6 @@ START_POLL_S = 0.5  # a new run's first members re-check whether the group is fu
 PULL_RETRY_S = 0.2  # entering a group: the pause between rounds of pull attempts while no peer has the revision
 FINAL_POLL_S = 0.5  # the end of a run: the pause between asks for the group's final hashes
 VOTE_EXTRA_STEPS = 2  # after a vote, the next one waits the switch lead plus this many steps
-
-
-class RunError(RuntimeError):
-    """The run cannot go on on this node (e.g. a plan this version cannot train); the message says why."""
 
 
 class RunRuntime:
@@ -82,6 +80,7 @@ class RunRuntime:
         self._refetch: tuple[int, str] | None = None  # (step, majority peer): load that peer's state at that step
         self._vote_after = 0  # no new vote before this step
         self._start_deadline = 0.0
+        self._abandoned: dict[int, int] = {}  # stage -> the newest group epoch this node left when counted failed
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
         self._hub: LinkHub | None = None  # a pipeline stage's lane links (several stages only)
@@ -148,6 +147,21 @@ class RunRuntime:
         if self.schedule.add(table):
             for step in self.schedule.switch_steps(table):
                 self.snapshots.request(step)
+            if table.provider_state(self.node.peer_id) == GONE and self.at_step > 0:
+                self._abandon(self.group_at(self.at_step))
+
+    def _abandon(self, group: Group | None) -> None:
+        """The broker counts this node failed (it was frozen, or cut off) while it held `group`: the group goes on
+        without it, so it never trains that group's remaining steps (they would be its own, served to nobody
+        good); it waits to be placed again and then enters with the group's state."""
+        if group is not None and group.epoch > self._abandoned.get(group.stage, -1):
+            self._abandoned[group.stage] = group.epoch
+            log.warning("the run counts this node failed: leaving the group of stage %d (epoch %d) at step %d",
+                        group.stage, group.epoch, self.at_step)
+
+    def _group_to_train(self, step: int) -> Group | None:
+        g = self.group_at(step)
+        return None if g is not None and g.epoch <= self._abandoned.get(g.stage, -1) else g
 
     def group_at(self, step: int) -> Group | None:
         return self.schedule.group_at(step)
@@ -290,7 +304,10 @@ class RunRuntime:
             return
         me = self.node.peer_id
         prev = self.group_at(step - 1) if step > 0 else None
-        peers = [m for m in (prev.members if prev else ()) if m != me]
+        now = self.schedule.table_at(step, stage)
+        staying = set(now.members(stage)) if now is not None else set()
+        # the members that stay in the group serve the revision first (one that was counted failed may hold another)
+        peers = sorted((m for m in (prev.members if prev else ()) if m != me), key=lambda m: m not in staying)
         if not peers:
             t = self.schedule.table_at(step, stage)
             peers = [m for m in (t.members(stage) if t else ()) if m != me]
@@ -303,6 +320,37 @@ class RunRuntime:
                              "seconds": round(took, 3)})
         log.info("entered the group at step %d with state from a replica: %d of %d bytes pulled (%.2f s)", step,
                  pulled, snap.nbytes, took)
+
+    async def _enter_at_end(self, limit: int, stage: int, replica: int) -> None:
+        """Our slot takes effect at or past the run's last step (a slot filled near the end): the run ends before
+        this node could train in it. Take the run's final state instead (revision limit + 1, which every replica of
+        the stage serves once done), so this node ends with the group's state and counts as done with it."""
+        self.state = "joining"
+        if self.trainer is None:
+            await self._build_trainer(stage, replica)
+        tables = [t for t in (self.schedule.table_at(limit - 1, stage), self.schedule.latest) if t is not None]
+        peers = sorted({m for t in tables for m in t.members(stage)} - {self.node.peer_id})
+        log.info("our slot takes effect after the run's last step %d: pulling the final state from %s", limit,
+                 [p[-8:] for p in peers])
+        await self._load(await self.pull_revision(limit + 1, peers))
+
+    def _left_behind(self, step: int) -> bool:
+        """The other members of our stage report steps more than `switch_lead_min_steps` ahead of ours (we entered
+        after the group's deadline, or stood still) and our slot in the newest table takes effect ahead of us:
+        training through rounds the others have passed only meets deadlines; entering at that step with the group's
+        state catches up at once."""
+        entry, t = self.schedule.entry(), self.schedule.latest
+        if entry is None or entry[0] <= step:
+            return False
+        members = set(t.members(entry[1])) - {self.node.peer_id}
+        top = max((e.status_record.step for e in self.node.membership.live_peers()
+                   if e.peer_id in members and e.status_record is not None
+                   and e.status_record.run_id == self.manifest.run_id), default=step)
+        if top - step <= self.config.switch_lead_min_steps:
+            return False
+        log.info("the group is at step %d, this node at %d: entering at step %d with the group's state", top, step,
+                 entry[0])
+        return True
 
     def _group_full(self) -> bool:
         t = self.schedule.latest
@@ -344,14 +392,30 @@ class RunRuntime:
         control = StepControl(step=self.at_step, group=group)
         if self.snapshots.wanted(control.step):
             self.snapshots.add(await trio.to_thread.run_sync(self._snapshot, control))
+        t0 = self.clock()
         self.last = await trio.to_thread.run_sync(t.step, control)
         self.at_step = t.step_count
         self.throughput.step_done(self.clock())
         self.hashes.record(self.at_step, control.state_hash)
+        if control.missing and self._froze_since(t0):
+            log.info("step %d: not reporting %d members missing: this process stood still during the step",
+                     control.step, len(control.missing))
+            control.missing.clear()
         self._report(control, group)
         if self.last.aborted is not None:  # the lane failed at this step: wait for it to be re-formed
             self._lane_broken_at = control.step
             self._lane_report_at = self.clock() + self.config.round_timeout_s
+        rest = self.config.min_step_s - (self.clock() - t0)
+        if rest > 0:
+            await trio.sleep(rest)  # paced: a step takes at least min_step_s (a slower model, emulated)
+
+    def _froze_since(self, t0: float) -> bool:
+        """Whether this process stood still (SIGSTOP, suspend) since `t0`: the silence it saw then was its own."""
+        pulse = self.node.pulse
+        if pulse is None:
+            return False
+        pulse.check()
+        return pulse.resumed_at >= t0
 
     def _snapshot(self, control: StepControl, revision: int | None = None) -> Snapshot:
         """Worker thread: the state at the round boundary of `control.step`, as a snapshot (taken as revision
@@ -388,19 +452,25 @@ class RunRuntime:
         self.hashes.record(final_rev, self.sync.state_hash())
         if g is not None:
             self._report(control, g)
-        if g is not None and g.size >= 3:
+        if g is not None and g.size >= MIN_VOTERS:
             self.state = "syncing"
             votes: dict[str, str] = {}
             with trio.move_on_after(self.config.final_check_s):
-                while len(votes := await self.hashes.gather(g, final_rev)) < g.size:
+                while len(votes := await self.hashes.gather(g, final_rev)) < len(self._voters(g)):
                     await trio.sleep(FINAL_POLL_S)  # the others are still on their last steps
-            src = self.hashes.source(g, final_rev, votes) if votes else None
+            src = self.hashes.source(g, final_rev, votes, voters=len(self._voters(g))) if votes else None
             if src is not None:
                 await self._load(await self.pull_revision(final_rev, [src]))
                 self.refetches += 1
                 self.hashes.record(final_rev, self.sync.state_hash())
                 log.warning("final state hash disagreed with the majority: re-fetched the final state from %s", src)
         t.last_eval_loss = await trio.to_thread.run_sync(t.evaluate)
+
+    def _voters(self, g: Group) -> set[str]:
+        """The members of `g` that can still vote: this node and those its membership view holds live (a member
+        killed near the end never answers; waiting for it would only hold the run's end up)."""
+        live = {e.peer_id for e in self.node.membership.live_peers()}
+        return {m for m in g.members if m == self.node.peer_id or m in live}
 
     async def _refetch_now(self, step: int) -> None:
         src, self._refetch = self._refetch[1], None
@@ -471,11 +541,16 @@ class RunRuntime:
             if self._lane_broken_at is not None:
                 await self._rejoin_lane(limit)
                 continue
-            g = self.group_at(step) if t is not None else None
+            g = self._group_to_train(step) if t is not None else None
+            if g is not None and self._left_behind(step):
+                g = None  # enter our next group with its state rather than train through rounds the others passed
             if g is None:
                 entry = self.schedule.entry()
                 if entry is not None and (t is None or entry[0] > step) and entry[0] < limit:
-                    await self._enter(*entry)  # (a slot from a step past the run's end is never entered)
+                    await self._enter(*entry)
+                    continue
+                if entry is not None and (t is None or entry[0] > step):
+                    await self._enter_at_end(limit, *entry[1:])  # the run ends before this slot takes effect
                     continue
                 self.state = "ready"  # a backup, or waiting for the step at which our slot takes effect
                 await self._wait_for_table(READY_POLL_S)
@@ -507,22 +582,25 @@ class RunRuntime:
                 return m
             except (RpcError, ValueError, TypeError) as e:
                 log.info("manifest from %s: %s", p, e)
-        raise ConnectionError(f"no joined peer gave the manifest of run {run_id[:16]}…")
+        raise UnknownRun(f"no joined peer gave the manifest of run {run_id[:16]}…")
 
-    async def _find_broker(self, joined: list[str]) -> str:
-        """The broker named by the newest table any joined peer holds, asking again for `admit_timeout_s`."""
+    async def _find_table(self, joined: list[str], *, patient: bool) -> tuple[Signed, str] | None:
+        """A table a joined peer holds (and that peer), asking again for `admit_timeout_s`. A node that is not
+        `patient` (it holds the manifest, has no --join and reached peers only from its recent-peers file, none of
+        which says it trains this run) asks once, and None means nobody knows the run: this node starts it."""
         cfg = self.config.client
         deadline = self.clock() + cfg.admit_timeout_s
         while True:
             for p in joined:
                 try:
-                    return (await fetch_table(self.node.sh, p, self.manifest.run_id,
-                                              timeout_s=cfg.rpc_timeout_s)).record.peer_id
+                    return await fetch_table(self.node.sh, p, self.manifest.run_id, timeout_s=cfg.rpc_timeout_s), p
                 except RpcError as e:
                     log.info("no run table from %s: %s", p, e)
+            if not patient:
+                return None
             if self.clock() + cfg.retry_s > deadline:
-                raise ConnectionError(f"none of the joined peers knows run {self.manifest.run_id[:16]}… "
-                                      f"(asked for {cfg.admit_timeout_s:.0f} s)")
+                raise UnknownRun(f"none of the joined peers knows run {self.manifest.run_id[:16]}… "
+                                 f"(asked for {cfg.admit_timeout_s:.0f} s)")
             await trio.sleep(cfg.retry_s)
 
     async def run(self, joined: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -531,12 +609,13 @@ class RunRuntime:
         self._start_deadline = self.clock() + self.config.start_wait_s
         if self.manifest is None:
             self.manifest = await self.fetch_manifest(self.config.run_id, joined)
+        preflight(self.manifest, self.config)  # the plan (one place: run/preflight.py) and the device's memory
         self.schedule = GroupSchedule(node.peer_id)
         self.hashes = HashVotes(node.peer_id, self.node_call)
         node.rpc.register("run.manifest", self._rpc_manifest)
         ctx = RunContext(sh=node.sh, manifest=self.manifest, register=node.rpc.register, publish=node.publish,
                          membership=node.membership, penalties=node.penalties, switch_step=self.switch_step,
-                         clock=self.clock)
+                         clock=self.clock, pulse=node.pulse)
         self.collective = Collective(node.sh, node.penalties)
         StateServer(node.sh, lambda: self.snapshots.latest, penalties=node.penalties, by_revision=self.snapshots.at)
         node.rpc.register("run.snapshot_at", self._rpc_snapshot_at)
@@ -547,16 +626,20 @@ class RunRuntime:
             if plan.stages > 1 else contextlib.nullcontext()  # a pipeline stage's links to its lane neighbours
         async with links as hub, trio.open_nursery() as nursery:
             self._hub, self._nursery = hub, nursery
-            if not joined:  # the node started with the manifest hosts the broker
+            # a node that restarted finds its run again from its peers (the table may name this node as broker)
+            patient = bool(node.config.host.join) or self.config.manifest is None or any(
+                e.status_record is not None and e.status_record.run_id == self.manifest.run_id
+                for e in node.membership.live_peers())  # a peer trains this run: never start a second one
+            found = await self._find_table(joined, patient=patient) if joined else None
+            if found is None:  # nobody knows the run: the node started with the manifest hosts its broker
                 self.broker = Broker(ctx, self.config.broker)
                 await nursery.start(self.broker.run)
-                broker_id = node.peer_id
-            else:
-                broker_id = await self._find_broker(joined)
-            self.client = RunClient(ctx, self.hardware, broker_id=broker_id, secret=self.config.secret,
-                                    config=self.config.client, broker_config=self.config.broker,
-                                    local_broker=self.broker)
+            self.client = RunClient(ctx, self.hardware, broker_id=found[0].record.peer_id if found else node.peer_id,
+                                    secret=self.config.secret, config=self.config.client,
+                                    broker_config=self.config.broker, local_broker=self.broker)
             self.client.on_change.append(self._on_table)
+            if found is not None:
+                self.client.accept_envelope(found[0].raw, found[1])
             node.extra_ingest.append(self.client.on_record)
             await nursery.start(self.client.run)
             if self.client.table is not None:

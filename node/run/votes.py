@@ -1,5 +1,5 @@
 """Consistency of a stage's replicas: this node's state hash per step, and the vote that brings a replica that
-drifted from the majority back to it (PCCL's bit-parity, over RPC)."""
+drifted from the group's agreed state back to it (PCCL's bit-parity, over RPC; the rule is swarm/state/vote.py)."""
 
 from __future__ import annotations
 
@@ -13,20 +13,20 @@ from shoal.protocol.records import StatusRecord
 from shoal.swarm.net.rpc import RpcError
 from shoal.swarm.run.group import Group
 from shoal.swarm.state.snapshot import HASH_CHARS
-from shoal.swarm.state.vote import holder, majority
+from shoal.swarm.state.vote import agreed, holder
 
 log = logging.getLogger(__name__)
 
 HASHES_KEPT = 64  # steps whose hash this node can still tell a voter
 VOTE_LAG_STEPS = 2  # a vote is held at this many steps before our newest (every member of a lockstep group holds it)
-MIN_VOTERS = 3  # two replicas that differ have no majority to follow
+MIN_VOTERS = 2  # a group of one has nobody to differ from (two that differ agree by the rule for a split)
 
 Call = Callable[[str, str, Any], Awaitable[Any]]  # (peer, method, body) -> answer; raises RpcError
 
 
 class HashVotes:
     """Owned by the event loop. `record` each step's hash; `disagrees` reads peers' published hashes; `vote` asks
-    the group at a recent step and names a majority peer to re-fetch from when ours is not the majority's."""
+    the group at a recent step and names a peer to re-fetch from when ours is not the agreed hash."""
 
     def __init__(self, me: str, call: Call, *, keep: int = HASHES_KEPT):
         self.me = me
@@ -73,13 +73,16 @@ class HashVotes:
                     n.start_soon(ask, peer)
         return votes
 
-    def source(self, group: Group, step: int, votes: dict[str, str]) -> str | None:
-        """A peer holding the majority's hash at `step`, when ours is not it (None: we hold it, or no majority)."""
+    def source(self, group: Group, step: int, votes: dict[str, str], *, voters: int | None = None) -> str | None:
+        """A peer holding the agreed hash at `step`, when ours is not it (None: we hold it, or none is agreed yet).
+        `voters`: how many members can still vote (default: the whole group; fewer at the end of a run, when a
+        member that is gone will never answer)."""
         self.votes += 1
-        top = majority(votes, group.size)
+        size = group.size if voters is None else voters
+        top = agreed(votes, size)
         mine = votes[self.me]
-        log.info("hash vote at step %d: %s of %d members (ours %s)", step,
-                 f"majority {top[:12]}" if top else "no majority", group.size, mine[:12])
+        log.info("hash vote at step %d: %s, %d of %d members voted (ours %s)", step,
+                 f"agreed on {top[:12]}" if top else "nothing agreed", len(votes), size, mine[:12])
         if top is None or top == mine:
             return None
         return holder(votes, top)

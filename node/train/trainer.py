@@ -28,6 +28,7 @@ from shoal.node.sync.interface import NoSync, Synchronizer
 from shoal.node.train import checkpoint
 from shoal.node.train.control import StepControl, StepResult, StepStage
 from shoal.node.train.data import Corpus, Samples, ShardedSampler, heldout_batches, load_corpus
+from shoal.node.train.device import resolve_device
 from shoal.node.train.lane import Boundary, SoloLane
 from shoal.node.train.model import GPTConfig, GPTStage, build_stage, lm_loss
 from shoal.protocol.lane import EVAL, TRAIN, LaneAborted
@@ -45,16 +46,6 @@ def lr_at(opt: OptimSpec, step: int) -> float:
     span = max(opt.total_steps - opt.warmup_steps, 1)
     progress = min((step - opt.warmup_steps) / span, 1.0)
     return opt.lr * (opt.min_lr_ratio + (1 - opt.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    return torch.device(name)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

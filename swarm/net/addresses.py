@@ -27,9 +27,20 @@ def scope(ip: str) -> str:
     return "public"
 
 
+def default_route_interfaces(route_table: str = "/proc/net/route") -> list[str]:
+    """Interfaces that carry a default route (Linux), best metric first: their address is the one others reach."""
+    try:
+        with open(route_table) as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        return [r[0] for r in sorted((r for r in rows if len(r) > 7 and r[1] == "00000000"), key=lambda r: int(r[6]))]
+    except (OSError, ValueError):
+        return []
+
+
 def local_ipv4() -> list[str]:
-    """Every IPv4 address of this machine's interfaces (loopback included), sorted non-loopback first."""
-    found: set[str] = set()
+    """Every IPv4 address of this machine's interfaces (loopback included): the default route's interface first (a
+    bridge for containers or a VPN comes later), then by scope (private, shared, public), loopback last."""
+    found: dict[str, str] = {}  # address -> interface
     try:
         names = [name for _, name in socket.if_nameindex()]
     except OSError:
@@ -40,14 +51,21 @@ def local_ipv4() -> list[str]:
                 raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
             except OSError:  # no IPv4 address on this interface (or not Linux)
                 continue
-            found.add(socket.inet_ntoa(raw[20:24]))
+            found.setdefault(socket.inet_ntoa(raw[20:24]), name)
     if not found:  # other systems: whatever the host name resolves to
         try:
-            found.update(ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET))
+            found.update((ai[4][0], "") for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET))
         except OSError as e:
             log.debug("no addresses from the host name: %s", e)
-        found.add("127.0.0.1")
-    return sorted(found, key=lambda ip: (scope(ip) == "loopback", ipaddress.ip_address(ip)))
+        found.setdefault("127.0.0.1", "lo")
+    routed = default_route_interfaces()
+
+    def rank(ip: str) -> tuple:
+        iface = found[ip]
+        return (scope(ip) == "loopback", routed.index(iface) if iface in routed else len(routed),
+                ipaddress.ip_address(ip))
+
+    return sorted(found, key=rank)
 
 
 def expand_wildcard(addrs: list[str], local: list[str] | None = None, limit: int = 16) -> list[str]:

@@ -16,6 +16,7 @@ from libp2p import new_host
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
@@ -28,6 +29,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from shoal.swarm.net.addresses import expand_wildcard
 from shoal.swarm.net.identity import libp2p_key_pair, peer_id_of
+from shoal.swarm.net.listen import AddressInUse, check_free, check_sole_listener
 
 if TYPE_CHECKING:
     from shoal.swarm.net.nat import NatConfig, NatTraversal
@@ -38,6 +40,13 @@ log = logging.getLogger(__name__)
 # WINDOW_UPDATE frame (a packet, and an acknowledgement back) on nearly every read. Off, it sends about a third as
 # many (measured: bench/results/network/overhead.md). The library reads this knob from the environment only.
 os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
+
+STALE_CONNECTION_RETRIES, STALE_CONNECTION_WAIT_S = 5, 0.1  # a closed connection leaves the list within moments
+RELEASE_TIMEOUT_S = 2.0  # closing the sockets at exit
+
+
+class JoinError(ConnectionError):
+    """None of the --join addresses could be reached."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +82,7 @@ class SwarmHost:
         self.key = key
         self.config = config
         self.peer_id: str = peer_id_of(key)
+        self.join_errors: dict[str, str] = {}  # --join address -> why bootstrap could not reach it
         self.nat: NatTraversal | None = None  # set by open_host when config.nat is given
 
     @property
@@ -102,6 +112,12 @@ class SwarmHost:
             conn = await dial_via_relay(self.host, addr, self.config.connect_timeout_s)
             return conn.muxed_conn.peer_id.to_base58()
         info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        # the address we are told to dial is the one dialed, even if this peer's other addresses failed a moment ago
+        # (a peer that restarted listens on a new port: libp2p would keep dialing the old one, or refuse the dial
+        # for a while from its negative cache)
+        if info.peer_id not in self.host.get_network().connections:
+            self.host.get_peerstore().clear_addrs(info.peer_id)
+        self.host.get_network().unblock_peer(info.peer_id)
         with trio.fail_after(self.config.connect_timeout_s):
             await self.host.connect(info)
         await self.dht.add_peer(info.peer_id, skip_server_mode_check=True)
@@ -115,7 +131,10 @@ class SwarmHost:
             try:
                 joined.append(await self.connect(addr))
             except Exception as e:  # trio.TooSlowError included
-                log.warning("could not join %s: %s", addr, e)
+                why = f"no answer within {self.config.connect_timeout_s:g} s" if isinstance(e, trio.TooSlowError) \
+                    else dial_failure(e)
+                self.join_errors[addr] = why
+                log.info("could not join %s: %s", addr, why)  # the caller decides whether that is an error
 
         async with trio.open_nursery() as n:
             for a in self.config.join:
@@ -127,6 +146,12 @@ class SwarmHost:
             except Exception as e:
                 log.warning("routing table refresh failed: %s", e)
         return joined
+
+    def join_error(self) -> JoinError:
+        """The error for a bootstrap that reached none of the --join addresses, with each one's reason."""
+        why = "; ".join(f"{a}: {e}" for a, e in self.join_errors.items())
+        which = "any of the --join addresses" if len(self.config.join) > 1 else "the --join address"
+        return JoinError(f"could not reach {which} ({why})")
 
     def set_handler(self, protocol: str, handler: Callable[[object], Awaitable[None]]) -> None:
         """Register a stream handler that can never take the host down: whatever escapes it is logged."""
@@ -161,23 +186,51 @@ class SwarmHost:
         `bulk` stream (tensors, state) waits for a hole punch instead of riding a relay (NoDirectPath if none
         comes); a peer whose direct dial fails is tried through its relays."""
         if self.nat is None:
-            return await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+            return await self._new_stream(peer_id, protocol)
         paths = self.nat.paths
         await paths.ensure(peer_id, bulk=bulk)
         try:
-            return await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+            return await self._new_stream(peer_id, protocol)
         except Exception:
             if not paths.circuit_addrs(peer_id) or self.host.get_network().get_connections(ID.from_base58(peer_id)):
                 raise
         await paths.dial_relayed(peer_id)
         await paths.ensure(peer_id, bulk=bulk)
-        return await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+        return await self._new_stream(peer_id, protocol)
+
+    async def _new_stream(self, peer_id: str, protocol: str):
+        """py-libp2p's new_stream, waiting out a connection that closed but is still listed: its swarm then answers
+        "No valid connections" instead of dialing afresh, until the closed connection is removed (moments later)."""
+        for attempt in range(STALE_CONNECTION_RETRIES + 1):
+            try:
+                return await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+            except SwarmException as e:
+                if "No valid connections" not in str(e) or attempt == STALE_CONNECTION_RETRIES:
+                    raise
+            await trio.sleep(STALE_CONNECTION_WAIT_S)
+        raise AssertionError("unreachable")
 
     async def disconnect(self, peer_id: str) -> None:
         try:
             await self.host.disconnect(ID.from_base58(peer_id))
         except Exception as e:  # already gone
             log.debug("disconnect %s: %s", peer_id, e)
+
+
+def dial_failure(exc: BaseException) -> str:
+    """The root cause of a failed dial, short ("connection refused"), from py-libp2p's chain of wrapped errors."""
+    seen: set[int] = set()
+    stack, deepest = [exc], exc
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None and e.strerror:
+            return e.strerror.lower()
+        deepest = e
+        stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ()), *getattr(e, "errors", ())]
+    return str(deepest) or type(deepest).__name__
 
 
 def build_libp2p_host(key: Ed25519PrivateKey, listen: str):
@@ -194,18 +247,49 @@ def build_libp2p_host(key: Ed25519PrivateKey, listen: str):
     )
 
 
+async def _release_sockets(host) -> None:
+    """Close the host's connections and listeners, also when its exit is cancelled: py-libp2p's own stop does it in
+    a cancellable teardown, so a cancelled host kept its listener (a system task) and the connections peers had
+    dialed to it, and those peers went on seeing it as connected."""
+    network = host.get_network()
+    with trio.CancelScope(shield=True), trio.move_on_after(RELEASE_TIMEOUT_S):
+        for conns in list(network.connections.values()):
+            for conn in list(conns):
+                try:
+                    await conn.close()
+                    # a listed connection may be a closed duplicate whose muxed connection (shared with the live
+                    # one py-libp2p kept, which may be listed nowhere) is still open
+                    await conn.muxed_conn.close()
+                except Exception as e:  # noqa: BLE001 - already closing; the socket goes either way
+                    log.debug("closing a connection at exit: %s", e)
+        for listener in list(network.listeners.values()):
+            try:
+                await listener.close()
+            except Exception as e:  # noqa: BLE001
+                log.debug("closing a listener at exit: %s", e)
+
+
 @asynccontextmanager
 async def open_host(key: Ed25519PrivateKey, config: HostConfig) -> AsyncIterator[SwarmHost]:
-    """The libp2p host with its DHT and GossipSub, closed on exit.
+    """The libp2p host with its DHT and GossipSub, closed on exit. A fixed listen port another process holds
+    raises AddressInUse (swarm/net/listen.py).
 
     A failure while closing, after the caller's block ended normally, is logged and not raised: the
     node has already left (its leave notice is out), and a library teardown hiccup must not turn a
     clean stop into a crash. A failure inside the block propagates as usual."""
+    check_free(config.listen)
     host = build_libp2p_host(key, config.listen)
     closed_normally = False
     try:
         async with AsyncExitStack() as stack:
-            await stack.enter_async_context(host.run([multiaddr.Multiaddr(config.listen)]))
+            try:
+                await stack.enter_async_context(host.run([multiaddr.Multiaddr(config.listen)]))
+            except Exception as e:
+                if "Address already in use" in str(e):  # py-libp2p wraps the OSError in its own error
+                    raise AddressInUse(config.listen) from e
+                raise
+            stack.push_async_callback(_release_sockets, host)
+            check_sole_listener(config.listen)
             mode = DHTMode.SERVER if config.dht_mode_server else DHTMode.CLIENT
             dht = KadDHT(host, mode, enable_random_walk=False)
             router = GossipSub(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from shoal.protocol.envelope import Signed, open_envelope
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.records import RECORD_TYPES, Announcement, LeaveNotice, StatusRecord
+from shoal.swarm.net.pulse import Pulse
 
 ALIVE, SUSPECT, GONE, LEFT = "alive", "suspect", "gone", "left"
 MAX_MEMBERS_ROWS = 1024
@@ -58,10 +59,11 @@ class Event:
 
 class Membership:
     def __init__(self, self_id: str, config: MembershipConfig = MembershipConfig(),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, pulse: Pulse | None = None):
         self.self_id = self_id
         self.config = config
         self.clock = clock
+        self.pulse = pulse  # silence is counted from the end of this process's own last freeze (same clock)
         self.peers: dict[str, PeerEntry] = {}
 
     def observe(self, signed: Signed, *, age_s: float = 0.0) -> list[Event]:
@@ -107,7 +109,7 @@ class Membership:
         now = self.clock()
         events = []
         for pid, e in list(self.peers.items()):
-            silent = now - e.last_seen
+            silent = self.pulse.silent_s(e.last_seen) if self.pulse is not None else now - e.last_seen
             if e.live and silent > self.config.gone_after_s:
                 e.state = GONE
                 events.append(Event("gone", pid, f"silent for {silent:.1f} s"))

@@ -66,7 +66,7 @@ class Observer:
                 await nursery.start(gossip.run)
                 joined = await sh.bootstrap()
                 if not joined:
-                    raise ConnectionError(f"could not reach any of {list(self.config.join)}")
+                    raise sh.join_error()
                 await self.refresh()
                 task_status.started(self)
                 while True:  # periodic snapshots cover gossip gaps; the sweep marks silent peers

@@ -32,10 +32,16 @@ class BadRequest(ProtocolError):
 
 
 class RpcServer:
-    def __init__(self, sh: SwarmHost, penalties: Penalties, *, request_timeout_s: float = 10.0):
+    """`later`: method prefixes whose handlers this node registers only once it has started its part (the run's
+    methods, "run."): a call that arrives before them (a restarted identity is called by honest peers at once) is
+    answered "not ready" without a penalty. Any other unknown method is a bad request."""
+
+    def __init__(self, sh: SwarmHost, penalties: Penalties, *, request_timeout_s: float = 10.0,
+                 later: tuple[str, ...] = ()):
         self.sh = sh
         self.penalties = penalties
         self.request_timeout_s = request_timeout_s
+        self.later = later
         self.handlers: dict[str, Handler] = {}
         sh.set_handler(RPC_PROTOCOL, self._serve)
 
@@ -53,6 +59,8 @@ class RpcServer:
                 if not isinstance(req, dict) or not isinstance(req.get("m"), str):
                     raise BadRequest("request must be a map with a method name 'm'")
                 handler = self.handlers.get(req["m"])
+                if handler is None and req["m"].startswith(self.later):
+                    handler = _not_ready
                 if handler is None:
                     raise BadRequest(f"unknown method {req['m'][:40]!r}")
                 try:
@@ -76,9 +84,16 @@ class RpcServer:
             await stream.reset()
 
 
+async def _not_ready(caller: str, body: Any) -> Any:
+    raise RuntimeError("not ready: this node has not started that part yet")
+
+
 async def call(sh: SwarmHost, peer_id: str, method: str, body: Any = None, *, timeout_s: float = 10.0,
                max_response_bytes: int = MAX_RESPONSE_BYTES) -> Any:
-    """Call `method` on `peer_id`; raise RpcError on timeout, transport failure, a bad answer or a remote error."""
+    """Call `method` on `peer_id`; raise RpcError on timeout, transport failure, a bad answer or a remote error
+    (never anything else: a libp2p failure to open the stream is one of them)."""
+    if peer_id == sh.peer_id:
+        raise RpcError(f"{method}: refusing to call this node itself over the network")
     try:
         with trio.fail_after(timeout_s):
             stream = await sh.open_stream(peer_id, RPC_PROTOCOL)

@@ -85,6 +85,10 @@ class AdmissionError(RuntimeError):
     """Admission was refused; the message says why (wrong run, no secret, not on the allowlist, run full)."""
 
 
+class NotBroker(RuntimeError):
+    """This node's broker does not hold the run's lease (any more): ask the broker the newest table names."""
+
+
 class Broker:
     """Runs on the broker node. Start with `await nursery.start(broker.run)`; the table is `broker.table`.
 
@@ -114,7 +118,8 @@ class Broker:
         self.table: AssignmentTable | None = None
         self.table_env: bytes = b""
         self.lease_env: bytes = b""
-        self.deposed = False  # a newer broker took over: stop publishing
+        self.deposed = False  # a newer broker took over, or our lease lapsed: stop acting, stop publishing
+        self.renewed_at = self.clock()  # the last lease renewal this broker issued (clock seconds)
         self.on_change: list[Callable[[AssignmentTable, bytes], None]] = []
         self.promotions: list[tuple[float, str, str, str]] = []  # (unix time, slot, failed peer, promoted peer)
         self.reforms = 0  # groups re-formed (same members, next epoch) after a member missed a round but answered
@@ -155,7 +160,9 @@ class Broker:
 
     # -- the table -----------------------------------------------------------------------------------------
     def _rebuild(self) -> None:
-        """Seal the current state as a new table version and wake the publisher."""
+        """Seal the current state as a new table version and wake the publisher (never without the lease)."""
+        if not self.holds_lease():
+            return
         providers = sorted(self.providers.values(), key=lambda p: p.order)
         gone = sorted((p for p in providers if p.state == GONE), key=lambda p: -p.gone_at)
         for p in gone[MAX_GONE_KEPT:]:
@@ -253,6 +260,8 @@ class Broker:
 
     async def admit(self, peer_id: str, req: AdmitRequest) -> AdmitResponse:
         """Check the join policy, then place `peer_id` in a free slot or in the backup pool."""
+        if not self.holds_lease():
+            raise NotBroker("this node's broker does not hold the run's lease")
         why = self.check_policy(peer_id, req)
         pol = self.ctx.manifest.join
         if why is None and pol.mode == "secret":
@@ -264,8 +273,9 @@ class Broker:
             log.info("refused %s: %s", peer_id, why)
             return AdmitResponse(admitted=False, error=why)
         p = self.providers.get(peer_id)
-        if p is not None and p.state in (ACTIVE, BACKUP):  # a retry: answer with what it already has
+        if p is not None and p.state in (ACTIVE, BACKUP):  # a retry, or a restart: it keeps its place
             p.last_contact, p.hardware = self.clock(), req.hardware
+            self._reenter(p)
             return self._answer(p)
         if sum(1 for q in self.providers.values() if q.state != GONE) >= MAX_PROVIDERS:
             return AdmitResponse(admitted=False, error="the run has no room for more providers")
@@ -286,6 +296,14 @@ class Broker:
         log.info("admitted %s as %s", peer_id, slot_name(*free) if free else f"backup of stage {p.stage}")
         return self._answer(p)
 
+    def _reenter(self, p: Provider) -> None:
+        """A provider that asks for admission holds no state yet (it just started, or restarted with its identity).
+        In a slot whose group took effect at a step the run has passed, it could never catch up: re-form its group
+        so that it enters at a step still ahead, with the group's state."""
+        if p.state == ACTIVE and self.ctx.switch_step is not None \
+                and self.ctx.switch_step(p.stage) > self.switch_steps[p.stage]:
+            self.reform(p.stage, f"{p.peer_id[:16]}… (re)started in its slot and enters again")
+
     def _answer(self, p: Provider) -> AdmitResponse:
         slot = next((slot_name(*k) for k, v in self.slots.items() if v == p.peer_id), None)
         return AdmitResponse(admitted=True, state=p.state, slot=slot, table=self.table_env)
@@ -294,7 +312,7 @@ class Broker:
     def mark_failed(self, peer_id: str, reason: str, *, state: str = GONE) -> bool:
         """Take `peer_id` out of its slot (promoting the best backup) or out of the pool. True if anything changed."""
         p = self.providers.get(peer_id)
-        if p is None or p.state == GONE or (p.state == DRAINING and state == DRAINING):
+        if p is None or p.state == GONE or (p.state == DRAINING and state == DRAINING) or not self.holds_lease():
             return False
         log.warning("provider %s %s: %s", peer_id, {DRAINING: "draining", BACKUP: "moved to the backup pool"}.get(
             state, "failed"), reason)
@@ -399,24 +417,25 @@ class Broker:
         if p is not None:
             p.last_contact = self.clock()
 
-    def _silent_s(self, p: Provider, now: float) -> tuple[float, bool]:
-        """Seconds since we last heard from `p` (RPC contact or status gossip, on the shared clock), and whether
-        it said goodbye."""
+    def _silent_s(self, p: Provider) -> tuple[float, bool]:
+        """Seconds since we last heard from `p` (RPC contact or status gossip, on the shared clock; silence across
+        this process's own freeze does not count), and whether it said goodbye."""
         last, left = p.last_contact, False
         m = self.ctx.membership
         e = m.peers.get(p.peer_id) if m is not None else None
         if e is not None:
             left = e.state == LEFT and e.left_at_unix >= p.admitted_unix
             last = max(last, e.last_seen)
-        return now - last, left
+        return self.ctx.silent_s(last), left
 
     def check_liveness(self) -> None:
-        now = self.clock()
+        if not self.holds_lease():
+            return
         changed = False
         for p in list(self.providers.values()):
             if p.peer_id == self.ctx.me or p.state == GONE:
                 continue
-            silent, left = self._silent_s(p, now)
+            silent, left = self._silent_s(p)
             if left:
                 changed |= self.mark_failed(p.peer_id, "left the swarm")
             elif silent > self.config.fail_after_s:
@@ -442,16 +461,21 @@ class Broker:
         return (await self.admit(caller, AdmitRequest.from_wire(body))).to_wire()
 
     async def _rpc_table(self, caller: str, body: Any) -> Any:
+        """The table, and the lease while we hold it (only a live lease is evidence that this broker renews)."""
         self.touch(caller)
-        return {"table": self.table_env, "lease": self.lease_env}
+        return {"table": self.table_env, "lease": self.lease_env if self.holds_lease() else None}
 
     async def _rpc_leave(self, caller: str, body: Any) -> Any:
         """A graceful leave: the caller drains (finishes its step, serves its state) while a backup takes its slot."""
+        if not self.holds_lease():
+            raise NotBroker("this node's broker does not hold the run's lease")
         self.mark_failed(caller, "leaving", state=DRAINING)
         return {"table": self.table_env}
 
     async def _rpc_report_missing(self, caller: str, body: Any) -> Any:
         rep = MissingReport.from_wire(body)
+        if not self.holds_lease():
+            raise NotBroker("this node's broker does not hold the run's lease")
         if rep.run_id != self.ctx.run_id or rep.stage >= self.stages or caller not in self.table.members(rep.stage):
             return {"accepted": False}
         if rep.epoch > self.epochs[rep.stage]:
@@ -528,6 +552,8 @@ class Broker:
 
     def reform(self, stage: int, reason: str) -> None:
         """The same members under the next epoch, from a step every member can still reach."""
+        if not self.holds_lease():
+            return
         self._group_changed(stage)
         self.reforms += 1
         log.info("re-forming the group of stage %d (epoch %d): %s", stage, self.epochs[stage], reason)
@@ -538,6 +564,22 @@ class Broker:
         if not self.deposed:
             log.warning("broker standing down: %s", reason)
         self.deposed = True
+        self._dirty.set()  # the publisher wakes and ends
+
+    def holds_lease(self) -> bool:
+        """Whether this broker may act: it is not deposed and renewed its lease within `lease_timeout_s` (monotonic
+        time on the run's clock). A process frozen past its lease (SIGSTOP, a suspended laptop) finds out here,
+        before it acts on anything, and stands down for good: a standby may hold the lease by now, and the lease
+        record decides, not this broker's tables. (It checks before renewing too, so it never renews a lapsed
+        lease; the standby counts from when a renewal reaches it, which is later, so this side notices first.)"""
+        if self.deposed:
+            return False
+        idle = self.clock() - self.renewed_at
+        if idle > self.config.lease_timeout_s:
+            self.stand_down(f"its lease lapsed: last renewed {idle:.1f} s ago "
+                            f"(the lease lasts {self.config.lease_timeout_s:g} s)")
+            return False
+        return True
 
     async def _put_dht(self, key: str, value: bytes) -> None:
         try:
@@ -547,17 +589,31 @@ class Broker:
             log.info("dht put %s failed: %s", key, e)
 
     async def _lease_loop(self) -> None:
-        while not self.deposed:
-            now = self.ctx.wall()
-            lease = BrokerLease(peer_id=self.ctx.me, run_id=self.ctx.run_id, lease_epoch=self.lease_epoch, time=now,
-                                expires_at=now + self.config.lease_timeout_s)
-            self.lease_env = seal(lease, self.ctx.sh.key)
-            await self.ctx.publish(self.lease_env)
-            await self._put_dht(lease_key(self.ctx.me), self.lease_env)
+        """Renew the lease every `lease_renew_s` by gossip (the DHT copy is written by `_lease_dht_loop`, whose
+        slow puts must not delay a renewal)."""
+        while self.holds_lease():
+            await self.ctx.publish(self.renew_lease())
+            await trio.sleep(self.config.lease_renew_s)
+
+    def renew_lease(self) -> bytes:
+        """Issue the next renewal of our lease (the caller made sure we still hold it); its sealed envelope."""
+        now = self.ctx.wall()
+        lease = BrokerLease(peer_id=self.ctx.me, run_id=self.ctx.run_id, lease_epoch=self.lease_epoch, time=now,
+                            expires_at=now + self.config.lease_timeout_s)
+        self.renewed_at = self.clock()
+        self.lease_env = seal(lease, self.ctx.sh.key)
+        return self.lease_env
+
+    async def _lease_dht_loop(self) -> None:
+        written = b""
+        while self.holds_lease():
+            if self.lease_env != written:
+                written = self.lease_env
+                await self._put_dht(lease_key(self.ctx.me), written)
             await trio.sleep(self.config.lease_renew_s)
 
     async def _publish_loop(self) -> None:
-        while not self.deposed:
+        while self.holds_lease():
             self._dirty = trio.Event()
             env = self.table_env
             await self.ctx.publish(env)
@@ -566,7 +622,7 @@ class Broker:
                 await self._dirty.wait()
 
     async def _liveness_loop(self) -> None:
-        while not self.deposed:
+        while self.holds_lease():
             await trio.sleep(self.config.heartbeat_s)
             self.check_liveness()
 
@@ -575,6 +631,7 @@ class Broker:
             self.ctx.register(method, handler)
         async with trio.open_nursery() as n:
             n.start_soon(self._lease_loop)
+            n.start_soon(self._lease_dht_loop)
             n.start_soon(self._publish_loop)
             n.start_soon(self._liveness_loop)
             log.info("broker for run %s (lease epoch %d)", self.ctx.run_id[:16], self.lease_epoch)

@@ -15,7 +15,7 @@ from shoal.protocol.assignment import (
 from shoal.protocol.envelope import Signed, open_envelope
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.records import HardwareProfile
-from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig
+from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig, NotBroker
 from shoal.swarm.run.context import RunContext
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.host import SwarmHost
@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 class RunClientConfig:
     poll_s: float = 3.0  # how often the broker is asked for the table (gossip is the fast path; this also beats)
     rpc_timeout_s: float = 5.0
-    # a broker that cannot be reached is asked again every retry_s for this long: as long as a standby's takeover
-    # can take (the lease timeout, then a poll), so a node that joins meanwhile finds the new broker
+    # a broker that cannot be reached is asked again every retry_s for this long, and never for less than a
+    # standby's takeover can take (RunClient.takeover_s), so a node that joins meanwhile finds the new broker
     admit_timeout_s: float = 40.0
     retry_s: float = 1.0
 
@@ -77,6 +77,8 @@ class RunClient:
         self.table_env: bytes = b""
         self.admitted = False
         self.broker_alive_at = self.clock()  # the last evidence that the table's broker renews its lease
+        self._lease_issued = 0.0  # issue time of the newest lease of the table's broker seen (its wall clock)
+        self._standbys: set[str] = set()  # the standbys named by accepted tables of the current lease epoch
         self.on_change: list[Callable[[AssignmentTable], None]] = []
         self.takeovers: list[float] = []  # unix times this node became the broker
         self._changed = trio.Event()
@@ -126,10 +128,24 @@ class RunClient:
         return group_of(self.table, self.me) if self.table else None
 
     def lease_lapsed(self) -> bool:
-        """This node is the standby and has had no evidence of the broker's lease for longer than its timeout."""
+        """This node is the standby and has had no evidence of the broker's lease for longer than its timeout
+        (silence across this process's own freeze does not count: a standby that was frozen waits afresh)."""
         t = self.table
         return (t is not None and t.peer_id != self.me and t.standby == self.me
-                and self.clock() - self.broker_alive_at > self.broker_config.lease_timeout_s)
+                and self.ctx.silent_s(self.broker_alive_at) > self.broker_config.lease_timeout_s)
+
+    def orphaned(self) -> bool:
+        """The newest table names this node as the broker, yet no broker of ours holds the lease: this process
+        restarted with the broker's identity, or its broker stood down when its lease lapsed."""
+        t = self.table
+        return t is not None and t.peer_id == self.me and not self.is_broker()
+
+    def takeover_s(self) -> float:
+        """The longest a standby's takeover can take once the broker stops renewing: the lease timeout, then the
+        standby's next poll of the broker (up to an RPC timeout) and its look at the DHT. Admission retries and an
+        orphaned lease wait this long (the one bound both use)."""
+        b, c = self.broker_config, self.config
+        return b.lease_timeout_s + c.poll_s + c.rpc_timeout_s + b.dht_timeout_s
 
     async def wait_changed(self) -> AssignmentTable:
         await self._changed.wait()
@@ -142,12 +158,20 @@ class RunClient:
             return t.peer_id == self._expected_broker
         if t.peer_id == cur.peer_id:
             return t.lease_epoch >= cur.lease_epoch
-        return t.peer_id == cur.standby and t.lease_epoch > cur.lease_epoch
+        # a takeover: by a standby that a table of the current lease epoch named (not only the newest one, so a
+        # later table of the old broker, which may name another standby, cannot make us reject the legitimate one)
+        return t.lease_epoch > cur.lease_epoch and t.peer_id in self._standbys
 
     def _accept(self, t: AssignmentTable, env: bytes, source: str) -> bool:
         if t.run_id != self.ctx.run_id or not t.newer_than(self.table) or not self._trusted_signer(t):
             return False
         new_broker = self.table is not None and t.peer_id != self.table.peer_id
+        if self.table is None or t.lease_epoch != self.table.lease_epoch:
+            self._standbys = set()
+        if new_broker:
+            self._lease_issued = 0.0
+        if t.standby is not None:
+            self._standbys.add(t.standby)
         self.table, self.table_env = t, env
         if new_broker or t.peer_id == source:
             self.broker_alive_at = self.clock()
@@ -181,17 +205,24 @@ class RunClient:
             self._accept(rec, signed.raw, source or rec.peer_id)
             return True
         if isinstance(rec, BrokerLease):
-            if self.table is not None and rec.run_id == self.ctx.run_id and rec.peer_id == self.table.peer_id \
-                    and rec.lease_epoch >= self.table.lease_epoch:
+            t = self.table
+            # evidence is a renewal: a lease issued later than any we saw (a re-served old lease proves nothing)
+            if t is not None and rec.run_id == self.ctx.run_id and rec.peer_id == t.peer_id \
+                    and rec.lease_epoch >= t.lease_epoch and rec.time > self._lease_issued:
+                self._lease_issued = rec.time
                 self.broker_alive_at = self.clock()
             return True
         return False
 
     # -- requests to the broker ---------------------------------------------------------------------------
     async def _ask(self, method: str, body: Any) -> Any:
-        b = self.local_broker
-        if self.broker_id == self.me and b is not None:
-            return await b.handle(method, self.me, body)
+        if self.broker_id == self.me:
+            if not self.is_broker():
+                raise RpcError("this node is named the run's broker but holds no lease (yet)")
+            try:
+                return await self.local_broker.handle(method, self.me, body)
+            except NotBroker as e:
+                raise RpcError(str(e)) from e
         return await call(self.ctx.sh, self.broker_id, method, body, timeout_s=self.config.rpc_timeout_s)
 
     async def admit(self) -> AdmitResponse:
@@ -246,9 +277,7 @@ class RunClient:
         if isinstance(ans.get("table"), bytes):
             self.accept_envelope(ans["table"], peer_id)
         if isinstance(ans.get("lease"), bytes):
-            self.accept_envelope(ans["lease"], peer_id)
-        if self.table is not None and peer_id == self.table.peer_id:
-            self.broker_alive_at = self.clock()
+            self.accept_envelope(ans["lease"], peer_id)  # a renewal counts as evidence; merely answering does not
         return True
 
     async def _dht_lease_alive(self, broker: str) -> bool:
@@ -274,30 +303,55 @@ class RunClient:
             log.debug("dht table lookup failed: %s", e)
 
     async def take_over(self) -> None:
-        """Become the broker from the last table we hold (we are its standby and the lease has expired)."""
+        """Become the broker from the last table we hold, under the next lease epoch: we are its standby and the
+        lease has expired, or we are its broker and take back a lease that nobody else took over."""
         assert self.table is not None and self._nursery is not None
         old = self.table.peer_id
         b = Broker.from_table(self.ctx, self.broker_config, self.table)
         self.local_broker = b
         b.on_change.append(lambda t, env: self._accept(t, env, t.peer_id))
         await self._nursery.start(b.run)
+        self.ctx.register("run.table", self._rpc_table)  # ours answers for the broker while it holds the lease
         self._accept(b.table, b.table_env, self.me)
         self.takeovers.append(self.ctx.wall())
         log.warning("took over run %s from %s (lease epoch %d)", self.ctx.run_id[:16], old, b.lease_epoch)
 
+    async def _settle_lease(self) -> None:
+        """This node is named the broker without holding the lease (`orphaned`): never ask ourselves for anything;
+        wait for the lease to settle. A standby's takeover shows up as its table (polled here), and is followed; if
+        none comes within `takeover_s`, or the table names no standby, take the lease back under the next epoch
+        (the old broker's place in its slot is given up either way: this node is admitted again, and enters a
+        group with the group's state)."""
+        t = self.table
+        deadline = self.clock() + self.takeover_s()
+        log.warning("run %s: the table names this node as broker (lease epoch %d) but it holds no lease: waiting up "
+                    "to %.0f s for %s to take over", self.ctx.run_id[:16], t.lease_epoch, self.takeover_s(),
+                    t.standby or "a standby")
+        while self.orphaned() and t.standby is not None and self.clock() < deadline:
+            await self._follow_standby()
+            if self.orphaned():
+                await trio.sleep(self.config.retry_s)
+        if not self.orphaned():
+            return
+        log.warning("run %s: nobody took over: taking the lease back", self.ctx.run_id[:16])
+        await self.take_over()
+
     async def _follow_once(self) -> None:
         t = self.table
-        if t is None or self.is_broker():
+        if t is None:
             return
-        if not await self._poll(t.peer_id):
-            await self._follow_standby()  # it may have taken over
-        if self.lease_lapsed():
-            if await self._dht_lease_alive(self.table.peer_id):
-                self.broker_alive_at = self.clock()
-            else:
-                await self.take_over()
-                return
-        if self.admitted and self.provider_state() in (None, GONE) and not self.is_broker():
+        if self.orphaned():
+            await self._settle_lease()  # ends following a takeover, or holding the lease again
+        elif not self.is_broker():
+            if not await self._poll(t.peer_id):
+                await self._follow_standby()  # it may have taken over
+            if self.lease_lapsed():
+                if await self._dht_lease_alive(self.table.peer_id):
+                    self.broker_alive_at = self.clock()
+                else:
+                    await self.take_over()
+                    return
+        if self.admitted and self.provider_state() in (None, GONE):  # (a broker that took its lease back, too)
             log.warning("the table no longer lists this node as a provider; asking for admission again")
             try:
                 await self.admit()
@@ -307,17 +361,20 @@ class RunClient:
     async def _admit_until_deadline(self) -> None:
         """Ask for admission until admitted (AdmissionError: refused, at once), retrying an unreachable broker for
         `admit_timeout_s`; meanwhile a takeover by the standby shows up as a new table (gossip or a poll of it)."""
-        deadline = self.clock() + self.config.admit_timeout_s
+        deadline = self.clock() + max(self.config.admit_timeout_s, self.takeover_s())
         attempt = 0
         while True:
             attempt += 1
+            if self.orphaned():
+                await self._settle_lease()
             try:
                 await self.admit()
                 return
             except RpcError as e:
                 if self.clock() + self.config.retry_s > deadline:
-                    raise RpcError(f"no answer from the run's broker for {self.config.admit_timeout_s:.0f} s "
-                                   f"({attempt} attempts): {e}") from e
+                    raise RpcError(f"no answer from the run's broker for "
+                                   f"{max(self.config.admit_timeout_s, self.takeover_s()):.0f} s ({attempt} attempts): "
+                                   f"{e}") from e
                 log.info("admission attempt %d failed: %s", attempt, e)
             await trio.sleep(self.config.retry_s)
             await self._follow_standby()
@@ -332,12 +389,14 @@ class RunClient:
         return {"ok": True}
 
     async def _rpc_table(self, caller: str, body: Any) -> Any:
+        """The broker's answer while this node's broker holds the lease; otherwise the newest table we follow."""
+        if self.is_broker():
+            return await self.local_broker.handle("run.table", caller, body)
         return {"table": self.table_env or None}
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.ctx.register("run.ping", self._rpc_ping)
-        if not self.is_broker():
-            self.ctx.register("run.table", self._rpc_table)
+        self.ctx.register("run.table", self._rpc_table)
         async with trio.open_nursery() as n:
             self._nursery = n
             await self._admit_until_deadline()

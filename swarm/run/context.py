@@ -11,6 +11,7 @@ from shoal.protocol.manifest import RunManifest
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.membership import Membership
 from shoal.swarm.net.penalty import Penalties
+from shoal.swarm.net.pulse import Pulse
 
 Handler = Callable[[str, Any], Awaitable[Any]]
 Clock = Callable[[], float]
@@ -33,6 +34,12 @@ class RunContext:
     # wall-clock seconds only for what records carry (issue times, lease expiry)
     clock: Clock = time.monotonic
     wall: Clock = time.time
+    # this process's pulse on `clock`: silence is measured from the end of its own last freeze (None: no freezes)
+    pulse: Pulse | None = None
+
+    def silent_s(self, last_heard: float) -> float:
+        """Seconds since `last_heard` (clock time), never counting silence across this process's own freeze."""
+        return self.pulse.silent_s(last_heard) if self.pulse is not None else self.clock() - last_heard
 
     @property
     def run_id(self) -> str:

@@ -1,1 +1,1 @@
-"""A replica's state between nodes: snapshots and hashes, transfer, and the majority rule."""
+"""A replica's state between nodes: snapshots and hashes, transfer, and the rule for which hash replicas follow."""

@@ -1,0 +1,136 @@
+"""The `shoal` command's expected errors: one line with a hint and a distinct exit code each, never a traceback."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Exit(IntEnum):
+    """Exit statuses of every `shoal` command (README "Exit codes"; `shoal --help`)."""
+
+    OK = 0
+    FAILED = 1  # an unexpected error (a bug): -v shows the traceback
+    USAGE = 2  # bad arguments or a bad input file
+    JOIN_UNREACHABLE = 3  # no --join address answered
+    UNKNOWN_RUN = 4  # no peer of the swarm knows the run
+    SECRET = 5  # the run is private: join secret missing or wrong
+    NOT_ADMITTED = 6  # the broker refused admission for another reason (allowlist)
+    IDENTITY_UNUSABLE = 7  # the identity file is corrupt or unreadable
+    IDENTITY_IN_USE = 8  # another node runs with this identity (here or in the swarm)
+    NO_DEVICE = 9  # the asked-for device (cuda, mps) is not available
+    DOES_NOT_FIT = 10  # the run's stage does not fit in the device's free memory
+    ADDRESS_IN_USE = 11  # the --listen port is taken
+    UNSUPPORTED_PLAN = 12  # a plan this version cannot train (compressed activations between pipeline stages)
+    INTERRUPTED = 130  # Ctrl+C (or SIGTERM/SIGHUP) before the node was up
+
+
+HINTS: dict[Exit, str] = {
+    Exit.JOIN_UNREACHABLE: "check that the node at that address runs and that its port is reachable from here "
+                           "(shoal doctor --join ADDR)",
+    Exit.UNKNOWN_RUN: "check the run id (shoal peers --join ADDR shows which runs the swarm trains) or pass the "
+                      "run's manifest file",
+    Exit.SECRET: "pass the run's join secret with --secret or SHOAL_JOIN_SECRET (the run owner's node too)",
+    Exit.NOT_ADMITTED: "ask the run's owner to admit this node's peer id",
+    Exit.IDENTITY_UNUSABLE: "point --identity at a good key file, or move this one away to start with a new "
+                            "identity (a new peer id)",
+    Exit.IDENTITY_IN_USE: "stop the other node, or give this one its own --identity FILE",
+    Exit.NO_DEVICE: "use --device auto or cpu (shoal doctor lists the devices torch sees)",
+    Exit.DOES_NOT_FIT: "free memory on the device, use a bigger one, or join a run with a smaller model",
+    Exit.ADDRESS_IN_USE: "choose another port in --listen, or port 0 for any free one",
+    Exit.UNSUPPORTED_PLAN: "this version of shoal sends activations between pipeline stages uncompressed; create "
+                           "the run with --pipeline-compression none",
+}
+
+#: exception classes (module.qualname, anywhere in the exception's MRO) that are expected errors, by exit status;
+#: named rather than imported so that classifying an error never imports libp2p or torch
+EXPECTED: dict[str, Exit] = {
+    "shoal.swarm.net.host.JoinError": Exit.JOIN_UNREACHABLE,
+    "shoal.node.run.preflight.UnknownRun": Exit.UNKNOWN_RUN,
+    "shoal.swarm.run.broker.AdmissionError": Exit.NOT_ADMITTED,  # SECRET when it is about the secret
+    "shoal.swarm.net.identity.IdentityError": Exit.IDENTITY_UNUSABLE,
+    "shoal.node.identity_lock.IdentityInUse": Exit.IDENTITY_IN_USE,
+    "shoal.node.twins.TwinDetected": Exit.IDENTITY_IN_USE,
+    "shoal.node.train.device.DeviceUnavailable": Exit.NO_DEVICE,
+    "shoal.node.run.preflight.DoesNotFit": Exit.DOES_NOT_FIT,
+    "shoal.swarm.net.listen.AddressInUse": Exit.ADDRESS_IN_USE,
+    "shoal.node.run.preflight.UnsupportedPlan": Exit.UNSUPPORTED_PLAN,
+}
+
+
+class CliError(Exception):
+    """An expected error: what happened, the exit status, and (by default) the status's hint."""
+
+    def __init__(self, message: str, code: Exit = Exit.USAGE, hint: str | None = None):
+        super().__init__(message)
+        self.message, self.code = message, code
+        self.hint = hint if hint is not None else HINTS.get(code, "")
+
+    def line(self, prog: str) -> str:
+        text = " ".join(f"{prog}: {self.message}".split())  # one line, whatever the message held
+        return f"{text}; hint: {self.hint}" if self.hint else text
+
+
+def _names(exc: BaseException) -> set[str]:
+    return {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__}
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, in order; `exc` itself when it is not a group."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in leaves(e)]
+    return [exc]
+
+
+def _expected(e: BaseException) -> CliError | None:
+    if isinstance(e, CliError):
+        return e
+    if isinstance(e, KeyboardInterrupt):
+        return CliError("interrupted", Exit.INTERRUPTED, hint="")
+    code = next((EXPECTED[n] for n in _names(e) if n in EXPECTED), None)
+    if code is Exit.NOT_ADMITTED and "secret" in str(e):
+        code = Exit.SECRET
+    return CliError(str(e) or type(e).__name__, code) if code is not None else None
+
+
+def classify(exc: BaseException) -> CliError | None:
+    """The expected error `exc` stands for, looking inside exception groups, or None for a bug.
+
+    Cancellations beside an expected error are its side effects and do not count; an interruption counts only when
+    nothing else was expected."""
+    found: list[CliError] = []
+    for e in leaves(exc):
+        if type(e).__name__ == "Cancelled" and type(e).__module__.startswith("trio"):
+            continue
+        err = _expected(e)
+        if err is None:
+            return None
+        found.append(err)
+    real = [f for f in found if f.code is not Exit.INTERRUPTED]
+    return (real or found or [None])[0]
+
+
+def exit_codes_text() -> str:
+    """The exit statuses as `--help` and the README list them."""
+    lines = ["exit status:"]
+    for code in Exit:
+        comment = _COMMENTS[code]
+        lines.append(f"  {int(code):>3}  {comment}")
+    return "\n".join(lines)
+
+
+_COMMENTS: dict[Exit, str] = {
+    Exit.OK: "done (a node that was up and left on Ctrl+C/SIGTERM included)",
+    Exit.FAILED: "an unexpected error (a bug): run again with -v for the traceback",
+    Exit.USAGE: "bad arguments or a bad input file",
+    Exit.JOIN_UNREACHABLE: "no --join address answered",
+    Exit.UNKNOWN_RUN: "no peer of the swarm knows the run id",
+    Exit.SECRET: "the run is private: join secret missing or wrong",
+    Exit.NOT_ADMITTED: "the run's broker refused this node (allowlist)",
+    Exit.IDENTITY_UNUSABLE: "the identity file is corrupt or unreadable",
+    Exit.IDENTITY_IN_USE: "another node runs with this identity, on this machine or in the swarm",
+    Exit.NO_DEVICE: "the device asked for (--device cuda, mps) is not available",
+    Exit.DOES_NOT_FIT: "the run's model does not fit in the device's free memory",
+    Exit.ADDRESS_IN_USE: "the --listen port is already in use",
+    Exit.UNSUPPORTED_PLAN: "a plan this version does not train (compressed activations between pipeline stages)",
+    Exit.INTERRUPTED: "interrupted (Ctrl+C, SIGTERM or SIGHUP) before the node was up",
+}

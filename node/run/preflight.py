@@ -1,0 +1,60 @@
+"""What a node checks before it asks for a place in a run: a plan this version trains, a stage that fits its device.
+
+`check_plan` is the one place that refuses plans this version cannot train (none at the moment: pipelines train with
+and without AQ-SGD)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shoal.protocol.manifest import RunManifest
+
+if TYPE_CHECKING:
+    from shoal.node.run.config import RunConfig
+    from shoal.node.train.memory import StageMemory
+
+
+class RunError(RuntimeError):
+    """The run cannot go on on this node (e.g. a plan this version cannot train); the message says why."""
+
+
+class UnknownRun(RunError, ConnectionError):
+    """No joined peer knows the run (its manifest or its broker)."""
+
+
+class UnsupportedPlan(RunError):
+    """A run this version of shoal cannot train."""
+
+
+class DoesNotFit(RunError):
+    """The run's stage needs more memory than the device has free."""
+
+
+def check_plan(manifest: RunManifest) -> None:
+    """Raise UnsupportedPlan for a plan this version cannot train (every valid manifest trains now)."""
+
+
+def stage_need(manifest: RunManifest, device: str, stage: int = 0) -> StageMemory:
+    """The memory estimate for training `stage` of the run on `device` (16-bit activations on CUDA)."""
+    from shoal.node.train.memory import stage_memory
+
+    return stage_memory(manifest, stage, half=device.startswith("cuda"))
+
+
+def check_fits(manifest: RunManifest, device: str, free_bytes: int | None, stage: int = 0) -> StageMemory:
+    need = stage_need(manifest, device, stage)
+    if free_bytes is not None and not need.fits(free_bytes):
+        what = f"stage {stage} of the" if manifest.plan.stages > 1 else "the"
+        raise DoesNotFit(f"run {manifest.run_id[:16]}…: {what} {manifest.model.size} model "
+                         f"({need.params / 1e6:.1f}M params, micro-batch {manifest.batch.micro_batch_size}) needs "
+                         f"~{need.total_bytes / 1e9:.2f} GB on {device}, which has {free_bytes / 1e9:.2f} GB free")
+    return need
+
+
+def preflight(manifest: RunManifest, config: RunConfig) -> StageMemory:
+    """Raise UnsupportedPlan, or DoesNotFit when no stage of the run fits this node's device (the broker places a
+    node only in a stage it has the memory for); else the estimate for the smallest stage."""
+    check_plan(manifest)
+    needs = [stage_need(manifest, config.device, s) for s in range(manifest.plan.stages)]
+    smallest = min(range(len(needs)), key=lambda s: needs[s].total_bytes)
+    return check_fits(manifest, config.device, config.device_free_bytes, stage=smallest)
