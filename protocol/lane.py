@@ -22,8 +22,12 @@ from shoal.protocol.wire import expect_map, pack, unpack
 LANE_PROTOCOL = "/shoal/lane/1.0.0"
 FWD, BWD = "fwd", "bwd"  # activations s -> s+1; gradients s+1 -> s
 TRAIN, EVAL = "train", "eval"
-#: activation/gradient widths on the wire now; AQ-SGD adds its kind (and uses base_versions, n_first, bits) next
+#: activation/gradient widths on the wire without compression
 DENSE_KINDS: dict[str, int] = {"fp32": 32, "fp16": 16}
+#: AQ-SGD (pipeline.md "AQ-SGD over a link"): first visits and deltas against the buffers both ends keep
+AQ = "aqsgd"
+ACT_KINDS = frozenset(DENSE_KINDS) | {AQ}
+AQ_DELTA_BITS = (2, 3, 4, 8)
 MAX_MICRO = 4096  # micro-batches per step, eval batches per evaluation
 MAX_ROWS = 4096  # samples per micro-batch
 MAX_PARAMS = 4096  # parameter tensors per stage
@@ -69,10 +73,12 @@ class Act(WireRecord):
     TYPE: ClassVar[str] = "act"
     step: int = spec(STEP)
     micro: int = spec(Int(0, MAX_MICRO - 1))
-    kind: str = spec(Choice(frozenset(DENSE_KINDS)))
+    kind: str = spec(Choice(ACT_KINDS))
     ids: tuple[int, ...] = spec(Seq(Int(0, MAX_SAMPLE_ID), MAX_ROWS))
     phase: str = spec(Choice(frozenset({TRAIN, EVAL})), default=TRAIN)
-    # AQ-SGD (next issue): each row's base version, the rows sent as first visits, the delta bits
+    # AQ-SGD: each row's base version (the version of the sender's row the delta is against; 0: a first visit),
+    # how many rows are first visits, the delta bits. The first visits' tensor frame follows (when n_first > 0),
+    # then the deltas' (when rows are left)
     base_versions: tuple[int, ...] = spec(Seq(STEP, MAX_ROWS), default=())
     n_first: int = spec(Int(0, MAX_ROWS), default=0)
     bits: int = spec(Int(0, 16), default=0)
@@ -83,6 +89,17 @@ class Act(WireRecord):
             raise FieldError("ids", "a micro-batch holds at least one sample")
         if self.kind in DENSE_KINDS and (self.base_versions or self.n_first or self.bits):
             raise FieldError("kind", f"{self.kind} activations carry no base versions, first visits or bits")
+        if self.kind == AQ:
+            if len(self.base_versions) != len(self.ids):
+                raise FieldError("base_versions", f"{len(self.base_versions)} for {len(self.ids)} rows")
+            if self.n_first != sum(1 for v in self.base_versions if v == 0):
+                raise FieldError("n_first", f"{self.n_first}, but {self.base_versions.count(0)} rows have base 0")
+            if self.bits not in AQ_DELTA_BITS:
+                raise FieldError("bits", f"AQ-SGD deltas go at one of {AQ_DELTA_BITS} bits, not {self.bits}")
+
+    @property
+    def n_delta(self) -> int:
+        return len(self.ids) - self.n_first
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -176,12 +193,15 @@ def payload_nbytes(kind: str, batch: int, seq: int, hidden: int) -> int:
     return batch * seq * hidden * DENSE_KINDS[kind] // 8
 
 
-def lane_message_nbytes(rec: WireRecord, tensor: TensorHeader | None = None) -> int:
-    """Exact wire bytes of one message: the record's frame (h), plus the tensor frame (its header and payload).
+def lane_message_nbytes(rec: WireRecord, *tensors: TensorHeader | None) -> int:
+    """Exact wire bytes of one message: the record's frame (h), plus its tensor frames (headers and payloads).
 
     forward = h + B·T·H·fb/8 and backward = h + B·T·H·bb/8 for the dense kinds, where h is this record's and its
-    tensor header's encoding with their length prefixes (a few dozen bytes; it grows with the ids)."""
+    tensor header's encoding with their length prefixes (a few dozen bytes; it grows with the ids). With AQ-SGD,
+    forward = h + n_first·T·H·fb/8 + n_delta·T·H·b/8 + scales and backward = h + B·T·H·bb/8 + scales
+    (swarm/run/aq_codec.py `group_nbytes`), h now counting each group's frame header."""
     n = LENGTH_PREFIX_BYTES + len(encode_message(rec))
-    if tensor is not None:
-        n += LENGTH_PREFIX_BYTES + frame_nbytes(tensor)
+    for tensor in tensors:
+        if tensor is not None:
+            n += LENGTH_PREFIX_BYTES + frame_nbytes(tensor)
     return n

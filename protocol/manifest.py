@@ -32,6 +32,9 @@ MODEL_PRESETS: dict[str, tuple[int, int, int, int]] = {
 SYNC_METHODS = ("none", "allreduce", "cocktail", "diloco")
 PIPELINE_COMPRESSION = ("none", "aqsgd")
 WIRE_DTYPES = ("fp32", "fp16")
+AQ_BITS = (2, 3, 4, 8)  # Q_b widths of activation deltas (algorithms.md §0)
+AQ_DIRECT_BITS = AQ_BITS + (16,)  # first visits and gradients: Q_b, or 16 = fp16 in full
+AQ_BUFFERS = ("memory", "disk")
 JOIN_MODES = ("open", "secret", "allowlist")
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 1
 
@@ -91,6 +94,9 @@ class DataSpec(WireRecord):
     tokenizer: str = spec(Choice(frozenset({"bytes"})), default="bytes")
     # every Nth 64 KiB block of the corpus is held out for evaluation (5%)
     heldout_every: int = spec(Int(2, 1000), default=20)
+    # train on the first N samples only (0: all of them), so samples come back every epoch (fine-tuning's regime,
+    # where AQ-SGD's buffers pay off)
+    train_subset: int = spec(Int(0, 1 << 40), default=0, omit_if_default=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,7 +146,12 @@ class SyncSpec(WireRecord):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineSpec(WireRecord):
     """What crosses a stage boundary: with compression "none", activations and gradients at `wire_dtype`; with
-    "aqsgd", activation deltas forward and quantized gradients backward (AQ-SGD)."""
+    "aqsgd", activation deltas forward and quantized gradients backward (AQ-SGD, pipeline.md "AQ-SGD over a link"):
+    a sample's first visit on a link goes at `first_visit_bits` and both ends keep what was decoded; later visits
+    send Q_fwd_bits(a - m); gradients go at `bwd_bits` (16: fp16). `warmup_epochs`: visits of a sample sent at
+    first_visit_bits before deltas start (only 1, the first visit, is implemented). Each end keeps its buffer in
+    memory or in a disk file, at most `buffer_cap_mb` per link end: samples whose id is below the rows that fit are
+    kept, the others always go at first_visit_bits."""
 
     compression: str = spec(Choice(frozenset(PIPELINE_COMPRESSION)), default="aqsgd")
     fwd_bits: int = spec(Int(1, 16), default=4)
@@ -149,6 +160,20 @@ class PipelineSpec(WireRecord):
     # what training activations and gradients travel as without compression (fields added later are left out of
     # the encoding at their default, so manifests written before them keep their run ids)
     wire_dtype: str = spec(Choice(frozenset(WIRE_DTYPES)), default="fp32", omit_if_default=True)
+    first_visit_bits: int = spec(Int(1, 16), default=8, omit_if_default=True)
+    buffer: str = spec(Choice(frozenset(AQ_BUFFERS)), default="memory", omit_if_default=True)
+    buffer_cap_mb: int = spec(Int(1, 1 << 30), default=4096, omit_if_default=True)
+
+    def __post_init__(self) -> None:
+        WireRecord.__post_init__(self)
+        if self.compression == "aqsgd":
+            if self.fwd_bits not in AQ_BITS:
+                raise FieldError("fwd_bits", f"AQ-SGD deltas go at one of {AQ_BITS} bits, not {self.fwd_bits}")
+            for name in ("bwd_bits", "first_visit_bits"):
+                if getattr(self, name) not in AQ_DIRECT_BITS:
+                    raise FieldError(name, f"one of {AQ_DIRECT_BITS} bits (16: fp16), not {getattr(self, name)}")
+            if self.warmup_epochs != 1:
+                raise FieldError("warmup_epochs", "only 1 (deltas from the second visit on) is implemented")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

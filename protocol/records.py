@@ -44,6 +44,21 @@ class Announcement(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LinkStatus(WireRecord):
+    """One lane link end of a pipeline stage: what crosses it and, with AQ-SGD, this end's store digest after
+    `step` (the two ends of a link must agree; pipeline.md "AQ-SGD over a link", rule 5)."""
+
+    link: str = spec(Str(16, allow_empty=False))  # "b0/fwd": activations from stage 0 to stage 1
+    peer: str = spec(PEER_ID)  # the other end
+    side: str = spec(Choice(frozenset({"sender", "receiver"})))  # of the activations
+    compression: str = spec(Choice(frozenset({"fp32", "fp16", "aqsgd"})))
+    step: int | None = spec(Optional(Int(0, 2**62)), default=None)  # the step the digest was taken after
+    digest: str = spec(Str(16), default="")  # its first 16 hex digits ("" without a store)
+    rows: int = spec(Int(0, 2**40), default=0)
+    nacks: int = spec(Int(0, 2**40), default=0)  # NACKs sent (receiver) or received (sender)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StatusRecord(WireRecord):
     """What a node is doing now; published every few seconds over gossip, so it stays a few hundred bytes."""
 
@@ -67,6 +82,7 @@ class StatusRecord(WireRecord):
     compression_ratio: float | None = spec(Optional(Float(0.0, 1e9)), default=None)
     link_bytes_sent: int = spec(Int(0, 2**62), default=0)  # a pipeline stage: wire bytes to its lane neighbours
     link_bytes_recv: int = spec(Int(0, 2**62), default=0)
+    lane_links: tuple[LinkStatus, ...] = spec(Seq(Nested(LinkStatus), 4), default=(), omit_if_default=True)
     state_hash: str | None = spec(Optional(Str(80)), default=None)
     peers_seen: int = spec(Int(0, 1 << 20), default=0)
     error: str | None = spec(Optional(Str(200)), default=None)  # the most recent error, for the dashboard

@@ -18,7 +18,7 @@ import torch
 from shoal.node.cli.errors import EXPECTED, CliError, Exit, classify
 from shoal.node.identity_lock import IdentityInUse, default_identity, lock_identity
 from shoal.node.run.config import RunConfig
-from shoal.node.run.preflight import DoesNotFit, UnsupportedPlan, preflight
+from shoal.node.run.preflight import DoesNotFit, preflight
 from shoal.node.train import device as devmod
 from shoal.node.train.device import DeviceUnavailable, resolve_device
 from shoal.node.train.memory import stage_memory
@@ -101,17 +101,13 @@ def test_the_memory_estimate_matches_what_training_allocates_on_cuda():
         del t
 
 
-def test_a_plan_this_version_cannot_train_is_refused_in_one_place():
+def test_pipelines_with_and_without_aqsgd_pass_the_plan_check():
     model = mf.ModelSpec.preset("tiny", tie_embeddings=False)
-    for compression, refused in (("aqsgd", True), ("none", False)):
+    for compression in ("aqsgd", "none"):
         m = mf.RunManifest.default("tiny", model=model, plan=mf.ParallelPlan(
             stages=2, replicas=1, pipeline=mf.PipelineSpec(compression=compression)))
-        if refused:
-            with pytest.raises(UnsupportedPlan, match="asks for aqsgd between its stages"):
-                preflight(m, RunConfig(manifest=m))
-        else:
-            need = preflight(m, RunConfig(manifest=m))
-            assert need.params == min(m.stage_params(0), m.stage_params(1))
+        need = preflight(m, RunConfig(manifest=m))
+        assert need.params == min(m.stage_params(0), m.stage_params(1))
 
 
 # -- errors ------------------------------------------------------------------------------------------------------

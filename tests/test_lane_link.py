@@ -345,7 +345,7 @@ async def test_a_two_stage_lane_over_links_is_the_unsplit_model_bit_for_bit():
             end = hubs[s].open(LaneSpec.from_manifest(
                 m, stage=s, lane=0, prev_peer=peers[0] if s else None, next_peer=None if s else peers[1],
                 train_samples=ref.train_samples.num_samples, eval_samples=ref.heldout_samples.num_samples,
-                eval_kind="fp32"))
+                kind="fp32", eval_kind="fp32"))
             boundary = BlockingLinkEnd(end, token)
             assert isinstance(boundary, Boundary)
             stages.append(Trainer(m, stage=s, replica=0, boundary=boundary, corpus=corpus))

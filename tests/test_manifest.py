@@ -136,6 +136,23 @@ def test_parallel_plan_carries_the_later_issues_settings():
     assert (back.pipeline.fwd_bits, back.pipeline.bwd_bits) == (4, 8)
 
 
+def test_aqsgd_settings_round_trip_and_bad_widths_are_named():
+    from shoal.protocol.manifest import DataSpec, PipelineSpec
+
+    pipe = PipelineSpec(compression="aqsgd", fwd_bits=2, bwd_bits=16, first_visit_bits=16, buffer="disk",
+                        buffer_cap_mb=64)
+    m = RunManifest.default("tiny", plan=ParallelPlan(stages=2, pipeline=pipe), data=DataSpec(train_subset=256))
+    back = RunManifest.from_toml(m.to_toml())
+    assert back.plan.pipeline == pipe and back.data.train_subset == 256 and back.run_id == m.run_id
+    assert RunManifest.default("tiny").run_id == RunManifest.default("tiny", data=DataSpec()).run_id
+    for bad, field in (({"fwd_bits": 5}, "fwd_bits"), ({"fwd_bits": 16}, "fwd_bits"), ({"bwd_bits": 6}, "bwd_bits"),
+                       ({"first_visit_bits": 1}, "first_visit_bits"), ({"warmup_epochs": 2}, "warmup_epochs")):
+        with pytest.raises(FieldError) as e:
+            PipelineSpec(compression="aqsgd", **bad)
+        assert e.value.field == field
+    assert PipelineSpec(compression="none", fwd_bits=5).fwd_bits == 5  # not AQ-SGD: the widths are unused
+
+
 @given(
     lr=st.floats(1e-6, 1.0),
     seed=st.integers(0, 2**63 - 1),

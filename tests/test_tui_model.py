@@ -171,3 +171,31 @@ def test_si(value, text):
 def test_ago_and_sizes():
     assert [fmt.ago(s) for s in (0.4, 42, 125, 7300, 90000)] == ["0s", "42s", "2m", "2h", "1d"]
     assert fmt.nbytes(24 << 30) == "25.8 GB" and fmt.nbytes(12) == "12 B"
+
+
+def test_aqsgd_link_digests_are_judged_against_the_other_end_at_a_common_step():
+    from shoal.protocol.records import LinkStatus
+    from shoal.tui.peers import peer_detail
+
+    def link(side: str, peer: str, step: int, digest: str) -> LinkStatus:
+        return LinkStatus(link="b0/fwd", peer=peer, side=side, compression="aqsgd", step=step, digest=digest, rows=16)
+
+    view = SwarmView()
+    rec = st(A1, 1, T0, slot="s0r0", lane_links=(link("sender", A2, 4, "aa" * 8),))
+    assert StatusRecord.from_wire(rec.to_wire()) == rec
+    view.feed(rec, T0)
+    assert view.peers[A1].link_verdicts == {("b0/fwd", "sender"): "pending"}  # the other end not heard yet
+    view.feed(st(A2, 1, T0, slot="s1r0", lane_links=(link("receiver", A1, 5, "bb" * 8),)), T0)
+    assert view.peers[A2].link_verdicts == {("b0/fwd", "receiver"): "pending"}  # no step both published
+    view.feed(st(A1, 2, T0 + 1, slot="s0r0", lane_links=(link("sender", A2, 5, "bb" * 8),)), T0 + 1)
+    assert view.peers[A1].link_verdicts == {("b0/fwd", "sender"): "agrees"}
+    assert view.peers[A2].link_verdicts == {("b0/fwd", "receiver"): "agrees"}
+    view.feed(st(A2, 2, T0 + 2, slot="s1r0", lane_links=(link("receiver", A1, 6, "cc" * 8),)), T0 + 2)
+    view.feed(st(A1, 3, T0 + 2, slot="s0r0", lane_links=(link("sender", A2, 6, "dd" * 8),)), T0 + 2)
+    assert view.peers[A1].link_verdicts == {("b0/fwd", "sender"): "differs"}
+    assert view.peers[A2].link_verdicts == {("b0/fwd", "receiver"): "differs"}
+    from rich.console import Console
+    console = Console(width=120, record=True)
+    console.print(peer_detail(view.peers[A1], T0 + 2))
+    text = console.export_text()
+    assert "b0/fwd → " in text and "16 rows" in text and "differs" in text

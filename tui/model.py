@@ -73,6 +73,10 @@ class PeerView:
     left: LeaveNotice | None = None
     errors: deque[tuple[float, str]] = field(default_factory=deque)  # (local time, text), newest last
     liveness: Liveness = Liveness.LIVE  # as of the last tick/feed
+    # AQ-SGD link ends: (link, side) -> {step: digest} of the last few steps published, and each end's verdict
+    # against its other end at a step both published: "agrees", "differs" or "pending"
+    link_digests: dict[tuple[str, str], dict[int, str]] = field(default_factory=dict)
+    link_verdicts: dict[tuple[str, str], str] = field(default_factory=dict)
 
     @property
     def is_observer(self) -> bool:
@@ -322,6 +326,48 @@ def _on_status(view: SwarmView, s: StatusRecord, now: float) -> None:
         view._max_step = max(view._max_step, s.step)
     if s.role in ("active", "broker"):
         view._add_loss(s)
+    _on_links(view, p, s)
+
+
+LINK_HISTORY = 8  # steps of digests kept per link end
+OTHER_SIDE = {"sender": "receiver", "receiver": "sender"}
+
+
+def _on_links(view: SwarmView, p: PeerView, s: StatusRecord) -> None:
+    """Fold a status's AQ-SGD link digests in and judge this peer's link ends and their other ends again."""
+    ends = {(x.link, x.side) for x in s.lane_links}
+    p.link_digests = {k: v for k, v in p.link_digests.items() if k in ends}
+    p.link_verdicts = {k: v for k, v in p.link_verdicts.items() if k in ends}
+    for x in s.lane_links:
+        if x.compression != "aqsgd" or x.step is None:
+            continue
+        hist = p.link_digests.setdefault((x.link, x.side), {})
+        hist[x.step] = x.digest
+        for old in sorted(hist)[:-LINK_HISTORY]:
+            del hist[old]
+        other = view.peers.get(x.peer)
+        p.link_verdicts[x.link, x.side] = _verdict(hist, other, x.link, OTHER_SIDE[x.side])
+        if other is not None and (x.link, OTHER_SIDE[x.side]) in other.link_digests:
+            other.link_verdicts[x.link, OTHER_SIDE[x.side]] = _verdict(
+                other.link_digests[x.link, OTHER_SIDE[x.side]], p, x.link, x.side)
+
+
+def _verdict(mine: dict[int, str], other: PeerView | None, link: str, side: str) -> str:
+    theirs = other.link_digests.get((link, side), {}) if other is not None else {}
+    common = set(mine) & set(theirs)
+    if not common:
+        return "pending"
+    step = max(common)
+    return "agrees" if mine[step] == theirs[step] else "differs"
+
+
+def links_mark(p: PeerView) -> str:
+    """A short mark of a stage's AQ-SGD links for the peers table: "aq✓" all agree, "aq✗" one differs, "aq…"
+    not judged yet; "" without AQ-SGD links."""
+    v = set(p.link_verdicts.values())
+    if not v:
+        return ""
+    return "aq✗" if "differs" in v else "aq…" if "pending" in v else "aq✓"
 
 
 @SwarmView.register(LeaveNotice)

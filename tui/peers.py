@@ -15,7 +15,7 @@ from textual.message import Message
 from textual.widgets import DataTable, Input, Static
 
 from shoal.tui import fmt
-from shoal.tui.model import Liveness, PeerView, short_id
+from shoal.tui.model import Liveness, PeerView, links_mark, short_id
 
 ROLE_ORDER = {"broker": 0, "active": 1, "backup": 2, "idle": 3, "observer": 4}
 LIVENESS_STYLE = {Liveness.LIVE: "", Liveness.STALE: "yellow", Liveness.GONE: "dim red", Liveness.LEFT: "dim"}
@@ -55,7 +55,8 @@ def _state(p: PeerView) -> str:
 COLUMNS: tuple[Column, ...] = (
     Column("peer", "peer", lambda p, now: short_id(p.peer_id), lambda p, now: p.peer_id),
     Column("role", "role", lambda p, now: p.role, lambda p, now: (ROLE_ORDER.get(p.role, 9), _status(p, "slot") or "")),
-    Column("slot", "slot", lambda p, now: _status(p, "slot") or "-", lambda p, now: _status(p, "slot") or "~"),
+    Column("slot", "slot", lambda p, now: " ".join(x for x in (_status(p, "slot") or "-", links_mark(p)) if x),
+           lambda p, now: _status(p, "slot") or "~"),
     Column("device", "device", lambda p, now: _device(p)[:10], lambda p, now: _device(p)),
     Column("step", "step", lambda p, now: str(_status(p, "step", 0)), lambda p, now: _status(p, "step", 0), True),
     Column("tps", "tok/s", lambda p, now: fmt.si(_status(p, "tokens_per_s", 0.0), digits=2),
@@ -97,6 +98,8 @@ def peer_detail(p: PeerView, now: float) -> Table:
         ratio = "-" if s.compression_ratio is None else f"{s.compression_ratio:.1f}x"
         t.add_row("Compress.", ratio)
         t.add_row("State hash", s.state_hash or "-")
+        if s.lane_links:
+            t.add_row("Links", "\n".join(_link_line(p, x) for x in s.lane_links))
     a = p.announcement
     if a is not None:
         hw = a.hardware
@@ -108,6 +111,18 @@ def peer_detail(p: PeerView, now: float) -> Table:
     else:
         t.add_row("Hardware", Text("no announcement seen yet", "dim"))
     return t
+
+
+def _link_line(p: PeerView, x) -> str:
+    """One lane link end: its compression and, with AQ-SGD, its store and whether the other end agrees."""
+    arrow = "→" if x.side == "sender" else "←"
+    line = f"{x.link} {arrow} {short_id(x.peer)} {x.compression}"
+    if x.compression == "aqsgd" and x.step is not None:
+        verdict = p.link_verdicts.get((x.link, x.side), "pending")
+        line += f" · {x.rows} rows · digest {x.digest[:8]} @{x.step} · {verdict}"
+        if x.nacks:
+            line += f" · {x.nacks} NACKs"
+    return line
 
 
 class PeerTable(DataTable):

@@ -68,6 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pl.add_argument("--steps", type=int, default=60, help="optimizer steps per configuration (default: 60)")
     pl.add_argument("--layers", type=int, default=4, help="model layers (default: 4)")
     pl.add_argument("--d-model", type=int, default=128, help="model width (default: 128)")
+    pl.add_argument("--compression", default="none",
+                    help="comma-separated: none (at each --wire dtype), aqsgd (fw4/bw8), aqsgd-fv16 (first visits "
+                         "fp16), aqsgd-fw2bw4, direct2 "
+                         "(every visit quantized directly at 2 bits: the control) (default: none)")
+    pl.add_argument("--train-subset", type=int, default=0, metavar="N",
+                    help="train on N samples epoch after epoch (AQ-SGD needs samples to come back; default: all)")
     pl.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for the result files")
     pl.add_argument("--name", default="pipeline", help="basename of the result files (default: pipeline)")
     n = sub.add_parser("network", help="nodes in network namespaces on shaped links, unshaped, and hivemind beside",
@@ -299,7 +305,8 @@ def pipeline(args: argparse.Namespace) -> int:
     try:
         config = pipeline_bench.PipelineBenchConfig(
             stages=tuple(int(x) for x in args.stages.split(",")), wire=tuple(args.wire.split(",")),
-            steps=args.steps, layers=args.layers, d_model=args.d_model)
+            steps=args.steps, layers=args.layers, d_model=args.d_model,
+            compression=tuple(args.compression.split(",")), train_subset=args.train_subset)
     except ValueError as e:
         print(f"shoal bench pipeline: {e}", file=sys.stderr)
         return 2

@@ -110,15 +110,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--tie-embeddings", choices=("auto", "tied", "untied"), default="auto",
                    help="whether the head shares the embedding matrix (auto: tied with one stage, untied when split; "
                         "a split model must be untied; default: %(default)s)")
-    p.add_argument("--pipeline-compression", choices=("none", "aqsgd"), default="none",
+    p.add_argument("--pipeline-compression", choices=("none", "aqsgd"), default=None,
                    help="what crosses a stage boundary: none (activations at --wire-dtype) or aqsgd "
-                        "(default: %(default)s; this version trains none)")
+                        "(default: aqsgd with several stages)")
     p.add_argument("--wire-dtype", choices=("fp32", "fp16"), default="fp32",
                    help="activations and gradients between stages without compression (default: %(default)s)")
     p.add_argument("--fwd-bits", type=int, default=4, metavar="B",
                    help="AQ-SGD: bits of forward activation deltas (default: %(default)s)")
     p.add_argument("--bwd-bits", type=int, default=8, metavar="B",
                    help="AQ-SGD: bits of backward gradients (default: %(default)s)")
+    p.add_argument("--first-visit-bits", type=int, default=8, metavar="B",
+                   help="AQ-SGD: bits of a sample's first visit on a link, 16 = fp16 (default: %(default)s)")
+    p.add_argument("--aq-buffer", choices=("memory", "disk"), default="memory",
+                   help="AQ-SGD: where each link end keeps its buffer (default: %(default)s)")
+    p.add_argument("--aq-buffer-cap-mb", type=int, default=4096, metavar="MB",
+                   help="AQ-SGD: buffer cap per link end (default: %(default)s)")
+    p.add_argument("--train-subset", type=int, default=0, metavar="N",
+                   help="train on the first N samples only, epoch after epoch (default: all)")
     j = c.add_argument_group("who may join").add_mutually_exclusive_group()
     j.add_argument("--join-secret-file", metavar="PATH",
                    help="file holding the join secret (only its salted hash is stored); nodes join with --secret")
@@ -158,7 +166,7 @@ def build_manifest(args: argparse.Namespace):
         created_at=int(time.time()),
         seed=args.seed,
         model=model,
-        data=mf.DataSpec(source=args.data),
+        data=mf.DataSpec(source=args.data, train_subset=args.train_subset),
         plan=mf.ParallelPlan(
             stages=args.stages,
             replicas=args.replicas,
@@ -168,8 +176,10 @@ def build_manifest(args: argparse.Namespace):
                 diloco=mf.DilocoSpec(inner_steps=args.diloco_h, fragments=args.diloco_fragments, e3m0=args.diloco_e3m0,
                                      overlap_steps=args.diloco_overlap, merge_alpha=args.diloco_alpha),
             ),
-            pipeline=mf.PipelineSpec(compression=args.pipeline_compression, fwd_bits=args.fwd_bits,
-                                     bwd_bits=args.bwd_bits, wire_dtype=args.wire_dtype),
+            pipeline=mf.PipelineSpec(compression=args.pipeline_compression or ("aqsgd" if args.stages > 1 else "none"),
+                                     fwd_bits=args.fwd_bits, bwd_bits=args.bwd_bits, wire_dtype=args.wire_dtype,
+                                     first_visit_bits=args.first_visit_bits, buffer=args.aq_buffer,
+                                     buffer_cap_mb=args.aq_buffer_cap_mb),
         ),
         optim=mf.OptimSpec(
             lr=args.lr, warmup_steps=min(args.warmup, args.steps), total_steps=args.steps,

@@ -96,7 +96,7 @@ def write_manifest(args: argparse.Namespace, workdir, replicas: int):
     batch = mf.BatchSpec(batch_size=16, micro_batch_size=16 // (4 * args.stages) if args.stages > 1 else 16)
     m = mf.RunManifest.default(
         "tiny", name="local swarm", model=model, batch=batch,
-        plan=mf.ParallelPlan(stages=args.stages, replicas=replicas, pipeline=mf.PipelineSpec(compression="none"),
+        plan=mf.ParallelPlan(stages=args.stages, replicas=replicas, pipeline=mf.PipelineSpec(compression="aqsgd" if args.stages > 1 else "none"),
                              sync=mf.SyncSpec(method=args.sync, cocktail=mf.CocktailSpec(warmup_steps=10),
                                               diloco=mf.DilocoSpec(inner_steps=20))),
         optim=mf.OptimSpec(total_steps=steps, warmup_steps=min(50, steps)),

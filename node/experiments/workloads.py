@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from shoal.protocol import manifest as mf
 
 TINY_EVAL_BATCHES = 8
+PIPELINE_SUBSET = 256  # the pipeline workloads train on 256 samples, epoch after epoch (fine-tuning's regime)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -22,6 +23,7 @@ class Workload:
     stages: int = 1
     pipeline: mf.PipelineSpec = field(default_factory=mf.PipelineSpec)
     description: str = ""
+    train_subset: int = 0  # samples trained on epoch after epoch (0: all); AQ-SGD's deltas need samples to return
 
     def __post_init__(self) -> None:
         if not self.name or self.stages < 1:
@@ -34,13 +36,20 @@ class Workload:
 
     def manifest(self, *, size: str, nodes: int, steps: int, lr: float, eval_every: int, seed: int = 0,
                  warmup_steps: int = 10) -> mf.RunManifest:
-        """The run: `nodes` nodes, all of them active (S stages x D replicas), no backups."""
+        """The run: `nodes` nodes, all of them active (S stages x D replicas), no backups; a pipeline splits each
+        step into M = 4 x S micro-batches (pipeline.md "Schedule")."""
+        extra = {}
+        if self.stages > 1:
+            b = mf.RunManifest.default(size).batch
+            extra["batch"] = mf.BatchSpec(batch_size=b.batch_size, micro_batch_size=max(
+                1, b.batch_size // (4 * self.stages)), seq_len=b.seq_len)
         return mf.RunManifest.default(
-            size, name=f"bench network {self.name}", seed=seed,
+            size, name=f"bench network {self.name}", seed=seed, **extra,
             plan=mf.ParallelPlan(stages=self.stages, replicas=self.replicas(nodes), sync=self.sync,
                                  pipeline=self.pipeline),
             optim=mf.OptimSpec(lr=lr, total_steps=max(steps, warmup_steps + 1), warmup_steps=warmup_steps),
-            eval=mf.EvalSpec(every_steps=eval_every, batches=TINY_EVAL_BATCHES))
+            eval=mf.EvalSpec(every_steps=eval_every, batches=TINY_EVAL_BATCHES),
+            data=mf.DataSpec(train_subset=self.train_subset))
 
     def payload_formula(self, numel: int, nodes: int) -> float | None:
         """Synchronizer bytes one node sends per step in steady state (tensor payloads, frame headers excluded),
@@ -83,9 +92,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
         inner_steps=20, e3m0=True, fragments=2, overlap_steps=5, merge_alpha=0.5)),
              description="Streaming DiLoCo H=20, 2 fragments, tau=5, alpha=0.5, E3M0"),
     Workload(name="pipeline-fp32", sync=_sync("allreduce"), stages=2, pipeline=mf.PipelineSpec(compression="none"),
-             description="S=2 pipeline, fp32 activations and gradients"),
+             train_subset=PIPELINE_SUBSET, description="S=2 pipeline, fp32 activations and gradients"),
     Workload(name="pipeline-aqsgd", sync=_sync("allreduce"), stages=2, pipeline=mf.PipelineSpec(compression="aqsgd"),
-             description="S=2 pipeline, AQ-SGD activation deltas (4-bit forward, 8-bit backward)"),
+             train_subset=PIPELINE_SUBSET,
+             description="S=2 pipeline, AQ-SGD activation deltas (4-bit forward, 8-bit backward, first visits 8-bit)"),
 )}
 ALIASES = {"allreduce-fp32": "allreduce", "fp32": "allreduce", "fp16": "allreduce-fp16", "diloco": "diloco-e3m0",
            "streaming": "streaming-diloco", "pipeline": "pipeline-aqsgd"}

@@ -1,6 +1,7 @@
 """What a node checks before it asks for a place in a run: a plan this version trains, a stage that fits its device.
 
-`check_plan` is the one place that refuses plans this version cannot train yet (compressed pipeline activations)."""
+`check_plan` is the one place that refuses plans this version cannot train (none at the moment: pipelines train with
+and without AQ-SGD)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,7 @@ class DoesNotFit(RunError):
 
 
 def check_plan(manifest: RunManifest) -> None:
-    pipe = manifest.plan.pipeline
-    if manifest.plan.stages > 1 and pipe.compression != "none":
-        raise UnsupportedPlan(f"run {manifest.run_id[:16]}… asks for {pipe.compression} between its stages; this "
-                              f"version of shoal sends activations uncompressed only (pipeline.compression = 'none')")
+    """Raise UnsupportedPlan for a plan this version cannot train (every valid manifest trains now)."""
 
 
 def stage_need(manifest: RunManifest, device: str, stage: int = 0) -> StageMemory:

@@ -117,6 +117,8 @@ class RunRuntime:
             fields["eval_loss"] = t.last_eval_loss
         if self._lane_end is not None or any(self._link_bytes_closed):
             fields["link_bytes_sent"], fields["link_bytes_recv"] = self.link_bytes()
+        if self._lane_end is not None:
+            fields["lane_links"] = self._lane_end.link_statuses()
         if s is not None:
             hashes = self.hashes.hashes
             # the hash recorded with the step published (once done, the final state's)
@@ -366,10 +368,10 @@ class RunRuntime:
         t, m = self.trainer, self.manifest
         spec = LaneSpec.from_manifest(m, stage=t.stage, lane=t.replica, prev_peer=peers[0], next_peer=peers[1],
                                       train_samples=t.train_samples.num_samples,
-                                      eval_samples=t.heldout_samples.num_samples,
-                                      kind=m.plan.pipeline.wire_dtype)
+                                      eval_samples=t.heldout_samples.num_samples)
         self._lane_end = self._hub.open(spec)
         self._lane_peers = peers
+        await self._lane_end.adopt(step)  # AQ-SGD: a replacement pulls its links' stores from the survivors
         t.boundary = BlockingLinkEnd(self._lane_end, self._token)
         log.info("lane %d stage %d links: previous %s, next %s", t.replica, t.stage,
                  (peers[0] or "-")[-8:], (peers[1] or "-")[-8:])

@@ -160,8 +160,9 @@ class Trainer:
         self.corpus = corpus or load_corpus(manifest.data.source, manifest.data.heldout_every)
         self.train_samples = Samples(self.corpus.train, b.seq_len)
         self.heldout_samples = Samples(self.corpus.heldout, b.seq_len)
-        self.sampler = ShardedSampler(self.train_samples.num_samples, seed=manifest.seed, replica=replica,
-                                      replicas=plan.replicas)
+        subset = manifest.data.train_subset  # the first N samples only (0: all): samples come back every epoch
+        self.sampler = ShardedSampler(min(subset or self.train_samples.num_samples, self.train_samples.num_samples),
+                                      seed=manifest.seed, replica=replica, replicas=plan.replicas)
         self.eval_ids = heldout_batches(self.heldout_samples, b.micro_batch_size, manifest.eval.batches)
         self.micro_batches = b.batch_size // b.micro_batch_size
         self.model_config = GPTConfig.from_spec(manifest.model, b.seq_len)

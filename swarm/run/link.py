@@ -28,6 +28,7 @@ from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.run.link_base import (LEN, LaneSpec, LinkConfig, LinkCounters, LinkError, decode_tensor_frame,
                                        encode_tensor_frame, reset_quietly)
+from shoal.swarm.run.aq_handover import AQStores
 from shoal.swarm.run.link_end import LinkEnd, _Link
 
 __all__ = ["BlockingLinkEnd", "LaneSpec", "LinkConfig", "LinkCounters", "LinkEnd", "LinkError", "LinkHub",
@@ -45,6 +46,7 @@ class LinkHub:
         self.plan = plan  # (run id, stages, lanes) this node trains, known before any end is open
         self._inbound: dict[tuple[str, int, int, str], tuple[LinkEnd, _Link]] = {}
         self._ends: list[LinkEnd] = []
+        self.aq_stores = AQStores(sh, penalties)  # AQ-SGD stores by link position; they outlive the ends
         sh.set_handler(LANE_PROTOCOL, self._serve)
 
     def open(self, spec: LaneSpec) -> LinkEnd:

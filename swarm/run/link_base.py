@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,8 +14,9 @@ from shoal.kernels.codec import CastCodec, Encoded, NoCompression, tensor_from_b
 from shoal.kernels.quant import NonFiniteError
 from shoal.protocol.errors import FieldError, ProtocolError
 from shoal.protocol.frames import decode_frame, encode_frame, make_header
-from shoal.protocol.lane import DENSE_KINDS, LaneAborted
+from shoal.protocol.lane import AQ, DENSE_KINDS, LaneAborted
 from shoal.protocol.manifest import RunManifest
+from shoal.swarm.run.aq_codec import AQSpec
 
 LEN = struct.Struct(">I")  # swarm/net/framing.py's length prefix
 MAX_CONTROL_BYTES = 1024
@@ -69,8 +72,9 @@ class LaneSpec:
     eval_batches: int
     train_samples: int  # sample ids of training micro-batches are below this
     eval_samples: int  # and of eval micro-batches below this
-    kind: str = "fp32"  # activations and gradients of training micro-batches
+    kind: str = "fp32"  # activations and gradients of training micro-batches ("aqsgd": `aq` says how)
     eval_kind: str = "fp16"
+    aq: AQSpec | None = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.stage < self.num_stages and 0 <= self.lane < self.replicas):
@@ -81,8 +85,10 @@ class LaneSpec:
         if min(self.micro_batch, self.seq_len, self.d_model, self.micro_batches, self.eval_batches,
                self.train_samples, self.eval_samples) < 1:
             raise ValueError("shapes, counts and sample ranges must be positive")
-        if self.kind not in DENSE_KINDS or self.eval_kind not in DENSE_KINDS:
-            raise ValueError(f"kinds must be among {sorted(DENSE_KINDS)}")
+        if self.kind not in (*DENSE_KINDS, AQ) or self.eval_kind not in DENSE_KINDS:
+            raise ValueError(f"kinds must be among {sorted(DENSE_KINDS)} (training also {AQ})")
+        if (self.kind == AQ) != (self.aq is not None):
+            raise ValueError(f"kind {AQ} goes with its settings (aq), and only it")
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -90,14 +96,21 @@ class LaneSpec:
 
     @classmethod
     def from_manifest(cls, m: RunManifest, *, stage: int, lane: int, prev_peer: str | None, next_peer: str | None,
-                      train_samples: int, eval_samples: int, kind: str = "fp32", eval_kind: str = "fp16") -> LaneSpec:
-        """The spec of slot (stage, lane) of a run; the sample counts are the corpus's (node.train.data.Samples)."""
-        b = m.batch
+                      train_samples: int, eval_samples: int, kind: str | None = None, eval_kind: str = "fp16",
+                      buffer_dir: str | None = None) -> LaneSpec:
+        """The spec of slot (stage, lane) of a run; the sample counts are the corpus's (node.train.data.Samples).
+        `kind`: the manifest's by default (AQ-SGD, or its wire dtype); `buffer_dir`: where disk buffers go."""
+        b, p = m.batch, m.plan.pipeline
+        if kind is None:
+            kind = AQ if p.compression == AQ else p.wire_dtype
+        aq = None
+        if kind == AQ:
+            aq = AQSpec.from_pipeline(p, buffer_dir or os.path.join(tempfile.gettempdir(), f"shoal-aq-{m.run_id[:16]}"))
         return cls(run_id=m.run_id, lane=lane, stage=stage, num_stages=m.plan.stages, replicas=m.plan.replicas,
                    prev_peer=prev_peer, next_peer=next_peer, micro_batch=b.micro_batch_size, seq_len=b.seq_len,
                    d_model=m.model.d_model, micro_batches=b.batch_size // b.micro_batch_size,
                    eval_batches=m.eval.batches, train_samples=train_samples, eval_samples=eval_samples, kind=kind,
-                   eval_kind=eval_kind)
+                   eval_kind=eval_kind, aq=aq)
 
 
 @dataclass(slots=True)
@@ -107,6 +120,7 @@ class LinkCounters:
     messages: int = 0  # data messages (activations, gradients, norms)
     wire_bytes: int = 0  # their bytes: record and tensor frames with their length prefixes
     payload_bytes: int = 0  # of which tensor payload
+    nacks: int = 0  # AQ-SGD NACK messages (part of the data messages)
     control_bytes: int = 0  # hello, credits, refusals, aborts (with length prefixes)
 
 

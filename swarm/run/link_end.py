@@ -12,11 +12,15 @@ import trio
 
 from shoal.protocol.errors import DecodeError, ProtocolError, TooLargeError
 from shoal.protocol.frames import MAX_HEADER_BYTES
-from shoal.protocol.lane import (BWD, DATA_TYPES, FWD, LANE_PROTOCOL, MAX_RECORD_BYTES, TENSOR_TYPES, TRAIN, Abort,
-                                 Act, Credit, Grad, LaneNorm, LinkHello, Refuse, decode_message, encode_message,
+from shoal.kernels.quant import NonFiniteError
+from shoal.protocol.lane import (AQ, BWD, DATA_TYPES, FWD, LANE_PROTOCOL, MAX_RECORD_BYTES, TENSOR_TYPES, TRAIN, Abort,
+                                 Act, Credit, Grad, LaneNorm, LinkHello, Nack, Refuse, decode_message, encode_message,
                                  payload_nbytes)
 from shoal.protocol.schema import WireRecord
 from shoal.swarm.net.framing import close_quietly, read_exactly, read_frame
+from shoal.swarm.run.aq_codec import decode_group, encode_group, group_nbytes
+from shoal.swarm.run.aq_handover import StoreKey
+from shoal.swarm.run.aq_link import AQReceiver, AQSender, link_status, store_config
 from shoal.swarm.run.link_base import (LEN, MAX_CONTROL_BYTES, LaneSpec, LinkCounters, LinkError, Violation,
                                        decode_tensor_frame, encode_tensor_frame, reset_quietly)
 
@@ -58,10 +62,60 @@ class LinkEnd:
         self.act_out = _Link(s, FWD, nxt, True) if nxt else None
         self.grad_in = _Link(s, BWD, nxt, False) if nxt else None
         self.links = [x for x in (self.act_in, self.grad_out, self.act_out, self.grad_in) if x is not None]
+        self.aq_out: AQSender | None = None  # AQ-SGD: this end's store of each activation link
+        self.aq_in: AQReceiver | None = None
+        self.settled: tuple[int, dict[str, dict[str, Any]]] | None = None  # (step, stores()) after the last step
+        self._fresh: list[tuple[StoreKey, Any, str]] = []  # stores new here: pulled from the other end (adopt)
+        if spec.aq is not None:
+            for boundary, side, peer in ((s, "sender", nxt), (s - 1, "receiver", prev)):
+                if peer is None:
+                    continue
+                key = StoreKey(spec.run_id, spec.lane, boundary, side)
+                cfg = store_config(spec.aq, (spec.seq_len, spec.d_model), spec.train_samples,
+                                   f"{self.me[-12:]}-{key.name}")
+                store, kept = hub.aq_stores.open(key, cfg)
+                if not kept:
+                    self._fresh.append((key, store, peer))
+                if side == "sender":
+                    self.aq_out = AQSender(spec.aq, store)
+                else:
+                    self.aq_in = AQReceiver(spec.aq, store)
 
     def counters(self) -> dict[str, dict[str, Any]]:
         """Per link ("b0/fwd"...): the neighbour and what was sent and received on it, for status and benchmarks."""
         return {x.name: {"peer": x.peer, "sent": asdict(x.sent), "recv": asdict(x.recv)} for x in self.links}
+
+    async def adopt(self, revision: int) -> int:
+        """A replacement's hand-over: fill each store that is new here from the other end of its link, at the switch
+        revision (a neighbour that is new too has none: that link starts empty). Returns the stores filled."""
+        fresh, self._fresh = self._fresh, []
+        filled = 0
+        for key, store, peer in fresh:
+            filled += await self.hub.aq_stores.pull(peer, key, store, revision)
+        return filled
+
+    def link_statuses(self) -> list[dict[str, Any]]:
+        """What the status record says about this stage's activation links (protocol.records.LinkStatus fields):
+        the compression, and with AQ-SGD the store digest after the last finished step."""
+        out = []
+        stores = self.settled[1] if self.settled is not None else {}
+        for link, side in ((self.act_in, "receiver"), (self.act_out, "sender")):
+            if link is None:
+                continue
+            st = stores.get(link.name)
+            out.append({"link": link.name, "peer": link.peer, "side": side, "compression": self.spec.kind,
+                        **({"step": self.settled[0], "digest": st["digest"][:16], "rows": st["rows"],
+                            "nacks": st["nacks"]} if st else {})})
+        return out
+
+    def stores(self) -> dict[str, dict[str, Any]]:
+        """Per activation link ("b0/fwd"...) with AQ-SGD: this end's store (compression, digest, rows, NACKs)."""
+        out = {}
+        if self.aq_in is not None:
+            out[self.act_in.name] = {"peer": self.act_in.peer, "side": "receiver", **link_status(None, self.aq_in)}
+        if self.aq_out is not None:
+            out[self.act_out.name] = {"peer": self.act_out.peer, "side": "sender", **link_status(self.aq_out, None)}
+        return out
 
     # -- the calls -----------------------------------------------------------------------------------------
 
@@ -70,27 +124,59 @@ class LinkEnd:
         link = _need(self.act_out, "the last stage sends no activations")
         await self._enter(step)
         kind = self.spec.kind if phase == TRAIN else self.spec.eval_kind
-        header, frame = await trio.to_thread.run_sync(encode_tensor_frame, kind, acts_BTD)
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        if kind == AQ:
+            aq = self.aq_out
+            acts = acts_BTD.detach().to("cpu", torch.float32)
+            enc = await self._local(trio.to_thread.run_sync, aq.encode, ids, acts, aq.busy(step, micro))
+            await self._send(link, aq.record(step, micro, ids, acts, enc), step, phase, headers=enc.headers,
+                             frames=enc.frames)
+            return
+        header, frame = await trio.to_thread.run_sync(encode_tensor_frame, kind, acts_BTD)
         await self._send(link, Act(step=step, micro=micro, kind=kind, ids=tuple(ids), phase=phase), step, phase,
-                         header=header, frame=frame)
+                         headers=[header], frames=[frame])
 
     async def recv_act(self, step: int, micro: int, *, phase: str = TRAIN) -> tuple[torch.Tensor, torch.Tensor]:
         link = _need(self.act_in, "the first stage receives no activations")
         await self._enter(step)
-        rec, x = await self._take(link, ("act", step, micro, phase), step, phase, f"activations {micro}")
-        return torch.tensor(rec.ids, dtype=torch.long), x
+        while True:
+            rec, x = await self._take(link, ("act", step, micro, phase), step, phase, f"activations {micro}")
+            if rec.kind != AQ:
+                return torch.tensor(rec.ids, dtype=torch.long), x
+            try:
+                nack = self.aq_in.check(rec, step)
+                if not nack:
+                    x = await trio.to_thread.run_sync(self.aq_in.apply, rec, x)
+                    return torch.tensor(rec.ids, dtype=torch.long), x
+            except Violation as e:
+                await self._reject(link, str(e), step)
+                raise link.failed[1] from None
+            self.aq_in.note_nack(rec)  # the sender resends these rows as first visits
+            log.info("%s: step %d micro-batch %d: %d rows NACKed (base versions this end lacks)", link.name, step,
+                     micro, len(nack))
+            out = _need(self.grad_out, "a receiving stage sends gradients")
+            await self._send(out, Nack(step=step, micro=micro, rows=tuple(nack)), step, phase)
+            out.sent.nacks += 1
 
     async def send_grad(self, step: int, micro: int, grad_BTD: torch.Tensor) -> None:
         link = _need(self.grad_out, "the first stage sends no gradients")
         await self._enter(step)
+        if self.spec.kind == AQ:
+            header, frame, _ = await self._local(trio.to_thread.run_sync, encode_group, grad_BTD,
+                                                 self.spec.aq.bwd_bits)
+            await self._send(link, Grad(step=step, micro=micro, ack=True), step, TRAIN, headers=[header],
+                             frames=[frame])
+            return
         header, frame = await trio.to_thread.run_sync(encode_tensor_frame, self.spec.kind, grad_BTD)
-        await self._send(link, Grad(step=step, micro=micro), step, TRAIN, header=header, frame=frame)
+        await self._send(link, Grad(step=step, micro=micro), step, TRAIN, headers=[header], frames=[frame])
 
     async def recv_grad(self, step: int, micro: int) -> torch.Tensor:
         link = _need(self.grad_in, "the last stage receives no gradients")
         await self._enter(step)
-        return (await self._take(link, ("grad", step, micro, TRAIN), step, TRAIN, f"gradients {micro}"))[1]
+        rec, g = await self._take(link, ("grad", step, micro, TRAIN), step, TRAIN, f"gradients {micro}")
+        if rec.ack and self.aq_out is not None:
+            self.aq_out.commit(step, micro)
+        return g
 
     async def exchange_norms(self, step: int, norms: Sequence[float], finite: bool) -> list[tuple[list[float], bool]]:
         """Send this stage's norms both ways, relay what arrives from one side to the other, return all stages'."""
@@ -123,6 +209,8 @@ class LinkEnd:
     async def abort(self, step: int, reason: str, *, phase: str = TRAIN) -> None:
         """Give (step, phase) up here and tell both neighbours (best effort; never raises)."""
         self._aborted.setdefault((step, phase), LinkError(LinkError.ABORTED, f"step {step} given up: {reason}"))
+        if self.aq_out is not None and phase == TRAIN:
+            self.aq_out.drop(step)  # no ACK will come: the receiver's rows are repaired by NACKs (rule 3)
         for link in self.links:
             if not link.outbound:
                 stale = [k for k in link.inbox if k[1] == step and k[3] == phase]
@@ -158,8 +246,12 @@ class LinkEnd:
         """A call for `step`: messages of older steps are dropped (their credit returned)."""
         if self.step is not None and step <= self.step:
             return
+        if self.step is not None and self.spec.aq is not None:
+            self.settled = (self.step, self.stores())  # nothing of `step` has touched the stores yet
         self.step = step
         self._aborted = {k: v for k, v in self._aborted.items() if k[0] >= step - 1}
+        if self.aq_out is not None:
+            self.aq_out.drop(step - 1)
         for link in self.links:
             if not link.outbound:
                 stale = [k for k in link.inbox if k[1] < step]
@@ -265,18 +357,36 @@ class LinkEnd:
             if link.stream is stream:
                 await self._lost(link, f"{type(e).__name__}: {e}")
 
-    async def _send(self, link: _Link, rec: WireRecord, step: int, phase: str, *, header=None,
-                    frame: bytes | None = None) -> None:
+    async def _send(self, link: _Link, rec: WireRecord, step: int, phase: str, *, headers=(),
+                    frames: list[bytes] = ()) -> None:
         await self._open(link)
         await self._wait(f"credit on {link.name}", step, phase, [link], lambda: link.credits > 0 or None,
                          self.config.send_timeout_s)
         link.credits -= 1
-        body = encode_message(rec)
-        parts = [body] if frame is None else [body, frame]
+        parts = [encode_message(rec), *frames]
         await self._write(link, parts)
         link.sent.messages += 1
         link.sent.wire_bytes += sum(4 + len(p) for p in parts)
-        link.sent.payload_bytes += header.nbytes if header is not None else 0
+        link.sent.payload_bytes += sum(h.nbytes for h in headers)
+
+    @staticmethod
+    async def _local(run, *args):
+        """Encode on a worker thread; values the wire cannot carry fail the step here (LinkError LOCAL)."""
+        try:
+            return await run(*args)
+        except NonFiniteError as e:
+            raise LinkError(LinkError.LOCAL, f"non-finite values: not sent ({e})") from e
+
+    async def _resend(self, rec: Nack, pending) -> None:
+        """Answer a NACK: the micro-batch again, the NACKed rows as first visits (a task of the hub's nursery)."""
+        aq, link = self.aq_out, self.act_out
+        try:
+            enc = await self._local(trio.to_thread.run_sync, aq.encode, pending.ids, pending.acts,
+                                    aq.busy(rec.step, rec.micro), set(rec.rows))
+            act = aq.record(rec.step, rec.micro, pending.ids, pending.acts, enc)
+            await self._send(link, act, rec.step, TRAIN, headers=enc.headers, frames=enc.frames)
+        except Exception as e:  # noqa: BLE001 - the step fails at the receiver's deadline or by an abort
+            log.info("%s: resend of step %d micro-batch %d failed: %s", link.name, rec.step, rec.micro, e)
 
     async def _write(self, link: _Link, parts: list[bytes], *, control: bool = False) -> None:
         stream = link.stream
@@ -330,11 +440,23 @@ class LinkEnd:
                     rec = decode_message(raw, DATA_TYPES[link.direction])
                     kind = self._check_record(link, rec)
                     tensor, wire, payload = None, 4 + n, 0
-                    if rec.TYPE in TENSOR_TYPES:
+                    if rec.TYPE in TENSOR_TYPES and kind != AQ:
                         expected = payload_nbytes(kind, *self.spec.shape)
                         buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
                         tensor = await trio.to_thread.run_sync(decode_tensor_frame, buf, kind, self.spec.shape)
                         wire, payload = wire + 4 + len(buf), expected
+                    elif rec.TYPE in TENSOR_TYPES:
+                        groups = []
+                        for rows, bits in self._aq_groups(rec):
+                            if not rows:
+                                groups.append(None)
+                                continue
+                            expected = group_nbytes(rows, self.spec.seq_len, self.spec.d_model, bits)
+                            buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
+                            groups.append(await trio.to_thread.run_sync(
+                                decode_group, buf, rows, self.spec.seq_len, self.spec.d_model, bits))
+                            wire, payload = wire + 4 + len(buf), payload + expected
+                        tensor = tuple(groups) if isinstance(rec, Act) else groups[0]
             except (ProtocolError, trio.TooSlowError) as e:
                 if link.stream is stream:
                     await self._reject(link, f"{type(e).__name__}: {e}", None if rec is None else rec.step)
@@ -368,6 +490,8 @@ class LinkEnd:
                 sp.eval_kind, sp.eval_batches, sp.eval_samples)
             if rec.kind != kind:
                 raise Violation(f"{rec.phase} activations at {rec.kind}, this run sends {kind}")
+            if kind == AQ and rec.bits != sp.aq.fwd_bits:
+                raise Violation(f"deltas at {rec.bits} bits, this run sends {sp.aq.fwd_bits}")
             if rec.micro >= count:
                 raise Violation(f"{rec.phase} micro-batch {rec.micro} of {count}")
             if len(rec.ids) != sp.micro_batch or max(rec.ids) >= n_ids:
@@ -385,12 +509,29 @@ class LinkEnd:
             return None
         if isinstance(rec, Abort):
             return None
+        if isinstance(rec, Nack) and sp.kind == AQ:
+            if rec.micro >= sp.micro_batches:
+                raise Violation(f"NACK of micro-batch {rec.micro} of {sp.micro_batches}")
+            return None
         raise Violation(f"{rec.TYPE} is not used on a {sp.kind} link")
+
+    def _aq_groups(self, rec: WireRecord) -> list[tuple[int, int]]:
+        """The AQ-SGD row groups (rows, bits) whose tensor frames follow a record (0 rows: no frame)."""
+        aq = self.spec.aq
+        if isinstance(rec, Act):
+            return [(rec.n_first, aq.first_bits), (rec.n_delta, aq.fwd_bits)]
+        return [(self.spec.micro_batch, aq.bwd_bits)]
 
     async def _admit(self, link: _Link, rec: WireRecord, tensor: torch.Tensor | None) -> None:
         phase = rec.phase if isinstance(rec, Act) else TRAIN
         if (self.step is not None and rec.step < self.step) or (rec.step, phase) in self._aborted:
             await self._grant(link, 1)  # a step already over or given up: dropped, its credit returned
+            return
+        if isinstance(rec, Nack):
+            pending = self.aq_out.nacked(rec)  # raises Violation
+            link.recv.nacks += 1
+            await self._grant(link, 1)
+            self.hub.nursery.start_soon(self._resend, rec, pending)
             return
         if self.step is not None and rec.step > self.step + 1:
             raise Violation(f"message for step {rec.step} while the lane is at step {self.step}")

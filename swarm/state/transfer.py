@@ -47,14 +47,14 @@ class StateServer:
 
     def __init__(self, sh: SwarmHost, provider: Callable[[], Snapshot | None], *, penalties: Penalties | None = None,
                  config: StateTransferConfig = StateTransferConfig(),
-                 by_revision: Callable[[int], Snapshot | None] | None = None):
+                 by_revision: Callable[[int], Snapshot | None] | None = None, protocol: str = STATE_PROTOCOL):
         self.sh = sh
         self.provider = provider
         self.by_revision = by_revision  # serves requests for one exact revision (a joining replica's entry point)
         self.penalties = penalties
         self.config = config
         self.served = 0
-        sh.set_handler(STATE_PROTOCOL, self._serve)
+        sh.set_handler(protocol, self._serve)  # another protocol id: another kind of state on the same machinery
 
     async def _serve(self, stream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
@@ -151,14 +151,14 @@ def _check_header(h: Any, config: StateTransferConfig) -> tuple[int, str, Any, l
 
 async def pull_state(sh: SwarmHost, peer_id: str, *, config: StateTransferConfig = StateTransferConfig(),
                      expect_hash: str | None = None, revision: int | None = None,
-                     only: tuple[str, ...] | None = None) -> Snapshot:
+                     only: tuple[str, ...] | None = None, protocol: str = STATE_PROTOCOL) -> Snapshot:
     """Fetch `peer_id`'s current Snapshot (or exactly `revision`); verify sizes, dtypes and the hash.
 
     With `only`, just the tensors whose names start with those prefixes come (a partial snapshot: complete it
     with `Snapshot.merged`; its hash covers what was sent). Raises StateTransferError."""
     try:
         with trio.fail_after(config.timeout_s):
-            stream = await sh.open_stream(peer_id, STATE_PROTOCOL, bulk=True)
+            stream = await sh.open_stream(peer_id, protocol, bulk=True)
             try:
                 req = {"want": "state", "revision": revision}
                 if only is not None:

@@ -1,0 +1,89 @@
+"""AQ-SGD through churn across real node processes on 127.0.0.1: 3 stages x 2 lanes over a small train subset;
+a middle-stage node is SIGKILLed; the backup of that stage takes the slot (its state from the other lane's stage 1),
+pulls both links' stores from the surviving lane neighbours (digests checked), and the lane goes on with the two ends
+of each link agreeing again."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from shoal.protocol import manifest as mf
+from shoal.swarm.net.identity import load_or_create_identity
+from tests.test_pipeline_swarm import stage_of
+from tests.test_run_swarm import active, make_swarm, wait
+
+pytestmark = pytest.mark.slow
+B, M, T, H = 8, 4, 32, 32
+
+
+def write_run(workdir: Path) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    m = mf.RunManifest(
+        seed=3, model=mf.ModelSpec(size="custom", n_layers=3, d_model=H, n_heads=4),
+        data=mf.DataSpec(train_subset=32),
+        batch=mf.BatchSpec(batch_size=B, micro_batch_size=B // M, seq_len=T),
+        optim=mf.OptimSpec(lr=3e-3, warmup_steps=5, total_steps=1000), eval=mf.EvalSpec(every_steps=0, batches=2),
+        plan=mf.ParallelPlan(stages=3, replicas=2, pipeline=mf.PipelineSpec(compression="aqsgd"),
+                             sync=mf.SyncSpec(method="allreduce")))
+    m = m.signed(load_or_create_identity(workdir / "node0.key"))
+    path = workdir / "run.toml"
+    path.write_text(m.to_toml())
+    return path
+
+
+def link_ends(s, lane: str) -> dict[tuple[str, str], dict]:
+    """(link, side) -> what its node's status says, for the live nodes holding a slot of `lane` ("r0")."""
+    out = {}
+    for r in active(s):
+        if r["slot"].endswith(lane):
+            for x in r.get("lane_links") or []:
+                out[x["link"], x["side"]] = {**x, "node": r["index"]}
+    return out
+
+
+def ends_agree(s, lane: str, after: int) -> bool:
+    """Both ends of both links of `lane` report their digests after the same step (> after), and they are equal."""
+    ends = link_ends(s, lane)
+    for link in ("b0/fwd", "b1/fwd"):
+        a, b = ends.get((link, "sender")), ends.get((link, "receiver"))
+        if a is None or b is None or a.get("step") is None or a.get("step") != b.get("step") or a["step"] <= after:
+            return False
+        assert a["digest"] == b["digest"], (link, a, b)
+    return True
+
+
+def test_a_killed_middle_stage_is_replaced_by_a_backup_that_pulls_both_stores(tmp_path):
+    run = write_run(tmp_path / "w")
+    s = make_swarm(tmp_path, 8, run, 400)  # 3 stages x 2 lanes + backups of stages 0 and 1
+    try:
+        s.start()
+        wait(lambda: len(active(s)) == 6 and min(r.get("step") or 0 for r in active(s)) >= 8, 240,
+             "training to get going (4 epochs of each lane's 16 samples)", s)
+        victim = next(r for r in active(s) if stage_of(r) == 1 and r["index"] != 0)
+        lane = victim["slot"][-2:]
+        wait(lambda: ends_agree(s, lane, 6), 30, "both links' ends to publish equal digests", s)
+        backups = [r for r in s.summary() if r.get("role") == "backup" and r.get("warm_stage") == 1]
+        assert backups, [(r["index"], r.get("role"), r.get("slot"), r.get("warm_stage")) for r in s.summary()]
+        backup = backups[0]
+        s.nodes[victim["index"]].proc.send_signal(signal.SIGKILL)
+        wait(lambda: any(r["index"] == backup["index"] and r.get("slot") == victim["slot"] for r in active(s)), 60,
+             "the stage-1 backup to take the slot", s)
+        at = max(r.get("step") or 0 for r in active(s))
+        wait(lambda: len(active(s)) == 6 and min(r.get("step") or 0 for r in active(s)) > at + 4, 120,
+             "both lanes training again", s)
+        wait(lambda: ends_agree(s, lane, at + 2), 30, "both links' ends to agree after the hand-over", s)
+        log = Path(s.nodes[backup["index"]].log_file).read_text()
+        pulled = re.findall(r"AQ-SGD store \S+-b(\d)-(\w+): (\d+) rows pulled from \S+ at revision (\d+)", log)
+        assert {(b, side) for b, side, _, _ in pulled} == {("0", "receiver"), ("1", "sender")}, log[-3000:]
+        assert all(int(n) > 0 for _, _, n, _ in pulled)
+        ends = link_ends(s, lane)
+        assert ends["b0/fwd", "receiver"]["node"] == ends["b1/fwd", "sender"]["node"] == backup["index"]
+        assert all(e["nacks"] == 0 for e in ends.values()), ends  # the pulled stores matched: no row was NACKed
+        last = next(r for r in active(s) if stage_of(r) == 2 and r["slot"].endswith(lane))
+        assert last["loss"] is not None and last["loss"] < 5.0
+    finally:
+        s.stop()
