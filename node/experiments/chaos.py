@@ -296,6 +296,12 @@ class ChaosRun:
             if not self._wait(self.finished, c.finish_timeout_s):
                 raise RuntimeError("the run did not finish")
             res.completed = True
+            # a node that returned (restarted, SIGCONT) as the run ended comes back into the finished run (taking
+            # its final state) before the swarm is stopped: stopped while still starting, it would exit 130
+            last = next((f for f in reversed(res.faults) if f.applied_s is not None), None)
+            if last is not None and last.back_s is None and self._returned is not None:
+                if self._wait(lambda: self._back_in_run(last.node), c.recovery_timeout_s):
+                    last.back_s = round(time.monotonic() - self._returned[0], 2)
             if self.problems:
                 raise RuntimeError("; ".join(self.problems))
         except RuntimeError as e:
