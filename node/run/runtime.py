@@ -32,6 +32,7 @@ from shoal.protocol.envelope import Signed
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HardwareProfile
 from shoal.swarm.net.rpc import RpcError, call
+from shoal.swarm.run.authority import RunAuthority
 from shoal.swarm.run.broker import Broker
 from shoal.swarm.run.context import RunContext
 from shoal.swarm.run.client import RunClient, fetch_table
@@ -591,7 +592,8 @@ class RunRuntime:
         while True:
             for p in joined:
                 try:
-                    return await fetch_table(self.node.sh, p, self.manifest.run_id, timeout_s=cfg.rpc_timeout_s), p
+                    return await fetch_table(self.node.sh, p, self.manifest.run_id, timeout_s=cfg.rpc_timeout_s,
+                                             authority=RunAuthority(self.manifest)), p
                 except RpcError as e:
                     log.info("no run table from %s: %s", p, e)
             if not patient:
@@ -629,8 +631,11 @@ class RunRuntime:
                 e.status_record is not None and e.status_record.run_id == self.manifest.run_id
                 for e in node.membership.live_peers())  # a peer trains this run: never start a second one
             found = await self._find_table(joined, patient=patient) if joined else None
+            if found is None and self.manifest.owner not in ("", node.peer_id):
+                raise UnknownRun(f"nobody knows run {self.manifest.run_id[:16]}…, and only its owner "
+                                 f"{self.manifest.owner[:16]}… may start its broker")
             if found is None:  # nobody knows the run: the node started with the manifest hosts its broker
-                self.broker = Broker(ctx, self.config.broker)
+                self.broker = Broker(ctx, self.config.broker, secret=self.config.secret)
                 await nursery.start(self.broker.run)
             self.client = RunClient(ctx, self.hardware, broker_id=found[0].record.peer_id if found else node.peer_id,
                                     secret=self.config.secret, config=self.config.client,
