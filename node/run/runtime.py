@@ -593,7 +593,8 @@ class RunRuntime:
             for p in joined:
                 try:
                     return await fetch_table(self.node.sh, p, self.manifest.run_id, timeout_s=cfg.rpc_timeout_s,
-                                             authority=RunAuthority(self.manifest)), p
+                                             authority=RunAuthority(self.manifest),
+                                             penalties=self.node.penalties), p
                 except RpcError as e:
                     log.info("no run table from %s: %s", p, e)
             if not patient:

@@ -21,6 +21,7 @@ from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig, NotBrok
 from shoal.swarm.run.context import RunContext
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.run.group import Group
 from shoal.swarm.run.schedule import group_of
@@ -48,9 +49,10 @@ class RunClientConfig:
 
 
 async def fetch_table(sh: SwarmHost, peer_id: str, run_id: str, *, timeout_s: float = 5.0,
-                      authority: RunAuthority | None = None) -> Signed:
+                      authority: RunAuthority | None = None, penalties: Penalties | None = None) -> Signed:
     """Ask any peer for the latest table it knows of `run_id` (how a joining node finds the broker); with
-    `authority`, only a table whose broker the run's owner authorised."""
+    `authority`, only a table whose broker the run's owner authorised (a peer serving another is penalized: an
+    honest peer serves only tables it accepted)."""
     ans = await call(sh, peer_id, "run.table", {"run_id": run_id}, timeout_s=timeout_s)
     if not isinstance(ans, dict) or not isinstance(ans.get("table"), bytes):
         raise RpcError(f"{peer_id[:16]}… knows no table for this run")
@@ -62,6 +64,8 @@ async def fetch_table(sh: SwarmHost, peer_id: str, run_id: str, *, timeout_s: fl
         raise RpcError(f"{peer_id[:16]}… sent a table of another run")
     why = authority.refuses(signed.record) if authority is not None else None
     if why is not None:
+        if penalties is not None:
+            penalties.penalize(peer_id, f"served a run table {why}")
         raise RpcError(f"{peer_id[:16]}… sent a table {why}")
     return signed
 
@@ -183,7 +187,7 @@ class RunClient:
         if t.lease_epoch != cur.lease_epoch + 1 or t.peer_id not in self._standbys:
             return False
         lapsed = self.ctx.silent_s(self.broker_alive_at) > self.broker_config.lease_timeout_s
-        if not (lapsed or t.peer_id == self.me or self.orphaned()):
+        if not (lapsed or (t.peer_id == self.me and self.is_broker()) or self.orphaned()):
             log.info("ignored %s's takeover of run %s: the lease of %s has not lapsed here", t.peer_id[:16],
                      t.run_id[:16], cur.peer_id[:16])
             return False
@@ -258,6 +262,8 @@ class RunClient:
 
     async def admit(self) -> AdmitResponse:
         """Ask the broker for a place; raise AdmissionError if refused, RpcError if it could not be reached."""
+        if not self.authority.may_broker(self.broker_id, self.table.delegation if self.table else None):
+            raise RpcError(f"{self.broker_id[:16]}… is no broker the run's owner authorised: not asking it")
         nonce = proof = None
         if self.ctx.manifest.join.mode == "secret" and self.secret is not None:
             nonce, proof = await self._prove()
@@ -323,10 +329,21 @@ class RunClient:
         if not isinstance(ans, dict):
             return False
         if isinstance(ans.get("table"), bytes):
+            self._check_served(ans["table"], peer_id)
             self.accept_envelope(ans["table"], peer_id)
         if isinstance(ans.get("lease"), bytes):
             self.accept_envelope(ans["lease"], peer_id)  # a renewal counts as evidence; merely answering does not
         return True
+
+    def _check_served(self, env: bytes, peer_id: str) -> None:
+        """Penalize a peer that served a table of our run whose broker the owner never authorised."""
+        try:
+            t = open_envelope(env, RUN_RECORD_TYPES).record
+        except ProtocolError:
+            return  # accept_envelope says so
+        why = self.authority.refuses(t) if isinstance(t, AssignmentTable) and t.run_id == self.ctx.run_id else None
+        if why is not None and self.ctx.penalties is not None:
+            self.ctx.penalties.penalize(peer_id, f"served a run table {why}")
 
     async def _dht_lease_alive(self, broker: str) -> bool:
         """A last look before taking over: is there a fresh lease of `broker` in the DHT?"""
