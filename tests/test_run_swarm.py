@@ -128,7 +128,7 @@ def test_a_private_run_refuses_a_node_without_the_secret(tmp_path):
                               s.bootstrap_addrs()[0], "--identity", str(tmp_path / "intruder.key")],
                              capture_output=True, text=True, timeout=120,
                              env={"SHOAL_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"})
-        assert out.returncode == 1
+        assert out.returncode == 5  # Exit.SECRET
         assert "join secret is required" in out.stderr
     finally:
         s.stop()

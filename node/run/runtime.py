@@ -33,7 +33,7 @@ from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HardwareProfile
 from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.run.authority import RunAuthority
-from shoal.swarm.run.broker import Broker
+from shoal.swarm.run.broker import AdmissionError, Broker
 from shoal.swarm.run.context import RunContext
 from shoal.swarm.run.client import RunClient, fetch_table
 from shoal.swarm.run.collective import Collective
@@ -611,6 +611,8 @@ class RunRuntime:
         if self.manifest is None:
             self.manifest = await self.fetch_manifest(self.config.run_id, joined)
         preflight(self.manifest, self.config)  # the plan (one place: run/preflight.py) and the device's memory
+        if self.manifest.join.mode == "secret" and not self.config.secret:  # to prove it, or as broker to check it
+            raise AdmissionError("this run is private: a join secret is required")
         self.schedule = GroupSchedule(node.peer_id)
         self.hashes = HashVotes(node.peer_id, self.node_call)
         node.rpc.register("run.manifest", self._rpc_manifest)
