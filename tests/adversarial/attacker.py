@@ -147,5 +147,34 @@ class Attacker:
         return await call(self.mem.node.sh, peer, method, body, timeout_s=timeout_s)
 
 
+async def dht_flood(node: Node, target: str, records: list[tuple[str, bytes]]) -> tuple[int, int]:
+    """Put `records` straight into `target`'s DHT store with libp2p's own DHT code, this node's validator switched
+    off (so it sends what an honest node would refuse to). Returns (stored, refused) as the target answered."""
+    from libp2p.peer.id import ID
+    from libp2p.records.validator import NamespacedValidator
+
+    dht = node.sh.dht
+    dht.validator = NamespacedValidator({}, strict_validation=False)
+    peer = ID.from_base58(target)
+    stored = refused = 0
+    for key, value in records:
+        ok = False
+        with trio.move_on_after(5.0):
+            try:
+                ok = await dht.value_store._store_at_peer(peer, key.encode(), value)
+            except Exception:  # noqa: BLE001 - a refused put resets the stream
+                ok = False
+        stored, refused = stored + ok, refused + (not ok)
+    return stored, refused
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
 def table_of(env: bytes) -> AssignmentTable:
     return open_envelope(env, RUN_RECORD_TYPES).record
