@@ -37,6 +37,7 @@ from shoal.swarm.run.broker import AdmissionError, Broker
 from shoal.swarm.run.context import RunContext
 from shoal.swarm.run.client import RunClient, fetch_table
 from shoal.swarm.run.collective import Collective
+from shoal.swarm.run.collective_gate import CollectiveGate
 from shoal.swarm.run.group import Group
 from shoal.swarm.run.link import BlockingLinkEnd, LaneSpec, LinkConfig, LinkEnd, LinkHub, open_link_hub
 from shoal.swarm.run.schedule import GroupSchedule, lane_peers
@@ -619,7 +620,8 @@ class RunRuntime:
         ctx = RunContext(sh=node.sh, manifest=self.manifest, register=node.rpc.register, publish=node.publish,
                          membership=node.membership, penalties=node.penalties, switch_step=self.switch_step,
                          clock=self.clock, pulse=node.pulse)
-        self.collective = Collective(node.sh, node.penalties)
+        self.collective = Collective(node.sh, node.penalties,  # only members of known groups, under their tags
+                                     gate=CollectiveGate(self.manifest.run_id, lambda: self.schedule.tables))
         StateServer(node.sh, lambda: self.snapshots.latest, penalties=node.penalties, by_revision=self.snapshots.at)
         node.rpc.register("run.snapshot_at", self._rpc_snapshot_at)
         node.rpc.register("run.hash_at", self.hashes.rpc_hash_at)
