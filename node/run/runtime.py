@@ -24,6 +24,7 @@ from shoal.node.run.config import RunConfig
 from shoal.node.run.preflight import UnknownRun, preflight
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Throughput
+from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
 from shoal.node.run.votes import MIN_VOTERS, HashVotes
 from shoal.node.sync.interface import Synchronizer
 from shoal.node.train.control import StepControl, StepResult
@@ -168,12 +169,9 @@ class RunRuntime:
 
     def _known_steps(self) -> list[tuple[int, float]]:
         """(step, tokens/s) of this node and of the run's peers, from their status records."""
-        out = [(self.at_step, 0.0)]
-        for e in self.node.membership.live_peers():
-            st = e.status_record
-            if st is not None and st.run_id == self.manifest.run_id:
-                out.append((st.step, st.tokens_per_s))
-        return out
+        statuses = [(e.peer_id, e.status_record) for e in self.node.membership.live_peers()
+                    if e.status_record is not None]
+        return self.entitled.progress(self.at_step, self.manifest.run_id, statuses)  # members only, clamped
 
     def switch_step(self, stage: int) -> int:
         """Where a group change can take effect: the furthest step anyone reports, plus ~switch_lead_s of steps
@@ -191,6 +189,11 @@ class RunRuntime:
     async def _rpc_snapshot_at(self, caller: str, body: Any) -> Any:
         if not isinstance(body, int) or isinstance(body, bool) or body < 0:
             raise ValueError("snapshot_at takes a step number")
+        refusal = self.entitled.snapshot_refusal(caller, body, self.at_step)
+        if refusal is not None:
+            if refusal[1]:
+                self.node.penalties.penalize(caller, f"snapshot_at: {refusal[0]}")
+            raise ValueError(f"snapshot_at refused: {refusal[0]}")
         self.snapshots.request(body)
         return {"ok": True, "step": self.at_step}
 
@@ -616,13 +619,18 @@ class RunRuntime:
             raise AdmissionError("this run is private: a join secret is required")
         self.schedule = GroupSchedule(node.peer_id)
         self.hashes = HashVotes(node.peer_id, self.node_call)
+        sync = self.manifest.plan.sync
+        self.entitled = Entitlement(lambda: self.client.table if self.client is not None else None, self.clock,
+                                    max_lead_steps=max(MAX_STEP_LEAD, 2 * sync.diloco.inner_steps
+                                                       if sync.method == "diloco" else 0))
         node.rpc.register("run.manifest", self._rpc_manifest)
         ctx = RunContext(sh=node.sh, manifest=self.manifest, register=node.rpc.register, publish=node.publish,
                          membership=node.membership, penalties=node.penalties, switch_step=self.switch_step,
                          clock=self.clock, pulse=node.pulse)
         self.collective = Collective(node.sh, node.penalties,  # only members of known groups, under their tags
                                      gate=CollectiveGate(self.manifest.run_id, lambda: self.schedule.tables))
-        StateServer(node.sh, lambda: self.snapshots.latest, penalties=node.penalties, by_revision=self.snapshots.at)
+        StateServer(node.sh, lambda: self.snapshots.latest, penalties=node.penalties, by_revision=self.snapshots.at,
+                    allow=self.entitled.member)  # model state for the run's members and backups only
         node.rpc.register("run.snapshot_at", self._rpc_snapshot_at)
         node.rpc.register("run.hash_at", self.hashes.rpc_hash_at)
         plan = self.manifest.plan

@@ -19,7 +19,7 @@ from shoal.protocol.envelope import seal
 from shoal.protocol.records import HardwareProfile
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.membership import LEFT
-from shoal.swarm.net.rpc import RpcError, call
+from shoal.swarm.net.rpc import RpcError, call, parse_body
 from shoal.swarm.run.authority import DELEGATES, RunAuthority
 from shoal.swarm.run.context import Handler, RunContext
 from shoal.swarm.run.placement import Reach, direct_possible, rank_for_dialed_roles
@@ -500,7 +500,7 @@ class Broker:
         return await self.handlers[method](caller, body)
 
     async def _rpc_admit(self, caller: str, body: Any) -> Any:
-        return (await self.admit(caller, AdmitRequest.from_wire(body))).to_wire()
+        return (await self.admit(caller, parse_body(AdmitRequest, body))).to_wire()
 
     async def _rpc_challenge(self, caller: str, body: Any) -> Any:
         if not self.holds_lease():
@@ -522,7 +522,7 @@ class Broker:
         return {"table": self.table_env}
 
     async def _rpc_report_missing(self, caller: str, body: Any) -> Any:
-        rep = MissingReport.from_wire(body)
+        rep = parse_body(MissingReport, body)
         if not self.holds_lease():
             raise NotBroker("this node's broker does not hold the run's lease")
         if rep.run_id != self.ctx.run_id or rep.stage >= self.stages or caller not in self.table.members(rep.stage):
