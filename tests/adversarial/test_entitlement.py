@@ -86,3 +86,35 @@ async def test_a_handlers_own_failure_is_not_blamed_on_its_caller():
         with pytest.raises(RpcError, match="rejected"):
             await call(b.sh, a.peer_id, "run.strict", {"epoch": "x"})
         assert a.penalties.reasons(b.peer_id)
+
+
+def test_a_members_absurd_step_is_clamped_to_a_bounded_lead_and_strangers_do_not_count():
+    """The rule the runtime's switch step applies to the status records it hears (those records are signed by
+    their peers; here they are made directly)."""
+    import time
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
+    from shoal.protocol.assignment import ACTIVE, AssignmentTable, ProviderEntry, SlotEntry
+    from shoal.protocol.records import StatusRecord
+    from shoal.swarm.net.identity import peer_id_of
+
+    ids = [peer_id_of(Ed25519PrivateKey.generate()) for _ in range(4)]
+    members, stranger = ids[:3], ids[3]
+    t = AssignmentTable(peer_id=members[0], run_id="r" * 64, lease_epoch=0, version=1, time=time.time(), stages=1,
+                        replicas=3, epochs=(1,), slots=tuple(SlotEntry(stage=0, replica=i, peer_id=p)
+                                                             for i, p in enumerate(members)),
+                        providers=tuple(ProviderEntry(peer_id=p, state=ACTIVE) for p in members))
+    e = Entitlement(lambda: t, time.monotonic)
+
+    def st(peer: str, step: int, tps: float = 1000.0) -> tuple[str, StatusRecord]:
+        return peer, StatusRecord(peer_id=peer, seq=1, time=time.time(), run_id="r" * 64, step=step, tokens_per_s=tps)
+    heard = [st(members[1], 100), st(members[2], HUGE, 1e12), st(stranger, HUGE, 1e12)]
+    steps = e.progress(100, "r" * 64, heard)
+    assert max(s for s, _ in steps) == 100 + MAX_STEP_LEAD  # the lying member: clamped; the stranger: not heard
+    assert max(r for _, r in steps) <= 4 * 1000.0 and len(steps) == 3
+    assert e.snapshot_refusal(stranger, 101, 100) is not None and e.snapshot_refusal(members[1], 101, 100) is None
+    assert e.snapshot_refusal(members[1], 100 + 65, 100) is not None  # outside the window
+    refusals = [e.snapshot_refusal(members[1], 101, 100) for _ in range(5)]
+    assert refusals[:3] == [None] * 3 and refusals[3] is not None and refusals[3][1]  # the fifth in 10 s: penalized
