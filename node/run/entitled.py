@@ -16,7 +16,7 @@ MAX_RATE_RATIO = 4.0  # a member's reported tokens/s counts at most this many ti
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SnapshotLimits:
-    window_steps: int = 64  # a snapshot may be asked for steps in [our step, our step + window_steps]
+    window_steps: int = 64  # a snapshot may be asked for steps within window_steps of ours
     per_peer: int = 4  # requests per peer ...
     per_s: float = 10.0  # ... within this many seconds
 
@@ -50,7 +50,8 @@ class Entitlement:
         if not rows:
             return [(own_step, 0.0)]
         top = max(own_step, int(statistics.median_low(s for s, _ in rows))) + self.max_lead_steps
-        rate_cap = MAX_RATE_RATIO * statistics.median_low(r for _, r in rows)
+        rates = [r for _, r in rows if r > 0]  # backups and members just starting report none
+        rate_cap = MAX_RATE_RATIO * statistics.median_low(rates) if rates else 0.0
         return [(own_step, 0.0)] + [(min(s, top), min(r, rate_cap)) for s, r in rows]
 
     def snapshot_refusal(self, peer: str, step: int, own_step: int) -> tuple[str, bool] | None:
@@ -59,8 +60,8 @@ class Entitlement:
         if not self.member(peer):
             return "snapshots are kept for the run's members only", False
         lim = self.limits
-        if not own_step <= step <= own_step + lim.window_steps:
-            return f"step {step} is outside [{own_step}, {own_step + lim.window_steps}]", False
+        if abs(step - own_step) > lim.window_steps:
+            return f"step {step} is outside [{own_step - lim.window_steps}, {own_step + lim.window_steps}]", False
         now = self.clock()
         recent = [t for t in self._asked.get(peer, []) if now - t < lim.per_s]
         if len(recent) >= lim.per_peer:

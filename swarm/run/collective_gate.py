@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from shoal.protocol.assignment import AssignmentTable
+from shoal.protocol.assignment import GONE, AssignmentTable
+
+EPOCHS_AHEAD = 4  # a provider's messages under an epoch this far past the newest known are kept for it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,12 +37,20 @@ class CollectiveGate:
             return Refusal(why=f"malformed round tag {tag[:60]!r}", penalize=True)
         if min(stage, epoch, round_) < 0:
             return Refusal(why=f"malformed round tag {tag[:60]!r}", penalize=True)
-        known = False
-        for t in self.tables():
-            if stage < t.stages and t.epochs[stage] == epoch:
-                known = True
-                if peer in t.group_members(stage):
-                    return None
+        known, newest, tables = False, -1, list(self.tables())
+        for t in tables:
+            if stage < t.stages:
+                newest = max(newest, t.epochs[stage])
+                if t.epochs[stage] == epoch:
+                    known = True
+                    if peer in t.group_members(stage):
+                        return None
         if known:
             return Refusal(why=f"not a member of stage {stage}'s group at epoch {epoch}", penalize=True)
+        # a group this node has not heard of yet (its table is on its way): taken into the bounded inbox from a
+        # provider of the run (a backup just promoted sends under the new epoch), a few epochs ahead at most
+        latest = tables[-1] if tables else None
+        if latest is not None and newest < epoch <= newest + EPOCHS_AHEAD and \
+                latest.provider_state(peer) not in (None, GONE):
+            return None
         return Refusal(why=f"stage {stage} epoch {epoch} is unknown here", penalize=False)
