@@ -368,6 +368,8 @@ class Node:
                               rpc_timeout_s=self.config.rpc_timeout_s, on_check=checking)
         async with open_host(self.key, self.config.host) as sh:
             self.sh = sh
+            if hasattr(sh.dht.validator, "on_refuse"):  # a peer whose DHT puts are refused is penalized
+                sh.dht.validator.on_refuse, sh.dht.validator.banned = self.penalties.penalize, self.penalties.is_banned
             self.membership = Membership(sh.peer_id, self.config.membership, self.pulse.clock, self.pulse)
             self.gossip = RecordGossip(sh, self.penalties, self.ingest)
             rpc = self.rpc = RpcServer(sh, self.penalties, later=("run.",))

@@ -42,6 +42,26 @@ class BrokerLease(WireRecord):
             raise FieldError("expires_at", "before the time the lease was issued")
 
 
+MAX_DELEGATES = 8
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BrokerDelegation(WireRecord):
+    """The run owner's word on who besides itself may act as the run's broker (and so be named standby): signed
+    by the owner (`peer_id`); a newer delegation (`time`) supersedes older ones."""
+
+    KIND: ClassVar[str] = "delegation"
+    peer_id: str = spec(PEER_ID)  # the run's owner
+    run_id: str = spec(RUN_ID)
+    brokers: tuple[str, ...] = spec(Seq(PEER_ID, MAX_DELEGATES))
+    time: float = spec(TIME_S)
+
+    def __post_init__(self) -> None:
+        WireRecord.__post_init__(self)
+        if self.peer_id in self.brokers or len(set(self.brokers)) != len(self.brokers):
+            raise FieldError("brokers", "the owner or a peer listed twice")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SlotEntry(WireRecord):
     stage: int = spec(Int(0, MAX_STAGES - 1))
@@ -81,6 +101,9 @@ class AssignmentTable(WireRecord):
     # switch_steps[s]: the first training step at which stage s's group in this table takes effect; every
     # member changes its group at that same round boundary (empty: from step 0)
     switch_steps: tuple[int, ...] = spec(Seq(Int(0, 2**62), MAX_STAGES), default=())
+    # the owner's sealed BrokerDelegation naming this table's broker and standby (a signed run's broker that is
+    # not its owner carries it; see swarm/run/authority.py)
+    delegation: bytes | None = spec(Optional(Bytes(4096)), default=None, omit_if_default=True)
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)
@@ -165,7 +188,10 @@ class AdmitRequest(WireRecord):
 
     run_id: str = spec(RUN_ID)
     hardware: HardwareProfile = spec(Nested(HardwareProfile))
-    secret: str | None = spec(Optional(Str(256)), default=None)  # the run's join secret, when it is private
+    # a private run's admission proof: HMAC of the broker's challenge under the key derived from the join secret
+    # (protocol/admission.py); the secret itself never travels
+    nonce: bytes | None = spec(Optional(Bytes(32)), default=None)
+    proof: bytes | None = spec(Optional(Bytes(32)), default=None)
     backup_only: bool = spec(Bool(), default=False)  # a provider that wants to wait in the pool
 
 
@@ -192,6 +218,7 @@ class MissingReport(WireRecord):
     neighbours: tuple[str, ...] = spec(Seq(PEER_ID, 2), default=())
 
 
-RUN_RECORD_TYPES: dict[str, type[WireRecord]] = {cls.KIND: cls for cls in (BrokerLease, AssignmentTable)}
+RUN_RECORD_TYPES: dict[str, type[WireRecord]] = {cls.KIND: cls for cls in (BrokerLease, AssignmentTable,
+                                                                                   BrokerDelegation)}
 
 RECORD_TYPES.update(RUN_RECORD_TYPES)  # gossip and the DHT validator accept these kinds

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import hmac
 import os
 import tomllib
 from dataclasses import dataclass
@@ -36,7 +35,6 @@ AQ_BITS = (2, 3, 4, 8)  # Q_b widths of activation deltas (algorithms.md §0)
 AQ_DIRECT_BITS = AQ_BITS + (16,)  # first visits and gradients: Q_b, or 16 = fp16 in full
 AQ_BUFFERS = ("memory", "disk")
 JOIN_MODES = ("open", "secret", "allowlist")
-SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 1
 
 
 def even_split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -243,11 +241,15 @@ HEX = Str(128)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JoinPolicy(WireRecord):
-    """Who may join: anyone, holders of a secret (only its salted scrypt hash is stored), or listed peer ids."""
+    """Who may join: anyone, holders of a secret, or listed peer ids. A private run's manifest holds only the salt
+    of the admission key (protocol/admission.py), no verifier of the secret: the manifest is public (any peer
+    fetches it before admission), so anything derived from the secret in it could be guessed at offline. The
+    brokers (the owner's node, and members it delegates) know the secret; joiners prove they know it too."""
 
     mode: str = spec(Choice(frozenset(JOIN_MODES)), default="open")
-    secret_salt: str = spec(HEX, default="")  # hex
-    secret_hash: str = spec(HEX, default="")  # hex scrypt(secret, salt)
+    secret_salt: str = spec(HEX, default="")  # hex: the admission key's scrypt salt
+    # never set (manifests of earlier builds stored a scrypt verifier here; they are refused with this field named)
+    secret_hash: str = spec(HEX, default="")
     allowlist: tuple[str, ...] = spec(Seq(Str(64), 4096), default=())
 
     def __post_init__(self) -> None:
@@ -255,8 +257,11 @@ class JoinPolicy(WireRecord):
         for name in ("secret_salt", "secret_hash"):
             if any(c not in "0123456789abcdef" for c in getattr(self, name)):
                 raise FieldError(name, "expected lowercase hex")
-        if self.mode == "secret" and (len(self.secret_salt) != 32 or len(self.secret_hash) != 64):
-            raise FieldError("secret_hash", "mode 'secret' needs a 16-byte salt and a 32-byte hash")
+        if self.secret_hash:
+            raise FieldError("secret_hash", "a manifest must not carry a verifier of the join secret (anyone could "
+                                            "guess at it offline): create the run again")
+        if self.mode == "secret" and len(self.secret_salt) != 32:
+            raise FieldError("secret_salt", "mode 'secret' needs a 16-byte salt")
         for i, pid in enumerate(self.allowlist):
             try:
                 public_key_from_peer_id(pid)
@@ -266,22 +271,12 @@ class JoinPolicy(WireRecord):
             raise FieldError("allowlist", "mode 'allowlist' needs at least one peer id")
 
     @classmethod
-    def with_secret(cls, secret: str, *, salt: bytes | None = None) -> JoinPolicy:
-        salt = os.urandom(16) if salt is None else salt
-        return cls(mode="secret", secret_salt=salt.hex(), secret_hash=_secret_hash(secret, salt).hex())
-
-    def admits_secret(self, secret: str) -> bool:
-        if self.mode != "secret":
-            return self.mode == "open"
-        got = _secret_hash(secret, bytes.fromhex(self.secret_salt))
-        return hmac.compare_digest(got, bytes.fromhex(self.secret_hash))
+    def private(cls, *, salt: bytes | None = None) -> JoinPolicy:
+        """A run that holders of its join secret may join (the secret stays with its holders)."""
+        return cls(mode="secret", secret_salt=(os.urandom(16) if salt is None else salt).hex())
 
     def admits_peer(self, peer_id: str) -> bool:
         return self.mode == "open" or (self.mode == "allowlist" and peer_id in self.allowlist)
-
-
-def _secret_hash(secret: str, salt: bytes) -> bytes:
-    return hashlib.scrypt(secret.encode(), salt=salt, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P, dklen=32)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

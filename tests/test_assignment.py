@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -61,11 +62,11 @@ def test_wire_bodies_are_strict():
     with pytest.raises(FieldError):
         ProviderEntry.from_wire({"peer_id": P1, "state": "emperor"})
     with pytest.raises(FieldError):
-        AdmitRequest.from_wire({"run_id": "r", "hardware": HW.to_wire(), "secret": 5})
+        AdmitRequest.from_wire({"run_id": "r", "hardware": HW.to_wire(), "proof": 5})
     with pytest.raises(FieldError):
-        AdmitRequest.from_wire({"run_id": "r", "hardware": HW.to_wire(), "secret": "x" * 1000})
+        AdmitRequest.from_wire({"run_id": "r", "hardware": HW.to_wire(), "proof": b"x" * 33})
     req = AdmitRequest.from_wire({"run_id": "r", "hardware": HW.to_wire(), "future_field": 1})
-    assert req.secret is None and not req.backup_only
+    assert req.proof is None and not req.backup_only
     assert AdmitResponse.from_wire(AdmitResponse(admitted=False, error="no").to_wire()).error == "no"
     with pytest.raises(FieldError):
         MissingReport.from_wire({"run_id": "r", "epoch": 1, "missing": ["x"] * 1000})
@@ -92,7 +93,10 @@ def test_run_client_trusts_only_the_broker_chain():
 
     from shoal.swarm.run.client import RunClient
 
-    ctx = SimpleNamespace(me=P3, run_id="r" * 64, clock=time.monotonic, wall=time.time)
+    now = [1000.0]
+    m = SimpleNamespace(owner="", signature=b"", run_id="r" * 64, join=SimpleNamespace(mode="open"))
+    ctx = SimpleNamespace(me=P3, run_id="r" * 64, manifest=m, clock=lambda: now[0], wall=time.time,
+                          silent_s=lambda last: now[0] - last)
     c = RunClient(ctx, HW, broker_id=P1)
     assert not c.accept_envelope(seal(table(peer_id=P2, standby=P1), K2), P2)  # not the broker we asked
     assert c.accept_envelope(seal(table(), K1), P1) and c.role() == "backup"
@@ -101,6 +105,9 @@ def test_run_client_trusts_only_the_broker_chain():
     # the standby named in the table may take over with a higher lease epoch
     t2 = table(peer_id=P2, standby=P3, lease_epoch=1, version=4, backups=(),
                slots=(SlotEntry(stage=0, replica=0, peer_id=P3),))
+    assert not c.accept_envelope(seal(t2, K2), P2)  # not while the broker's lease has not lapsed here
+    now[0] += c.broker_config.lease_timeout_s + 0.1
+    assert not c.accept_envelope(seal(dataclasses.replace(t2, lease_epoch=2), K2), P2)  # not previous + 1
     assert c.accept_envelope(seal(t2, K2), P2)
     assert c.broker_id == P2 and c.slot_name() == "s0r0" and c.group().members == (P3,)
     assert not c.accept_envelope(seal(table(version=99), K1), P1)  # the deposed broker is no longer trusted

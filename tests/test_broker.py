@@ -61,7 +61,7 @@ async def _member(m: RunManifest, join, broker: bool, broker_id, secret, admit: 
             async with trio.open_nursery() as n:
                 b = None
                 if broker:
-                    b = Broker(ctx, bcfg)
+                    b = Broker(ctx, bcfg, secret=secret)
                     await n.start(b.run)
                 client = None
                 if admit:
@@ -114,9 +114,9 @@ async def test_private_run_refuses_outsiders(mode):
     if mode == "not_allowlisted":
         m = manifest(join=JoinPolicy(mode="allowlist", allowlist=(peer_id_of(Ed25519PrivateKey.generate()),)))
     else:
-        m = manifest(join=JoinPolicy.with_secret("open sesame"))
+        m = manifest(join=JoinPolicy.private())
     async with trio.open_nursery() as n:
-        b = await start(n, m, broker=True, admit=False)
+        b = await start(n, m, broker=True, admit=False, secret="open sesame")
         outsider = await start(n, m, b.node.sh.addrs, admit=False)
         client = RunClient(outsider.ctx, HW, broker_id=b.node.peer_id, config=CCFG,
                            secret={"wrong_secret": "guess", "no_secret": None}.get(mode))

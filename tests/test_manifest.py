@@ -90,7 +90,9 @@ def test_signature_of_another_owner_fails(key):
         ("[optim]\nlr = \"fast\"", "optim.lr"),
         ("[optim]\nwarmup_steps = 10\ntotal_steps = 5", "optim.warmup_steps"),
         ("[join]\nmode = \"allowlist\"\nallowlist = [\"not-a-peer\"]", "join.allowlist[0]"),
-        ("[join]\nmode = \"secret\"", "join.secret_hash"),
+        ("[join]\nmode = \"secret\"", "join.secret_salt"),
+        ("[join]\nmode = \"secret\"\nsecret_salt = \"00112233445566778899aabbccddeeff\"\nsecret_hash = \"" + "ab" * 32 + "\"",
+         "join.secret_hash"),
         ("version = 99", "version"),
         ("seed = true", "seed"),
     ],
@@ -106,15 +108,11 @@ def test_unknown_fields_are_ignored():
     assert m == RunManifest.default()
 
 
-def test_join_secret_is_stored_only_as_a_salted_hash():
-    policy = JoinPolicy.with_secret("correct horse battery staple")
-    m = RunManifest.default(join=policy)
-    text = m.to_toml()
-    assert "horse" not in text and b"horse" not in m.to_bytes()
-    loaded = RunManifest.from_toml(text).join
-    assert loaded.admits_secret("correct horse battery staple")
-    assert not loaded.admits_secret("wrong")
-    assert JoinPolicy.with_secret("s").secret_salt != JoinPolicy.with_secret("s").secret_salt
+def test_a_private_run_stores_no_verifier_of_its_secret_only_a_fresh_salt():
+    policy = JoinPolicy.private()
+    loaded = RunManifest.from_toml(RunManifest.default(join=policy).to_toml()).join
+    assert loaded.mode == "secret" and loaded.secret_hash == "" and len(bytes.fromhex(loaded.secret_salt)) == 16
+    assert JoinPolicy.private().secret_salt != JoinPolicy.private().secret_salt
 
 
 def test_allowlist_admits_listed_peers_only(key):

@@ -28,7 +28,7 @@ def write_run(workdir: Path, *, replicas: int, sync: str = "cocktail", secret: s
         optim=mf.OptimSpec(lr=3e-3, warmup_steps=5, total_steps=1000), eval=mf.EvalSpec(every_steps=0, batches=4),
         plan=mf.ParallelPlan(replicas=replicas, sync=mf.SyncSpec(method=sync, cocktail=mf.CocktailSpec(warmup_steps=0),
                                                                  diloco=mf.DilocoSpec(inner_steps=5))),
-        join=mf.JoinPolicy.with_secret(secret) if secret else mf.JoinPolicy())
+        join=mf.JoinPolicy.private() if secret else mf.JoinPolicy())
     path = workdir / "run.toml"
     path.write_text(m.signed(load_or_create_identity(workdir / "node0.key")).to_toml())
     return path

@@ -337,6 +337,8 @@ async def test_a_later_table_of_the_old_broker_cannot_make_a_node_reject_the_sta
     b._rebuild()
     assert client.accept_envelope(b.table_env, b.ctx.me) and client.table.standby == late
     takeover = Broker.from_table(context(clock, me=me), CFG, standby_table)
+    assert not client.accept_envelope(takeover.table_env, me.peer_id)  # not before the lease lapsed here
+    clock.advance(CFG.lease_timeout_s + 0.1)
     assert client.accept_envelope(takeover.table_env, me.peer_id)  # `me` was the standby of this lease epoch
     assert client.broker_id == me.peer_id and client.table.lease_epoch == 1
     stranger = Broker.from_table(context(clock), CFG, standby_table)  # never named standby: not trusted

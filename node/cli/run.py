@@ -129,11 +129,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="train on the first N samples only, epoch after epoch (default: all)")
     j = c.add_argument_group("who may join").add_mutually_exclusive_group()
     j.add_argument("--join-secret-file", metavar="PATH",
-                   help="file holding the join secret (only its salted hash is stored); nodes join with --secret")
+                   help="file holding the join secret; a new 256-bit secret is written there when the file does "
+                        "not exist (the manifest stores nothing derived from it); nodes join with --secret")
     j.add_argument("--allow", action="append", metavar="PEER_ID", help="admit only these peers (repeat)")
     s = sub.add_parser("show", help="print a manifest and verify its signature",
                        description="Print a run manifest, its run id, and whether its signature is valid.")
     s.add_argument("path", metavar="RUN.toml", help="the manifest file")
+
+
+def _secret_file(path: str) -> str:
+    """The join secret in `path`; a new high-entropy one written there (owner-only) when the file is missing."""
+    import os
+
+    from shoal.protocol.admission import new_secret
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            secret = f.read().strip()
+    except FileNotFoundError:
+        secret = new_secret()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(secret + "\n")
+    if not secret:
+        raise ValueError(f"{path} holds no join secret")
+    return secret
 
 
 def build_manifest(args: argparse.Namespace):
@@ -155,8 +175,8 @@ def build_manifest(args: argparse.Namespace):
         raise ValueError(f"--batch {args.batch} does not split into {micro_batches} micro-batches")
     micro_batch = args.micro_batch or args.batch // micro_batches
     if args.join_secret_file:
-        with open(args.join_secret_file) as f:
-            join = mf.JoinPolicy.with_secret(f.read().strip())
+        _secret_file(args.join_secret_file)
+        join = mf.JoinPolicy.private()
     elif args.allow:
         join = mf.JoinPolicy(mode="allowlist", allowlist=tuple(args.allow))
     else:

@@ -24,6 +24,7 @@ from shoal.node.run.config import RunConfig
 from shoal.node.run.preflight import UnknownRun, preflight
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Throughput
+from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
 from shoal.node.run.votes import MIN_VOTERS, HashVotes
 from shoal.node.sync.interface import Synchronizer
 from shoal.node.train.control import StepControl, StepResult
@@ -32,10 +33,12 @@ from shoal.protocol.envelope import Signed
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HardwareProfile
 from shoal.swarm.net.rpc import RpcError, call
-from shoal.swarm.run.broker import Broker
+from shoal.swarm.run.authority import RunAuthority
+from shoal.swarm.run.broker import AdmissionError, Broker
 from shoal.swarm.run.context import RunContext
 from shoal.swarm.run.client import RunClient, fetch_table
 from shoal.swarm.run.collective import Collective
+from shoal.swarm.run.collective_gate import CollectiveGate
 from shoal.swarm.run.group import Group
 from shoal.swarm.run.link import BlockingLinkEnd, LaneSpec, LinkConfig, LinkEnd, LinkHub, open_link_hub
 from shoal.swarm.run.schedule import GroupSchedule, lane_peers
@@ -168,12 +171,9 @@ class RunRuntime:
 
     def _known_steps(self) -> list[tuple[int, float]]:
         """(step, tokens/s) of this node and of the run's peers, from their status records."""
-        out = [(self.at_step, 0.0)]
-        for e in self.node.membership.live_peers():
-            st = e.status_record
-            if st is not None and st.run_id == self.manifest.run_id:
-                out.append((st.step, st.tokens_per_s))
-        return out
+        statuses = [(e.peer_id, e.status_record) for e in self.node.membership.live_peers()
+                    if e.status_record is not None]
+        return self.entitled.progress(self.at_step, self.manifest.run_id, statuses)  # members only, clamped
 
     def switch_step(self, stage: int) -> int:
         """Where a group change can take effect: the furthest step anyone reports, plus ~switch_lead_s of steps
@@ -191,6 +191,11 @@ class RunRuntime:
     async def _rpc_snapshot_at(self, caller: str, body: Any) -> Any:
         if not isinstance(body, int) or isinstance(body, bool) or body < 0:
             raise ValueError("snapshot_at takes a step number")
+        refusal = self.entitled.snapshot_refusal(caller, body, self.at_step)
+        if refusal is not None:
+            if refusal[1]:
+                self.node.penalties.penalize(caller, f"snapshot_at: {refusal[0]}")
+            raise ValueError(f"snapshot_at refused: {refusal[0]}")
         self.snapshots.request(body)
         return {"ok": True, "step": self.at_step}
 
@@ -593,7 +598,9 @@ class RunRuntime:
         while True:
             for p in joined:
                 try:
-                    return await fetch_table(self.node.sh, p, self.manifest.run_id, timeout_s=cfg.rpc_timeout_s), p
+                    return await fetch_table(self.node.sh, p, self.manifest.run_id, timeout_s=cfg.rpc_timeout_s,
+                                             authority=RunAuthority(self.manifest),
+                                             penalties=self.node.penalties), p
                 except RpcError as e:
                     log.info("no run table from %s: %s", p, e)
             if not patient:
@@ -610,19 +617,27 @@ class RunRuntime:
         if self.manifest is None:
             self.manifest = await self.fetch_manifest(self.config.run_id, joined)
         preflight(self.manifest, self.config)  # the plan (one place: run/preflight.py) and the device's memory
+        if self.manifest.join.mode == "secret" and not self.config.secret:  # to prove it, or as broker to check it
+            raise AdmissionError("this run is private: a join secret is required")
         self.schedule = GroupSchedule(node.peer_id)
         self.hashes = HashVotes(node.peer_id, self.node_call)
+        sync = self.manifest.plan.sync
+        self.entitled = Entitlement(lambda: self.client.table if self.client is not None else None, self.clock,
+                                    max_lead_steps=max(MAX_STEP_LEAD, 2 * sync.diloco.inner_steps
+                                                       if sync.method == "diloco" else 0))
         node.rpc.register("run.manifest", self._rpc_manifest)
         ctx = RunContext(sh=node.sh, manifest=self.manifest, register=node.rpc.register, publish=node.publish,
                          membership=node.membership, penalties=node.penalties, switch_step=self.switch_step,
                          clock=self.clock, pulse=node.pulse)
-        self.collective = Collective(node.sh, node.penalties)
-        StateServer(node.sh, lambda: self.snapshots.latest, penalties=node.penalties, by_revision=self.snapshots.at)
+        self.collective = Collective(node.sh, node.penalties,  # only members of known groups, under their tags
+                                     gate=CollectiveGate(self.manifest.run_id, lambda: self.schedule.tables))
+        StateServer(node.sh, lambda: self.snapshots.latest, penalties=node.penalties, by_revision=self.snapshots.at,
+                    allow=self.entitled.member)  # model state for the run's members and backups only
         node.rpc.register("run.snapshot_at", self._rpc_snapshot_at)
         node.rpc.register("run.hash_at", self.hashes.rpc_hash_at)
         plan = self.manifest.plan
-        links = open_link_hub(node.sh, node.penalties, LinkConfig(), plan=(self.manifest.run_id, plan.stages,
-                                                                             plan.replicas)) \
+        links = open_link_hub(node.sh, node.penalties, LinkConfig(), allow=self.entitled.member,
+                              plan=(self.manifest.run_id, plan.stages, plan.replicas)) \
             if plan.stages > 1 else contextlib.nullcontext()  # a pipeline stage's links to its lane neighbours
         async with links as hub, trio.open_nursery() as nursery:
             self._hub, self._nursery = hub, nursery
@@ -631,8 +646,11 @@ class RunRuntime:
                 e.status_record is not None and e.status_record.run_id == self.manifest.run_id
                 for e in node.membership.live_peers())  # a peer trains this run: never start a second one
             found = await self._find_table(joined, patient=patient) if joined else None
+            if found is None and self.manifest.owner not in ("", node.peer_id):
+                raise UnknownRun(f"nobody knows run {self.manifest.run_id[:16]}…, and only its owner "
+                                 f"{self.manifest.owner[:16]}… may start its broker")
             if found is None:  # nobody knows the run: the node started with the manifest hosts its broker
-                self.broker = Broker(ctx, self.config.broker)
+                self.broker = Broker(ctx, self.config.broker, secret=self.config.secret)
                 await nursery.start(self.broker.run)
             self.client = RunClient(ctx, self.hardware, broker_id=found[0].record.peer_id if found else node.peer_id,
                                     secret=self.config.secret, config=self.config.client,

@@ -72,6 +72,22 @@ class HostConfig:
             raise ValueError("connect_timeout_s and refresh_timeout_s must be positive")
 
 
+def _guard_dht(dht: KadDHT) -> None:
+    """Only shoal's records and libp2p's public keys, within per-peer quotas (swarm/net/dht_quota.py)."""
+    from libp2p.kad_dht.kad_dht import PROTOCOL_ID
+    from libp2p.records.pubkey import PublicKeyValidator
+
+    from shoal.swarm.net.dht_quota import DhtQuota
+    from shoal.swarm.net.dht_records import NAMESPACE, ShoalRecordValidator
+
+    quota = DhtQuota({NAMESPACE: ShoalRecordValidator(), "pk": PublicKeyValidator()},
+                     stored=lambda key: key.encode() in dht.value_store.store)
+    dht.validator, dht.validator_changed = quota, True
+    dht.handle_stream = quota.wrap(dht.handle_stream)  # set_mode registers this attribute too
+    if dht.mode == DHTMode.SERVER:
+        dht.host.set_stream_handler(PROTOCOL_ID, dht.handle_stream)
+
+
 class SwarmHost:
     """A running libp2p host with its DHT and pubsub; create with `open_host`."""
 
@@ -301,9 +317,7 @@ async def open_host(key: Ed25519PrivateKey, config: HostConfig) -> AsyncIterator
                 heartbeat_initial_delay=0.1,
                 time_to_live=30,
             )
-            from shoal.swarm.net.dht_records import NAMESPACE, ShoalRecordValidator
-
-            dht.register_validator(NAMESPACE, ShoalRecordValidator())
+            _guard_dht(dht)
             pubsub = Pubsub(host, router, strict_signing=True, seen_ttl=60)
             await stack.enter_async_context(background_trio_service(dht))
             await stack.enter_async_context(background_trio_service(pubsub))

@@ -31,6 +31,14 @@ class BadRequest(ProtocolError):
     """Raised by a handler to reject a request as malformed (the caller is penalized)."""
 
 
+def parse_body(cls: type, body: Any) -> Any:
+    """`cls.from_wire(body)` for a handler: a malformed body is the caller's fault (BadRequest, penalized)."""
+    try:
+        return cls.from_wire(body)
+    except ProtocolError as e:
+        raise BadRequest(str(e)) from e
+
+
 class RpcServer:
     """`later`: method prefixes whose handlers this node registers only once it has started its part (the run's
     methods, "run."): a call that arrives before them (a restarted identity is called by honest peers at once) is
@@ -65,9 +73,9 @@ class RpcServer:
                     raise BadRequest(f"unknown method {req['m'][:40]!r}")
                 try:
                     resp = {"ok": True, "b": await handler(peer, req.get("b"))}
-                except ProtocolError:
-                    raise
-                except Exception as e:  # the handler's own failure: tell the caller, keep serving
+                except BadRequest:
+                    raise  # the caller's fault: penalized below
+                except Exception as e:  # the handler's own failure (a ProtocolError too): never the caller's fault
                     log.warning("rpc %s from %s failed: %s: %s", req["m"], peer, type(e).__name__, e)
                     resp = {"ok": False, "e": f"{type(e).__name__}: {e}"[:300]}
                 await write_frame(stream, pack(resp))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -50,13 +51,13 @@ class AQStores:
     """The node's AQ-SGD stores by position, and the server that hands them to a replacement."""
 
     def __init__(self, sh: SwarmHost, penalties: Penalties, *, timeout_s: float = 60.0,
-                 max_total_bytes: int = 8 << 30):
+                 max_total_bytes: int = 8 << 30, allow: Callable[[str], bool] | None = None):
         self.sh, self.penalties = sh, penalties
         self.config = StateTransferConfig(timeout_s=timeout_s, max_total_bytes=max_total_bytes, max_tensors=64)
         self._stores: dict[StoreKey, LinkStore] = {}
         self.handovers: list[dict[str, Any]] = []  # what this node pulled (for the status file and tests)
         StateServer(sh, lambda: None, penalties=penalties, config=self.config, by_revision=self._at,
-                    protocol=AQ_STORE_PROTOCOL)
+                    protocol=AQ_STORE_PROTOCOL, allow=allow)
 
     def open(self, key: StoreKey, config: StoreConfig) -> tuple[LinkStore, bool]:
         """The store of `key` and whether it was here already (a store of another shape is replaced)."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
+from shoal.protocol.admission import admission_key, new_nonce, proof_ok
 from shoal.protocol.assignment import (
     ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_PROVIDERS, REGISTERED, AdmitRequest, AdmitResponse,
     AssignmentTable, BrokerLease, MissingReport, ProviderEntry, SlotEntry, slot_name)
@@ -17,13 +19,16 @@ from shoal.protocol.envelope import seal
 from shoal.protocol.records import HardwareProfile
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.membership import LEFT
-from shoal.swarm.net.rpc import RpcError, call
+from shoal.swarm.net.rpc import RpcError, call, parse_body
+from shoal.swarm.run.authority import DELEGATES, RunAuthority
 from shoal.swarm.run.context import Handler, RunContext
 from shoal.swarm.run.placement import Reach, direct_possible, rank_for_dialed_roles
 
 log = logging.getLogger(__name__)
 
 MAX_GONE_KEPT = 32  # gone providers listed in the table, newest first; older ones are forgotten
+MAX_CHALLENGES = 1024  # outstanding admission challenges (one per caller, the oldest forgotten first)
+CHALLENGE_TTL_S = 30.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,7 +106,7 @@ class Broker:
     (lane completeness decides every stage's group)."""
 
     def __init__(self, ctx: RunContext, config: BrokerConfig = BrokerConfig(), *, lease_epoch: int = 0,
-                 version: int = 0):
+                 version: int = 0, secret: str | None = None):
         self.ctx = ctx
         self.config = config
         self.clock = ctx.clock
@@ -128,7 +133,13 @@ class Broker:
         self._empty_since: dict[tuple[int, int], float] = {}  # slots of partly filled lanes: empty since (clock)
         self.dissolved = 0  # lanes dissolved for want of a backup
         self._dirty = trio.Event()
-        self.handlers: dict[str, Handler] = {"run.admit": self._rpc_admit, "run.table": self._rpc_table,
+        self.authority = RunAuthority(ctx.manifest)
+        self.secret = secret  # a private run's join secret: the broker checks admission proofs with it
+        self._admission_key: bytes | None = None
+        self._challenges: OrderedDict[str, tuple[bytes, float]] = OrderedDict()  # caller -> (nonce, issued at)
+        self.delegation_env: bytes | None = None  # the owner's delegation naming this broker and its standby
+        self.handlers: dict[str, Handler] = {"run.admit": self._rpc_admit, "run.challenge": self._rpc_challenge,
+                                             "run.table": self._rpc_table,
                                              "run.leave": self._rpc_leave,
                                              "run.report_missing": self._rpc_report_missing}
         self._rebuild()
@@ -138,9 +149,11 @@ class Broker:
                         **kw)
 
     @classmethod
-    def from_table(cls, ctx: RunContext, config: BrokerConfig, table: AssignmentTable) -> Broker:
+    def from_table(cls, ctx: RunContext, config: BrokerConfig, table: AssignmentTable, *,
+                   secret: str | None = None) -> Broker:
         """The standby's takeover: continue from the last published table under a new lease epoch."""
-        b = cls(ctx, config, lease_epoch=table.lease_epoch + 1, version=table.version)
+        b = cls(ctx, config, lease_epoch=table.lease_epoch + 1, version=table.version, secret=secret)
+        b.delegation_env = table.delegation
         b.epochs = list(table.epochs)
         b.switch_steps = [table.switch_step(s) for s in range(table.stages)]
         backups = {pid: i for i, pid in enumerate(table.backups)}
@@ -181,7 +194,7 @@ class Broker:
             slots=tuple(SlotEntry(stage=s, replica=r, peer_id=pid) for (s, r), pid in sorted(self.slots.items())),
             backups=tuple(p.peer_id for p in backups), backup_stages=tuple(p.stage for p in backups),
             providers=tuple(ProviderEntry(peer_id=p.peer_id, state=p.state) for p in providers),
-            switch_steps=tuple(self.switch_steps))
+            switch_steps=tuple(self.switch_steps), delegation=self.delegation_env)
         self.table_env = seal(self.table, self.ctx.sh.key)
         for cb in list(self.on_change):
             try:
@@ -237,14 +250,20 @@ class Broker:
             self.epochs[s] += 1
 
     def _pick_standby(self) -> None:
-        if self.standby is not None:
-            p = self.providers.get(self.standby)
-            if p is not None and p.state in (ACTIVE, BACKUP) and not p.suspect:
-                return
-        candidates = sorted((p for p in self.providers.values()
-                             if p.peer_id != self.ctx.me and p.state in (ACTIVE, BACKUP) and not p.suspect),
-                            key=lambda p: p.order)
-        self.standby = candidates[0].peer_id if candidates else None
+        """The standby: the longest-admitted live provider the run's owner authorises as broker. The owner's own
+        broker authorises it (and the next candidates, so a successor can name a standby too) by a delegation."""
+        auth, me = self.authority, self.ctx.me
+        owner = auth.signed and me == auth.owner
+        candidates = [p.peer_id for p in sorted(self.providers.values(), key=lambda p: p.order)
+                      if p.peer_id != me and p.state in (ACTIVE, BACKUP) and not p.suspect
+                      and (owner or auth.may_broker(p.peer_id, self.delegation_env))]
+        if self.standby not in candidates:
+            self.standby = candidates[0] if candidates else None
+        if owner and self.standby is not None:
+            wanted = tuple([self.standby] + [c for c in candidates if c != self.standby][:DELEGATES - 1])
+            d = auth.delegation(self.delegation_env)
+            if d is None or d.brokers != wanted:
+                self.delegation_env = auth.issue(self.ctx.sh.key, wanted, self.ctx.wall())
 
     # -- admission -----------------------------------------------------------------------------------------
     def check_policy(self, peer_id: str, req: AdmitRequest) -> str | None:
@@ -254,9 +273,33 @@ class Broker:
         pol = self.ctx.manifest.join
         if pol.mode == "allowlist" and not pol.admits_peer(peer_id):
             return "this run is private: peer is not on the run's allowlist"
-        if pol.mode == "secret" and not req.secret:
+        if pol.mode == "secret" and (req.proof is None or req.nonce is None):
             return "this run is private: a join secret is required"
         return None
+
+    def challenge(self, caller: str) -> bytes:
+        """A fresh nonce for `caller`'s admission proof (one outstanding per caller, used once)."""
+        nonce = new_nonce()
+        self._challenges.pop(caller, None)
+        self._challenges[caller] = (nonce, self.clock())
+        while len(self._challenges) > MAX_CHALLENGES:
+            self._challenges.popitem(last=False)
+        return nonce
+
+    async def _proof_ok(self, peer_id: str, req: AdmitRequest) -> str | None:
+        """Why `req`'s proof of the join secret fails (None: it holds): it must answer the nonce this broker gave
+        `peer_id` (once, within CHALLENGE_TTL_S), for this run, this broker and `peer_id`."""
+        issued = self._challenges.pop(peer_id, None)
+        if issued is None or issued[0] != req.nonce or self.clock() - issued[1] > CHALLENGE_TTL_S:
+            return "this run is private: the admission proof answers no challenge of this broker"
+        if self.secret is None:
+            return "this broker does not hold the run's join secret"
+        if self._admission_key is None:  # scrypt: keep the loop free
+            salt = bytes.fromhex(self.ctx.manifest.join.secret_salt)
+            self._admission_key = await trio.to_thread.run_sync(admission_key, self.secret, salt)
+        ok = proof_ok(self._admission_key, req.proof, run_id=self.ctx.run_id, broker=self.ctx.me, joiner=peer_id,
+                      nonce=req.nonce)
+        return None if ok else "this run is private: wrong join secret"
 
     async def admit(self, peer_id: str, req: AdmitRequest) -> AdmitResponse:
         """Check the join policy, then place `peer_id` in a free slot or in the backup pool."""
@@ -265,8 +308,7 @@ class Broker:
         why = self.check_policy(peer_id, req)
         pol = self.ctx.manifest.join
         if why is None and pol.mode == "secret":
-            ok = await trio.to_thread.run_sync(pol.admits_secret, req.secret)  # scrypt: keep the loop free
-            why = None if ok else "this run is private: wrong join secret"
+            why = await self._proof_ok(peer_id, req)
         if why is not None:
             if self.ctx.penalties is not None and peer_id != self.ctx.me:
                 self.ctx.penalties.penalize(peer_id, f"admission refused: {why}")
@@ -458,7 +500,14 @@ class Broker:
         return await self.handlers[method](caller, body)
 
     async def _rpc_admit(self, caller: str, body: Any) -> Any:
-        return (await self.admit(caller, AdmitRequest.from_wire(body))).to_wire()
+        return (await self.admit(caller, parse_body(AdmitRequest, body))).to_wire()
+
+    async def _rpc_challenge(self, caller: str, body: Any) -> Any:
+        if not self.holds_lease():
+            raise NotBroker("this node's broker does not hold the run's lease")
+        if not isinstance(body, dict) or body.get("run_id") != self.ctx.run_id:
+            raise ValueError("a challenge is asked for this broker's run")
+        return {"nonce": self.challenge(caller)}
 
     async def _rpc_table(self, caller: str, body: Any) -> Any:
         """The table, and the lease while we hold it (only a live lease is evidence that this broker renews)."""
@@ -473,7 +522,7 @@ class Broker:
         return {"table": self.table_env}
 
     async def _rpc_report_missing(self, caller: str, body: Any) -> Any:
-        rep = MissingReport.from_wire(body)
+        rep = parse_body(MissingReport, body)
         if not self.holds_lease():
             raise NotBroker("this node's broker does not hold the run's lease")
         if rep.run_id != self.ctx.run_id or rep.stage >= self.stages or caller not in self.table.members(rep.stage):

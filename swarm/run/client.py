@@ -9,16 +9,19 @@ from typing import Any
 
 import trio
 
+from shoal.protocol.admission import admission_key, admission_proof
 from shoal.protocol.assignment import (
     BACKUP, GONE, RUN_RECORD_TYPES, AdmitRequest, AdmitResponse, AssignmentTable, BrokerLease,
     MissingReport, slot_name)
 from shoal.protocol.envelope import Signed, open_envelope
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.records import HardwareProfile
+from shoal.swarm.run.authority import RunAuthority
 from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig, NotBroker
 from shoal.swarm.run.context import RunContext
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.run.group import Group
 from shoal.swarm.run.schedule import group_of
@@ -34,14 +37,22 @@ class RunClientConfig:
     # standby's takeover can take (RunClient.takeover_s), so a node that joins meanwhile finds the new broker
     admit_timeout_s: float = 40.0
     retry_s: float = 1.0
+    # the most a lease signer's wall clock may be off ours: a lease that expired longer ago than this, or issued
+    # further ahead, is no evidence that its broker lives (an old lease cannot be replayed)
+    max_clock_offset_s: float = 5.0
 
     def __post_init__(self) -> None:
         if min(self.poll_s, self.rpc_timeout_s, self.retry_s, self.admit_timeout_s) <= 0:
             raise ValueError("positive intervals and at least one admission attempt are required")
+        if self.max_clock_offset_s < 0:
+            raise ValueError("max_clock_offset_s must not be negative")
 
 
-async def fetch_table(sh: SwarmHost, peer_id: str, run_id: str, *, timeout_s: float = 5.0) -> Signed:
-    """Ask any peer for the latest table it knows of `run_id` (how a joining node finds the broker)."""
+async def fetch_table(sh: SwarmHost, peer_id: str, run_id: str, *, timeout_s: float = 5.0,
+                      authority: RunAuthority | None = None, penalties: Penalties | None = None) -> Signed:
+    """Ask any peer for the latest table it knows of `run_id` (how a joining node finds the broker); with
+    `authority`, only a table whose broker the run's owner authorised (a peer serving another is penalized: an
+    honest peer serves only tables it accepted)."""
     ans = await call(sh, peer_id, "run.table", {"run_id": run_id}, timeout_s=timeout_s)
     if not isinstance(ans, dict) or not isinstance(ans.get("table"), bytes):
         raise RpcError(f"{peer_id[:16]}… knows no table for this run")
@@ -51,6 +62,11 @@ async def fetch_table(sh: SwarmHost, peer_id: str, run_id: str, *, timeout_s: fl
         raise RpcError(f"{peer_id[:16]}… sent a bad table: {e}") from e
     if not isinstance(signed.record, AssignmentTable) or signed.record.run_id != run_id:
         raise RpcError(f"{peer_id[:16]}… sent a table of another run")
+    why = authority.refuses(signed.record) if authority is not None else None
+    if why is not None:
+        if penalties is not None:
+            penalties.penalize(peer_id, f"served a run table {why}")
+        raise RpcError(f"{peer_id[:16]}… sent a table {why}")
     return signed
 
 
@@ -68,6 +84,7 @@ class RunClient:
         self.clock = ctx.clock
         self.hardware = hardware
         self.secret = secret
+        self._admission_key: bytes | None = None
         self.config = config
         self.broker_config = broker_config  # the lease timeout to watch, and the broker's settings on a takeover
         self.backup_only = backup_only
@@ -79,6 +96,7 @@ class RunClient:
         self.broker_alive_at = self.clock()  # the last evidence that the table's broker renews its lease
         self._lease_issued = 0.0  # issue time of the newest lease of the table's broker seen (its wall clock)
         self._standbys: set[str] = set()  # the standbys named by accepted tables of the current lease epoch
+        self.authority = RunAuthority(ctx.manifest)
         self.on_change: list[Callable[[AssignmentTable], None]] = []
         self.takeovers: list[float] = []  # unix times this node became the broker
         self._changed = trio.Event()
@@ -153,14 +171,27 @@ class RunClient:
 
     # -- tables ----------------------------------------------------------------------------------------------
     def _trusted_signer(self, t: AssignmentTable) -> bool:
+        why = self.authority.refuses(t)
+        if why is not None:
+            log.info("ignored a table of run %s: %s", t.run_id[:16], why)
+            return False
         cur = self.table
-        if cur is None:
-            return t.peer_id == self._expected_broker
+        if cur is None:  # a signed run: any broker the owner authorised; an unsigned one: the broker we were told of
+            return self.authority.signed or t.peer_id == self._expected_broker
         if t.peer_id == cur.peer_id:
             return t.lease_epoch >= cur.lease_epoch
-        # a takeover: by a standby that a table of the current lease epoch named (not only the newest one, so a
-        # later table of the old broker, which may name another standby, cannot make us reject the legitimate one)
-        return t.lease_epoch > cur.lease_epoch and t.peer_id in self._standbys
+        # a takeover: the next lease epoch, by a standby that a table of the current lease epoch named (not only the
+        # newest one, so a later table of the old broker, which may name another standby, cannot make us reject the
+        # legitimate one), once the broker's lease has lapsed as this node sees it (a standby cannot depose a live
+        # broker); our own takeover, and one while we are the broker named without a lease, need no wait
+        if t.lease_epoch != cur.lease_epoch + 1 or t.peer_id not in self._standbys:
+            return False
+        lapsed = self.ctx.silent_s(self.broker_alive_at) > self.broker_config.lease_timeout_s
+        if not (lapsed or (t.peer_id == self.me and self.is_broker()) or self.orphaned()):
+            log.info("ignored %s's takeover of run %s: the lease of %s has not lapsed here", t.peer_id[:16],
+                     t.run_id[:16], cur.peer_id[:16])
+            return False
+        return True
 
     def _accept(self, t: AssignmentTable, env: bytes, source: str) -> bool:
         if t.run_id != self.ctx.run_id or not t.newer_than(self.table) or not self._trusted_signer(t):
@@ -172,6 +203,7 @@ class RunClient:
             self._lease_issued = 0.0
         if t.standby is not None:
             self._standbys.add(t.standby)
+        self.authority.note(t)
         self.table, self.table_env = t, env
         if new_broker or t.peer_id == source:
             self.broker_alive_at = self.clock()
@@ -206,9 +238,12 @@ class RunClient:
             return True
         if isinstance(rec, BrokerLease):
             t = self.table
-            # evidence is a renewal: a lease issued later than any we saw (a re-served old lease proves nothing)
+            # evidence is a renewal: a lease issued later than any we saw (a re-served old lease proves nothing),
+            # unexpired and not from the future by our clock, give or take the bounded clock offset
+            now, slack = self.ctx.wall(), self.config.max_clock_offset_s
             if t is not None and rec.run_id == self.ctx.run_id and rec.peer_id == t.peer_id \
-                    and rec.lease_epoch >= t.lease_epoch and rec.time > self._lease_issued:
+                    and rec.lease_epoch >= t.lease_epoch and rec.time > self._lease_issued \
+                    and rec.time <= now + slack and rec.expires_at + slack > now:
                 self._lease_issued = rec.time
                 self.broker_alive_at = self.clock()
             return True
@@ -227,7 +262,12 @@ class RunClient:
 
     async def admit(self) -> AdmitResponse:
         """Ask the broker for a place; raise AdmissionError if refused, RpcError if it could not be reached."""
-        req = AdmitRequest(run_id=self.ctx.run_id, hardware=self.hardware, secret=self.secret,
+        if not self.authority.may_broker(self.broker_id, self.table.delegation if self.table else None):
+            raise RpcError(f"{self.broker_id[:16]}… is no broker the run's owner authorised: not asking it")
+        nonce = proof = None
+        if self.ctx.manifest.join.mode == "secret" and self.secret is not None:
+            nonce, proof = await self._prove()
+        req = AdmitRequest(run_id=self.ctx.run_id, hardware=self.hardware, nonce=nonce, proof=proof,
                            backup_only=self.backup_only)
         try:
             resp = AdmitResponse.from_wire(await self._ask("run.admit", req.to_wire()))
@@ -240,6 +280,20 @@ class RunClient:
         self.admitted = True
         log.info("admitted to run %s as %s", self.ctx.run_id[:16], resp.slot or resp.state)
         return resp
+
+    async def _prove(self) -> tuple[bytes, bytes]:
+        """Answer the broker's challenge with a proof of the join secret bound to this run, the broker we ask and
+        this node (the secret itself is never sent)."""
+        broker = self.broker_id
+        ans = await self._ask("run.challenge", {"run_id": self.ctx.run_id})
+        nonce = ans.get("nonce") if isinstance(ans, dict) else None
+        if not isinstance(nonce, bytes) or len(nonce) != 32:
+            raise RpcError("bad admission challenge")
+        if self._admission_key is None:  # scrypt: keep the loop free
+            salt = bytes.fromhex(self.ctx.manifest.join.secret_salt)
+            self._admission_key = await trio.to_thread.run_sync(admission_key, self.secret, salt)
+        return nonce, admission_proof(self._admission_key, run_id=self.ctx.run_id, broker=broker, joiner=self.me,
+                                      nonce=nonce)
 
     async def report_missing(self, missing: list[str], *, epoch: int, stage: int, offenders: list[str] = (),
                              neighbours: list[str] = ()) -> bool:
@@ -275,10 +329,21 @@ class RunClient:
         if not isinstance(ans, dict):
             return False
         if isinstance(ans.get("table"), bytes):
+            self._check_served(ans["table"], peer_id)
             self.accept_envelope(ans["table"], peer_id)
         if isinstance(ans.get("lease"), bytes):
             self.accept_envelope(ans["lease"], peer_id)  # a renewal counts as evidence; merely answering does not
         return True
+
+    def _check_served(self, env: bytes, peer_id: str) -> None:
+        """Penalize a peer that served a table of our run whose broker the owner never authorised."""
+        try:
+            t = open_envelope(env, RUN_RECORD_TYPES).record
+        except ProtocolError:
+            return  # accept_envelope says so
+        why = self.authority.refuses(t) if isinstance(t, AssignmentTable) and t.run_id == self.ctx.run_id else None
+        if why is not None and self.ctx.penalties is not None:
+            self.ctx.penalties.penalize(peer_id, f"served a run table {why}")
 
     async def _dht_lease_alive(self, broker: str) -> bool:
         """A last look before taking over: is there a fresh lease of `broker` in the DHT?"""
@@ -307,7 +372,7 @@ class RunClient:
         lease has expired, or we are its broker and take back a lease that nobody else took over."""
         assert self.table is not None and self._nursery is not None
         old = self.table.peer_id
-        b = Broker.from_table(self.ctx, self.broker_config, self.table)
+        b = Broker.from_table(self.ctx, self.broker_config, self.table, secret=self.secret)
         self.local_broker = b
         b.on_change.append(lambda t, env: self._accept(t, env, t.peer_id))
         await self._nursery.start(b.run)

@@ -25,6 +25,7 @@ COLLECTIVE_PROTOCOL = "/shoal/coll/1.1.0"
 MAX_HEADER_BYTES = 1024
 MAX_TAG_CHARS = 200
 DONE_TAGS_KEPT = 4096  # finished tags remembered, so late messages for them are dropped
+MAX_PEER_TAGS = 64  # tags one peer may have waiting in the inbox at once
 
 
 class Collective:
@@ -48,6 +49,7 @@ class Collective:
         read_timeout_s: float = 60.0,
         send_timeout_s: float = 60.0,
         open_timeout_s: float = 3.0,
+        gate: Callable[[str, str], object | None] | None = None,
     ):
         self.sh = sh
         self.me = sh.peer_id
@@ -58,6 +60,10 @@ class Collective:
         self.read_timeout_s = read_timeout_s
         self.send_timeout_s = send_timeout_s
         self.open_timeout_s = open_timeout_s  # opening a stream takes milliseconds unless the peer is gone
+        # (peer, tag) -> None to take a message, else a refusal (.why, .penalize): checked on the header, before
+        # the payload is read (swarm/run/collective_gate.py); None: every message is taken
+        self.gate = gate
+        self.refused = 0  # messages refused by the gate or the per-peer tag cap
         self.bytes_sent = 0  # wire bytes of messages written completely (length prefixes and headers included)
         self.bytes_recv = 0  # wire bytes of messages accepted into the inbox
         self.messages_sent = 0
@@ -98,6 +104,15 @@ class Collective:
                         raise DecodeError(f"tag must be 1..{MAX_TAG_CHARS} characters")
                     if not 0 < n <= self.max_frame_bytes:
                         raise DecodeError(f"announced payload of {n} bytes is outside 1..{self.max_frame_bytes}")
+                    refusal = self._refusal(peer, tag)
+                    if refusal is not None:  # dropped unread: the stream is reset (an honest sender reopens one)
+                        self.refused += 1
+                        if refusal.penalize:
+                            self.penalties.penalize(peer, f"collective: {refusal.why}")
+                        else:
+                            log.info("collective message %s from %s dropped: %s", tag, peer, refusal.why)
+                        await _reset(stream)
+                        return
                     payload = await reader.read(await read_length(stream, n, reader))
                     if len(payload) != n:
                         raise DecodeError(f"payload of {len(payload)} bytes, header announced {n}")
@@ -109,6 +124,13 @@ class Collective:
                 log.debug("collective stream from %s closed early: %s", peer, e)
                 return
             self._deliver(tag, peer, payload, wire=2 * PREFIX_BYTES + len(raw) + n)
+
+    def _refusal(self, peer: str, tag: str):
+        if tag not in self._inbox and tag not in self._done_set:
+            waiting = sum(1 for box in self._inbox.values() if peer in box)
+            if waiting >= MAX_PEER_TAGS:
+                return _Refused(f"{waiting} tags of this peer wait in the inbox already")
+        return self.gate(peer, tag) if self.gate is not None else None
 
     def _deliver(self, tag: str, peer: str, payload: bytes, wire: int) -> None:
         if tag in self._done_set:
@@ -249,6 +271,14 @@ class Collective:
             return trio.from_thread.run(self.exchange, tag, sends, expect, timeout_s, trio_token=trio_token)
 
         return exchange
+
+
+class _Refused:
+    __slots__ = ("why",)
+    penalize = True
+
+    def __init__(self, why: str):
+        self.why = why
 
 
 async def _reset(stream) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import trio
@@ -41,12 +42,13 @@ class LinkHub:
     Create with `open_link_hub` (its nursery runs the outbound links' credit readers)."""
 
     def __init__(self, sh: SwarmHost, penalties: Penalties, config: LinkConfig, nursery: trio.Nursery,
-                 plan: tuple[str, int, int] | None = None):
+                 plan: tuple[str, int, int] | None = None, allow: Callable[[str], bool] | None = None):
         self.sh, self.penalties, self.config, self.nursery = sh, penalties, config, nursery
         self.plan = plan  # (run id, stages, lanes) this node trains, known before any end is open
         self._inbound: dict[tuple[str, int, int, str], tuple[LinkEnd, _Link]] = {}
         self._ends: list[LinkEnd] = []
-        self.aq_stores = AQStores(sh, penalties)  # AQ-SGD stores by link position; they outlive the ends
+        # AQ-SGD stores by link position (they outlive the ends), served to `allow`ed peers (the run's members)
+        self.aq_stores = AQStores(sh, penalties, allow=allow)
         sh.set_handler(LANE_PROTOCOL, self._serve)
 
     def open(self, spec: LaneSpec) -> LinkEnd:
@@ -113,10 +115,11 @@ class LinkHub:
 
 @asynccontextmanager
 async def open_link_hub(sh: SwarmHost, penalties: Penalties, config: LinkConfig = LinkConfig(), *,
-                        plan: tuple[str, int, int] | None = None):
-    """The node's LinkHub for as long as the block runs; `plan`: (run id, stages, lanes) of the run it trains."""
+                        plan: tuple[str, int, int] | None = None, allow: Callable[[str], bool] | None = None):
+    """The node's LinkHub for as long as the block runs; `plan`: (run id, stages, lanes) of the run it trains;
+    `allow`: who may pull its AQ-SGD stores (None: anyone)."""
     async with trio.open_nursery() as nursery:
-        hub = LinkHub(sh, penalties, config, nursery, plan)
+        hub = LinkHub(sh, penalties, config, nursery, plan, allow)
         try:
             yield hub
         finally:

@@ -47,8 +47,11 @@ class StateServer:
 
     def __init__(self, sh: SwarmHost, provider: Callable[[], Snapshot | None], *, penalties: Penalties | None = None,
                  config: StateTransferConfig = StateTransferConfig(),
-                 by_revision: Callable[[int], Snapshot | None] | None = None, protocol: str = STATE_PROTOCOL):
+                 by_revision: Callable[[int], Snapshot | None] | None = None, protocol: str = STATE_PROTOCOL,
+                 allow: Callable[[str], bool] | None = None):
         self.sh = sh
+        self.allow = allow  # whom state is served to (a run's members); None: anyone
+        self.refused = 0
         self.provider = provider
         self.by_revision = by_revision  # serves requests for one exact revision (a joining replica's entry point)
         self.penalties = penalties
@@ -58,7 +61,9 @@ class StateServer:
 
     async def _serve(self, stream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
-        if self.penalties is not None and self.penalties.is_banned(peer):
+        if (self.penalties is not None and self.penalties.is_banned(peer)) or \
+                (self.allow is not None and not self.allow(peer)):
+            self.refused += 1
             await stream.reset()
             return
         try:

@@ -1,0 +1,73 @@
+"""Whose word a training node acts on and whom it serves: the run table's providers only, with progress reports
+clamped to a bounded lead and snapshot requests kept near the current step and rate-limited per peer."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from shoal.protocol.assignment import GONE, AssignmentTable
+from shoal.protocol.records import StatusRecord
+
+MAX_STEP_LEAD = 64  # a member's reported step counts at most this far past the members' median (or our own step)
+MAX_RATE_RATIO = 4.0  # a member's reported tokens/s counts at most this many times the members' median
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SnapshotLimits:
+    window_steps: int = 64  # a snapshot may be asked for steps within window_steps of ours
+    per_peer: int = 4  # requests per peer ...
+    per_s: float = 10.0  # ... within this many seconds
+
+    def __post_init__(self) -> None:
+        if self.window_steps < 1 or self.per_peer < 1 or self.per_s <= 0:
+            raise ValueError("snapshot limits must be positive")
+
+
+class Entitlement:
+    """`table()`: the newest run table this node follows (None: none yet)."""
+
+    def __init__(self, table: Callable[[], AssignmentTable | None], clock: Callable[[], float],
+                 limits: SnapshotLimits = SnapshotLimits(), *, max_lead_steps: int = MAX_STEP_LEAD):
+        self.table = table
+        self.clock = clock
+        self.limits = limits
+        self.max_lead_steps = max_lead_steps
+        self._asked: dict[str, list[float]] = {}
+
+    def member(self, peer: str) -> bool:
+        """A provider of the run (active, backup or draining) in the table we follow."""
+        t = self.table()
+        return t is not None and (t.slot_of(peer) is not None or t.provider_state(peer) not in (None, GONE))
+
+    def progress(self, own_step: int, run_id: str, statuses: Iterable[tuple[str, StatusRecord]]
+                 ) -> list[tuple[int, float]]:
+        """(step, tokens/s) of this node and of the run's members: a record of anyone else is not counted, and a
+        member's step or rate far beyond the others' (or ours) is clamped, so no single report can push a group
+        change (or the broker's table) out of reach."""
+        rows = [(st.step, st.tokens_per_s) for peer, st in statuses if st.run_id == run_id and self.member(peer)]
+        if not rows:
+            return [(own_step, 0.0)]
+        top = max(own_step, int(statistics.median_low(s for s, _ in rows))) + self.max_lead_steps
+        rates = [r for _, r in rows if r > 0]  # backups and members just starting report none
+        rate_cap = MAX_RATE_RATIO * statistics.median_low(rates) if rates else 0.0
+        return [(own_step, 0.0)] + [(min(s, top), min(r, rate_cap)) for s, r in rows]
+
+    def snapshot_refusal(self, peer: str, step: int, own_step: int) -> tuple[str, bool] | None:
+        """Why `peer`'s request for a snapshot at `step` is refused, and whether that is an offence (None: keep
+        it). Only members may ask, for a step near ours, a few times within `per_s`."""
+        if not self.member(peer):
+            return "snapshots are kept for the run's members only", False
+        lim = self.limits
+        if abs(step - own_step) > lim.window_steps:
+            return f"step {step} is outside [{own_step - lim.window_steps}, {own_step + lim.window_steps}]", False
+        now = self.clock()
+        recent = [t for t in self._asked.get(peer, []) if now - t < lim.per_s]
+        if len(recent) >= lim.per_peer:
+            self._asked[peer] = recent
+            return f"more than {lim.per_peer} snapshot requests within {lim.per_s:g} s", True
+        self._asked[peer] = recent + [now]
+        for p in [p for p, ts in self._asked.items() if not ts or now - ts[-1] >= lim.per_s]:
+            del self._asked[p]
+        return None

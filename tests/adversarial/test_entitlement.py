@@ -1,0 +1,122 @@
+"""Facts from entitled peers only (real node processes on 127.0.0.1, attacker nodes in the test): a stranger's and a
+member's absurd step reports cannot push a group change out of reach, a stranger gets no snapshot and no model
+state, and a node's own failure in a handler is never blamed on the peer that called it."""
+
+from __future__ import annotations
+
+import signal
+from types import SimpleNamespace
+
+import pytest
+import trio
+
+from shoal.protocol.envelope import open_envelope
+from shoal.swarm.net.rpc import RpcError, call
+from shoal.swarm.state.transfer import StateTransferConfig, StateTransferError, pull_state
+from tests.adversarial.attacker import node_with, table_of
+from tests.test_run_swarm import active, done, make_swarm, write_run
+
+pytestmark = pytest.mark.slow
+
+STEPS = 300  # long enough that the promotion takes effect within the run however fast it trains
+HUGE = 2**60
+
+
+def liar(run_id: str) -> SimpleNamespace:
+    """What a node's status loop publishes for a run it trains, with an absurd step and rate."""
+    return SimpleNamespace(client=None, status_fields=lambda: {
+        "run_id": run_id, "role": "active", "state": "training", "slot": "s0r0", "step": HUGE, "tokens_per_s": 1e12})
+
+
+async def test_absurd_step_reports_cannot_stall_a_group_change_and_strangers_get_no_state(tmp_path):
+    s = make_swarm(tmp_path, 3, write_run(tmp_path / "w", replicas=2, sync="allreduce"), STEPS)
+    try:
+        await trio.to_thread.run_sync(s.start)
+        with trio.fail_after(120):
+            while not (len(active(s)) == 2 and min(r.get("step") or 0 for r in active(s)) >= 5):
+                await trio.sleep(0.2)
+        run_id = s.nodes[0].status()["run_id"]
+        member = next(r for r in active(s) if r["index"] != 0)
+        async with node_with(join=s.bootstrap_addrs()) as x:
+            x.runtime = liar(run_id)  # its status gossip now claims step 2^60 in this run
+            # a stranger asks a member to keep a snapshot far ahead, and pulls its model state: both refused
+            with pytest.raises(RpcError, match="members only"):
+                await call(x.sh, member["peer_id"], "run.snapshot_at", HUGE)
+            with pytest.raises(StateTransferError):
+                await pull_state(x.sh, member["peer_id"], config=StateTransferConfig(timeout_s=5.0))
+            await trio.sleep(2.0)  # the lie has been gossiped to every node
+            s.nodes[member["index"]].proc.send_signal(signal.SIGKILL)  # the backup must take its slot
+            step_at_kill = max(r.get("step") or 0 for r in active(s))
+            with trio.fail_after(90):
+                while not (len(active(s)) == 2 and min(r.get("step") or 0 for r in active(s)) > step_at_kill + 3):
+                    await trio.sleep(0.5)
+            t = table_of((await call(x.sh, s.nodes[0].status()["peer_id"], "run.table", {"run_id": run_id}))["table"])
+            switch = t.switch_step(0)
+        with trio.fail_after(240):
+            while not done(s, STEPS, 2):
+                await trio.sleep(0.5)
+        rows = active(s)
+        print(f"group change after a kill at step {step_at_kill}, with a stranger claiming step 2^60: takes effect at "
+              f"step {switch}; the run finished {STEPS} steps with state hashes {sorted({r['state_hash'][:12] for r in rows})}")
+        assert switch < STEPS  # not 2^60: the promoted backup trained in the run (and finished it, below)
+        backup = next(r for r in s.summary() if r["index"] not in (0, member["index"]))
+        assert backup["index"] in {r["index"] for r in rows}
+        assert len({r["state_hash"] for r in rows}) == 1, rows
+    finally:
+        await trio.to_thread.run_sync(s.stop)
+
+
+async def test_a_handlers_own_failure_is_not_blamed_on_its_caller():
+    async with node_with() as a, node_with(join=[]) as b:
+        await b.sh.connect(a.sh.addrs[0])
+
+        async def broken(caller, body):  # our own bug: a record we hold turns out unreadable
+            return open_envelope(b"\x92not an envelope", {}).record
+        a.rpc.register("run.broken", broken)
+        for _ in range(5):
+            with pytest.raises(RpcError, match="DecodeError"):
+                await call(b.sh, a.peer_id, "run.broken", None)
+        assert not a.penalties.reasons(b.peer_id) and not a.penalties.is_banned(b.peer_id)
+        # a malformed body for a method that parses one is the caller's fault, and is penalized
+        from shoal.swarm.run.broker import Broker  # noqa: F401 - the broker's handlers use parse_body
+        from shoal.protocol.assignment import MissingReport
+        from shoal.swarm.net.rpc import parse_body
+
+        async def strict(caller, body):
+            return parse_body(MissingReport, body).epoch
+        a.rpc.register("run.strict", strict)
+        with pytest.raises(RpcError, match="rejected"):
+            await call(b.sh, a.peer_id, "run.strict", {"epoch": "x"})
+        assert a.penalties.reasons(b.peer_id)
+
+
+def test_a_members_absurd_step_is_clamped_to_a_bounded_lead_and_strangers_do_not_count():
+    """The rule the runtime's switch step applies to the status records it hears (those records are signed by
+    their peers; here they are made directly)."""
+    import time
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
+    from shoal.protocol.assignment import ACTIVE, AssignmentTable, ProviderEntry, SlotEntry
+    from shoal.protocol.records import StatusRecord
+    from shoal.swarm.net.identity import peer_id_of
+
+    ids = [peer_id_of(Ed25519PrivateKey.generate()) for _ in range(4)]
+    members, stranger = ids[:3], ids[3]
+    t = AssignmentTable(peer_id=members[0], run_id="r" * 64, lease_epoch=0, version=1, time=time.time(), stages=1,
+                        replicas=3, epochs=(1,), slots=tuple(SlotEntry(stage=0, replica=i, peer_id=p)
+                                                             for i, p in enumerate(members)),
+                        providers=tuple(ProviderEntry(peer_id=p, state=ACTIVE) for p in members))
+    e = Entitlement(lambda: t, time.monotonic)
+
+    def st(peer: str, step: int, tps: float = 1000.0) -> tuple[str, StatusRecord]:
+        return peer, StatusRecord(peer_id=peer, seq=1, time=time.time(), run_id="r" * 64, step=step, tokens_per_s=tps)
+    heard = [st(members[1], 100), st(members[2], HUGE, 1e12), st(stranger, HUGE, 1e12)]
+    steps = e.progress(100, "r" * 64, heard)
+    assert max(s for s, _ in steps) == 100 + MAX_STEP_LEAD  # the lying member: clamped; the stranger: not heard
+    assert max(r for _, r in steps) <= 4 * 1000.0 and len(steps) == 3
+    assert e.snapshot_refusal(stranger, 101, 100) is not None and e.snapshot_refusal(members[1], 101, 100) is None
+    assert e.snapshot_refusal(members[1], 100 + 65, 100) is not None  # outside the window
+    refusals = [e.snapshot_refusal(members[1], 101, 100) for _ in range(5)]
+    assert refusals[:3] == [None] * 3 and refusals[3] is not None and refusals[3][1]  # the fifth in 10 s: penalized
