@@ -15,6 +15,7 @@ from shoal.kernels.codec import Codec, Encoded, tensor_from_buffer
 from shoal.kernels.topk import decode_topk
 from shoal.node.defaults import ROUND_TIMEOUT_S
 from shoal.node.sync.interface import Synchronizer
+from shoal.node.sync.robust import Disagreements, RobustConfig, robust_filter
 from shoal.node.train.control import StepControl
 from shoal.protocol.manifest import even_split
 from shoal.protocol.errors import ProtocolError
@@ -44,6 +45,7 @@ class SyncConfig:
     clip_factor: float = 4.0  # above this multiple it is scaled down to it (an honest spike; no penalty)
     reject_factor: float = 1000.0  # above this multiple it is rejected and its sender penalized
     broadcast_norm_factor: float = 1000.0  # owners' broadcasts: RMS against the median over chunks, reject above
+    robust: RobustConfig = RobustConfig()  # the owner's aggregation: norm equalisation and a direction check
 
     def __post_init__(self) -> None:
         if (self.round_timeout_s <= 0 or not 1 < self.clip_factor <= self.reject_factor
@@ -160,6 +162,9 @@ class GroupSync(Synchronizer):
         self.fault: Fault | None = None
         self._epoch: tuple[str, int] | None = None
         self._skipped: set[str] = set()
+        self._disagreements = Disagreements(config.robust)
+        self.robust_checked = 0  # other members' contributions put to the direction check (as an owner)
+        self.robust_left_out = 0  # of those, left out of a round's mean
 
     def state_hash(self) -> str:
         return self.last_hash
@@ -249,6 +254,21 @@ class GroupSync(Synchronizer):
                 out[p] = out[p] * (self.config.clip_factor * ref / v)
         return out
 
+    def robust_parts(self, group: Group, parts: dict[str, torch.Tensor], report: RoundReport) -> list[torch.Tensor]:
+        """What goes into the owner's mean of one chunk, in member order: `robust_filter` (norm equalisation, a
+        minority opposed to the coordinate-wise median left out); a member left out too often is an offender."""
+        v = robust_filter(parts, group.members, self.config.robust)
+        others = [m for m in v.cosines if m != group.me]
+        self.robust_checked += len(others)
+        self.robust_left_out += sum(m in v.left_out for m in others)
+        for m, c in v.left_out.items():
+            log.info("update from %s left out of the mean: cosine %.3f with the members' median", m[-8:], c)
+        r = self.config.robust
+        for m in self._disagreements.record(v, group.me):
+            self._offend(m, f"update opposed the members' median in {r.offend_after} of its last {r.window_rounds} "
+                            f"rounds", report)
+        return [v.kept[m] for m in group.members if m in v.kept]
+
     def allreduce_mean(self, flat: torch.Tensor, codec: Codec, group: Group, round_: int, phase: str,
                        report: RoundReport) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean of `flat` over the group: reduce-scatter to chunk owners, the owner encodes once (and keeps the
@@ -268,11 +288,10 @@ class GroupSync(Synchronizer):
         def dec(n):
             return lambda buf: decode_values(decode_tensor(buf, codec=codec.name, dtype="float32", numel=n), codec)
 
-        parts = self.accept(group.me, got, dec(b - a), report)
+        parts = self.robust_parts(group, self.accept(group.me, got, dec(b - a), report), report)
         total = torch.zeros(b - a, device=flat.device)
-        for m in group.members:  # a fixed order: the owner's sum is deterministic
-            if m in parts:
-                total += parts[m]
+        for v in parts:  # in member order: the owner's sum is deterministic
+            total += v
         mean = codec.encode(total / len(parts))
         # a member not heard (or rejected) in the first phase is not waited for again: a dead member costs one
         # deadline, not two
