@@ -163,6 +163,7 @@ class GroupSync(Synchronizer):
         self._epoch: tuple[str, int] | None = None
         self._skipped: set[str] = set()
         self._disagreements = Disagreements(config.robust)
+        self._distrusted: set[str] = set()  # reported by this owner's direction check: left out until the epoch ends
         self.robust_checked = 0  # other members' contributions put to the direction check (as an owner)
         self.robust_left_out = 0  # of those, left out of a round's mean
 
@@ -177,7 +178,7 @@ class GroupSync(Synchronizer):
         if not isinstance(g, Group):
             raise RuntimeError(f"step {control.step} has no group to synchronize with")
         if self._epoch != (g.run_id, g.epoch):
-            self._epoch, self._skipped = (g.run_id, g.epoch), set()
+            self._epoch, self._skipped, self._distrusted = (g.run_id, g.epoch), set(), set()
         return g
 
     def live(self, g: Group) -> set[str]:
@@ -257,6 +258,7 @@ class GroupSync(Synchronizer):
     def robust_parts(self, group: Group, parts: dict[str, torch.Tensor], report: RoundReport) -> list[torch.Tensor]:
         """What goes into the owner's mean of one chunk, in member order: `robust_filter` (norm equalisation, a
         minority opposed to the coordinate-wise median left out); a member left out too often is an offender."""
+        parts = {m: x for m, x in parts.items() if m not in self._distrusted}
         v = robust_filter(parts, group.members, self.config.robust)
         others = [m for m in v.cosines if m != group.me]
         self.robust_checked += len(others)
@@ -265,8 +267,12 @@ class GroupSync(Synchronizer):
             log.info("update from %s left out of the mean: cosine %.3f with the members' median", m[-8:], c)
         r = self.config.robust
         for m in self._disagreements.record(v, group.me):
-            self._offend(m, f"update opposed the members' median in {r.offend_after} of its last {r.window_rounds} "
-                            f"rounds", report)
+            # reported (the broker evicts it at an agreed step once most members have), not skipped: every member
+            # keeps applying the same chunks, so replicas stay identical; this owner alone stops using its updates
+            self._distrusted.add(m)
+            why = f"update opposed the members' median in {r.offend_after} of its last {r.window_rounds} rounds"
+            report.offenders.setdefault(m, why)
+            log.warning("member %s reported: %s", m, why)
         return [v.kept[m] for m in group.members if m in v.kept]
 
     def allreduce_mean(self, flat: torch.Tensor, codec: Codec, group: Group, round_: int, phase: str,

@@ -10,9 +10,10 @@ The owner of a chunk holds one contribution per member (already decoded, finite,
    minority cannot move it past the honest values). A contribution whose cosine with it is below `min_cosine` is
    left out of this round's mean, as long as those left out are a minority; the mean is then taken over the rest.
    A sign-flipped or otherwise opposed update falls here; an honest one points with the majority.
-3. **Offenders.** A member left out in `offend_after` of its last `window_rounds` rounds is reported as an offender
-   (penalised, skipped for the epoch, reported to the broker): an honest member's noisy update falls below the
-   line now and then, a poisoner's every round.
+3. **Offenders.** A member left out in `offend_after` of its last `window_rounds` rounds is reported to the broker
+   as an offender (which evicts and bans it once most members have, at a step every member agrees on): an honest
+   member's noisy update falls below the line now and then, a poisoner's every round. Until then the owner leaves
+   its updates out but keeps exchanging with it, so every member applies the same chunks.
 
 Only the owner computes this, once per chunk and round, and every member applies the owner's broadcast, so
 replicas stay bit-identical; the computation itself is deterministic (a fixed member order, no randomness).

@@ -11,17 +11,18 @@ from __future__ import annotations
 import math
 
 from shoal.node.experiments.poison import broadcast, contribution, poisoner
+from shoal.node.train.trainer import Trainer
 from shoal.protocol.manifest import CocktailSpec, DilocoSpec
 from tests.test_sync_groups import corpus, flat, run_group, run_manifest
 
-__all__ = ["ATTACK_METHODS", "attack_manifest", "broadcast", "contribution", "corpus", "flat", "honest_agree",
+__all__ = ["ATTACK_METHODS", "attack_manifest", "broadcast", "contribution", "corpus", "flat", "heldout_drop", "honest_agree",
            "poisoner", "run_group"]
 
 #: every synchronizer with a round each step, so a few steps give an owner enough rounds to judge a member
 ATTACK_METHODS = {
     "allreduce": {},
     "cocktail": {"cocktail": CocktailSpec(p=0.1, r=0.2, bits=4, warmup_steps=0)},
-    "diloco-e3m0": {"diloco": DilocoSpec(inner_steps=1, e3m0=True)},
+    "diloco-e3m0": {"diloco": DilocoSpec(inner_steps=2, e3m0=True, outer_lr=1.0, outer_momentum=0.5)},
 }
 
 
@@ -36,3 +37,9 @@ def honest_agree(reps, steps: int) -> None:
         assert len(r.losses) == steps and all(math.isfinite(x) for x in r.losses), r.losses
     for k in range(steps):
         assert len({r.hashes[k] for r in reps}) == 1, f"honest replicas' state hashes differ after step {k}"
+
+
+def heldout_drop(reps, manifest) -> list[float]:
+    """How far each replica's held-out loss fell below that of the common initialization (same seed)."""
+    start = Trainer(manifest, corpus=corpus()).evaluate()
+    return [start - r.trainer.evaluate() for r in reps]
