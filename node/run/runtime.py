@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from shoal.node.run.config import RunConfig
-from shoal.node.run.preflight import UnknownRun, preflight
+from shoal.node.run.preflight import UnknownRun, data_source, preflight
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Throughput
 from shoal.node.run.votes import MIN_VOTERS, HashVotes
@@ -59,6 +59,7 @@ class RunRuntime:
         self.node = node
         self.config = config
         self.manifest: RunManifest | None = config.manifest
+        self.data_source: str | None = None  # where the trainer reads tokens (preflight.data_source)
         self.hardware = hardware
         self.clock = node.membership.clock if node.membership is not None else trio.current_time
         self.client: RunClient | None = None
@@ -272,6 +273,7 @@ class RunRuntime:
         def build():
             import torch
 
+            from shoal.node.train.data import load_corpus
             from shoal.node.train.lane import Unconnected
 
             if self.config.threads:
@@ -279,8 +281,9 @@ class RunRuntime:
             sync = make_synchronizer(self.manifest, exchange=exchange, penalties=self.node.penalties,
                                      config=SyncConfig(round_timeout_s=self.config.round_timeout_s))
             boundary = Unconnected() if self.manifest.plan.stages > 1 else None  # links open before each step
+            corpus = load_corpus(self.data_source, self.manifest.data.heldout_every)
             trainer = Trainer(self.manifest, device=self.config.device, stage=stage, replica=replica,
-                              boundary=boundary, synchronizer=sync)
+                              boundary=boundary, synchronizer=sync, corpus=corpus)
             return trainer, sync
 
         self.trainer, self.sync = await trio.to_thread.run_sync(build)
@@ -608,6 +611,7 @@ class RunRuntime:
         if self.manifest is None:
             self.manifest = await self.fetch_manifest(self.config.run_id, joined)
         preflight(self.manifest, self.config)  # the plan (one place: run/preflight.py) and the device's memory
+        self.data_source = data_source(self.manifest, self.config)  # never a path a network manifest chose
         self.schedule = GroupSchedule(node.peer_id)
         self.hashes = HashVotes(node.peer_id, self.node_call)
         node.rpc.register("run.manifest", self._rpc_manifest)
