@@ -39,6 +39,7 @@ from shoal.swarm.run.collective import Collective
 from shoal.swarm.run.group import Group
 from shoal.swarm.run.link import BlockingLinkEnd, LaneSpec, LinkConfig, LinkEnd, LinkHub, open_link_hub
 from shoal.swarm.run.schedule import GroupSchedule, lane_peers
+from shoal.swarm.state.agreed import pull_agreed
 from shoal.swarm.state.snapshot import Snapshot
 from shoal.swarm.state.transfer import (MAX_PREFIXES, StateServer, StateTransferConfig, StateTransferError,
                                         pull_state)
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 READY_POLL_S = 1.0  # a node waiting for a slot (or a backup) re-checks the table at least this often
 START_POLL_S = 0.5  # a new run's first members re-check whether the group is full this often
+AGREED_DEFAULT = ("/model/",)  # a synchronizer keeping everything identical: agree on the parameters at least
 PULL_RETRY_S = 0.2  # entering a group: the pause between rounds of pull attempts while no peer has the revision
 FINAL_POLL_S = 0.5  # the end of a run: the pause between asks for the group's final hashes
 VOTE_EXTRA_STEPS = 2  # after a vote, the next one waits the switch lead plus this many steps
@@ -193,14 +195,26 @@ class RunRuntime:
         self.snapshots.request(body)
         return {"ok": True, "step": self.at_step}
 
-    async def pull_revision(self, revision: int, peers: list[str], *, only: tuple[str, ...] | None = None) -> Snapshot:
+    async def pull_revision(self, revision: int, peers: list[str], *, only: tuple[str, ...] | None = None,
+                            agree_on: tuple[str, ...] | None = None) -> Snapshot:
         """Pull exactly `revision` (or, with `only`, those tensors of it) from one of `peers` (live ones first),
-        waiting while none has reached it."""
+        waiting while none has reached it. With `agree_on`, only a state whose part under those prefixes a strict
+        majority of the live peers hold, from a random one of them (swarm/state/agreed.py)."""
         deadline = trio.current_time() + self.config.state_pull_timeout_s
         attempt = StateTransferConfig(timeout_s=min(self.config.state_pull_attempt_s, self.config.state_pull_timeout_s))
         last = None
         while trio.current_time() < deadline:
             live = {e.peer_id for e in self.node.membership.live_peers()}
+            if agree_on is not None:
+                try:
+                    return await pull_agreed(self.node.sh, [p for p in peers if p in live or last is None],
+                                             revision=revision, agree_on=agree_on, only=only, config=attempt,
+                                             penalties=self.node.penalties)
+                except StateTransferError as e:
+                    last = e
+                    log.debug("revision %d: %s", revision, e)
+                await trio.sleep(PULL_RETRY_S)
+                continue
             for p in sorted(peers, key=lambda p: p not in live):
                 if p not in live and last is not None:
                     continue  # a silent peer gets one try, then only live ones
@@ -219,8 +233,9 @@ class RunRuntime:
         the first step has no optimizer state), and takes the rest from the copy: a short catch-up. Otherwise the
         whole state."""
         keys, warm = self.sync.group_state, self.snapshots.warm
+        agree_on = keys or AGREED_DEFAULT  # what every replica holds bit-identical: the majority's is pulled
         if keys is not None and warm is not None:
-            part = await self.pull_revision(revision, peers, only=keys)
+            part = await self.pull_revision(revision, peers, only=keys, agree_on=agree_on)
             pulled, extra = part.nbytes, []
             missing = part.missing(warm)
             ask = tuple(sorted(missing)) if len(missing) <= MAX_PREFIXES else \
@@ -232,7 +247,7 @@ class RunRuntime:
                 return await trio.to_thread.run_sync(lambda: part.merged(warm, *extra)), pulled
             except StateTransferError as e:
                 log.info("the warm copy does not complete revision %d (%s): pulling all of it", revision, e)
-        snap = await self.pull_revision(revision, peers)
+        snap = await self.pull_revision(revision, peers, agree_on=agree_on)
         return snap, snap.nbytes
 
     async def _load(self, snap: Snapshot) -> None:

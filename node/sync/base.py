@@ -162,7 +162,8 @@ class GroupSync(Synchronizer):
         self.fault: Fault | None = None
         self._epoch: tuple[str, int] | None = None
         self._skipped: set[str] = set()
-        self._disagreements = Disagreements(config.robust)
+        self._disagreements = Disagreements(config.robust)  # members' contributions, as this owner saw them
+        self._owner_checks = Disagreements(config.robust)  # owners' broadcasts against this member's contributions
         self._distrusted: set[str] = set()  # reported by this owner's direction check: left out until the epoch ends
         self.robust_checked = 0  # other members' contributions put to the direction check (as an owner)
         self.robust_left_out = 0  # of those, left out of a round's mean
@@ -313,6 +314,7 @@ class GroupSync(Synchronizer):
                 except ProtocolError as e:
                     self._offend(m, str(e), report)
         chunks = self.accept_broadcasts(group.me, chunks, report)
+        self.cross_check(group, {m: flat[lo:hi] for m, (lo, hi) in zip(group.members, bounds)}, chunks, report)
         covered = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
         for m, (lo, hi) in zip(group.members, bounds):
             if m in chunks:
@@ -320,6 +322,29 @@ class GroupSync(Synchronizer):
                 covered[lo:hi] = True
         self._missing(live - got.keys(), report)
         return out, covered
+
+    def cross_check(self, group: Group, own: dict[str, torch.Tensor], chunks: dict[str, torch.Tensor],
+                    report: RoundReport) -> None:
+        """Every owner's broadcast against this member's own contribution to that chunk: an honest owner's mean
+        holds it, so the two point the same way. An owner whose broadcasts keep pointing against it (a sign-flipped
+        or forged chunk) is reported (the broker evicts it once most members have). Nothing is dropped here: every
+        member applies the same chunks until then, so replicas stay identical."""
+        r = self.config.robust
+        if not r.enabled or group.size < r.min_members:
+            return
+        for m, x in chunks.items():
+            c = own.get(m)
+            if m == group.me or c is None or m in self._distrusted:
+                continue
+            norms = float(c.norm()) * float(x.norm())
+            if norms == 0.0:
+                continue
+            cos = float(torch.dot(c.to(x.device), x)) / norms
+            if self._owner_checks.note(m, cos < r.min_cosine):
+                self._distrusted.add(m)
+                why = f"its broadcasts opposed our contribution in {r.offend_after} of its last {r.window_rounds} rounds"
+                report.offenders.setdefault(m, why)
+                log.warning("owner %s reported: %s", m, why)
 
     def accept_broadcasts(self, me: str, chunks: dict[str, torch.Tensor],
                           report: RoundReport) -> dict[str, torch.Tensor]:

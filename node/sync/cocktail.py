@@ -136,6 +136,7 @@ class CocktailSync(GroupSync):
                 except Exception as err:  # noqa: BLE001 - ProtocolError or a kernel's ValueError: the owner's fault
                     self._offend(m, f"broadcast: {err}", report)
         dense = self.accept_broadcasts(group.me, dense, report)
+        self.cross_check(group, {m: decode_values(up[m], None) for m in dense if m in up}, dense, report)
         for c, (m, (lo, hi)) in enumerate(zip(group.members, bounds)):
             if m in dense:
                 comps[c].worker_apply(xs[c], self.g[lo:hi], step, received[m])

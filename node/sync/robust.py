@@ -92,16 +92,16 @@ class Disagreements:
 
     def record(self, verdict: Verdict, me: str) -> list[str]:
         """Count this round; returns the members that just became offenders (their history starts afresh)."""
-        offenders = []
-        for m in verdict.cosines:
-            if m == me:
-                continue
-            seen = self._seen.setdefault(m, deque(maxlen=self.config.window_rounds))
-            seen.append(m in verdict.left_out)
-            if sum(seen) >= self.config.offend_after:
-                offenders.append(m)
-                seen.clear()
-        return offenders
+        return [m for m in verdict.cosines if m != me and self.note(m, m in verdict.left_out)]
+
+    def note(self, member: str, disagreed: bool) -> bool:
+        """Count one round of `member`; True when that made it an offender (its history then starts afresh)."""
+        seen = self._seen.setdefault(member, deque(maxlen=self.config.window_rounds))
+        seen.append(disagreed)
+        if sum(seen) >= self.config.offend_after:
+            seen.clear()
+            return True
+        return False
 
 
 def _median_low(xs: list[float]) -> float:
