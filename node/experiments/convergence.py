@@ -157,7 +157,7 @@ async def run_variant(manifest: RunManifest, corpus, init: dict | None, *, steps
                     await h.connect(o.addrs[0])
         members = tuple(sorted(h.peer_id for h in hosts))
         token = trio.lowlevel.current_trio_token()
-        colls, syncs, trainers, pens = [], [], [], []
+        colls, syncs, trainers = [], [], []
         for i, h in enumerate(hosts):
             pen = Penalties()
             coll = Collective(h, pen)
@@ -169,7 +169,6 @@ async def run_variant(manifest: RunManifest, corpus, init: dict | None, *, steps
             if init is not None:
                 t.model.load_state_dict(init)
             colls.append(coll)
-            pens.append(pen)
             syncs.append(s)
             trainers.append(t)
         start_eval = trainers[0].evaluate()
@@ -193,11 +192,8 @@ async def run_variant(manifest: RunManifest, corpus, init: dict | None, *, steps
         seconds = time.perf_counter() - t0
         honest = range(1 if poison is not None else 0, replicas)
         evals = [trainers[i].evaluate() for i in honest]
-        attacker = hosts[0].peer_id
         return {
             "robust": robust, "poison": poison,
-            "attacker_penalised_by": sum(bool(pens[i].reasons(attacker)) for i in honest) if poison is not None
-            else None,
             "left_out_share": sum(syncs[i].robust_left_out for i in honest) /
             max(1, sum(syncs[i].robust_checked for i in honest)),
             "params": sum(p.numel() for p in trainers[0].model.parameters()),
@@ -323,7 +319,8 @@ def markdown(result: dict) -> str:
              f"Bytes: everything a node wrote on collective streams (frames and headers), mean over nodes. "
              f"Share of gain: (held-out loss before - after) / the same for all-reduce. Robust aggregation (norm "
              f"equalisation and direction check at each chunk owner, node/sync/robust.py) is on unless a row says "
-             f"[robust off]; left out: the share of other members' contributions its direction check left out. "
+             f"[robust off]; left out: the share of other members' contributions its direction check left out; "
+             f"a member most others report is evicted (the broker's rule) from two steps past the furthest replica. "
              f"[poisoner xF]: replica 0 multiplies every contribution it sends by F; losses and hashes are then the "
              f"honest replicas'. {result['machine']}.", ""]
     for regime in REGIMES:
@@ -335,7 +332,7 @@ def markdown(result: dict) -> str:
         lines += [f"## {regime}: {what}", "",
                   f"Held-out loss before: {rs[0]['start_heldout_loss']:.4f}.", "",
                   "| variant | held-out loss | vs all-reduce | share of gain | bytes sent / node | x fewer bytes | "
-                  "rounds | hashes equal | left out | attacker penalised by | s |",
+                  "rounds | hashes equal | left out | attacker evicted at step | s |",
                   "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
         for r in rs:
             share = f"{r['share_of_allreduce_gain']:.2f}" if r["share_of_allreduce_gain"] is not None else "-"
@@ -343,7 +340,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['variant']} | {r['heldout_loss']:.4f} | {r['loss_vs_allreduce_pct']:+.2f}% | {share} | "
                          f"{r['bytes_sent_per_node']:,.0f} | {fewer} | {r['rounds']} | "
                          f"{'yes' if r['state_hashes_equal'] else 'NO'} | {_left_out(r)} | "
-                         f"{_penalised(r, c['replicas'])} | {r['seconds']:.0f} |")
+                         f"{_evicted(r)} | {r['seconds']:.0f} |")
         lines.append("")
     lines += ["## Targets", ""] + [f"- {t}" for t in result["targets"]]
     return "\n".join(lines) + "\n"
@@ -353,8 +350,11 @@ def _left_out(r: dict) -> str:
     return f"{100 * r['left_out_share']:.1f}%" if r.get("robust") else "-"
 
 
-def _penalised(r: dict, replicas: int) -> str:
-    return f"{r['attacker_penalised_by']} of {replicas - 1}" if r.get("poison") is not None else "-"
+def _evicted(r: dict) -> str:
+    """The step from which the group went on without the attacker (most members reported it); "never" if not."""
+    if r.get("poison") is None:
+        return "-" if r.get("evicted_at_step") is None else f"{r['evicted_at_step']} (an honest member!)"
+    return "never" if r.get("evicted_at_step") is None else str(r["evicted_at_step"])
 
 
 def config_dict(c: BenchConfig) -> dict:
