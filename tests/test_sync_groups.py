@@ -83,7 +83,8 @@ class Table:
 
 
 async def run_group(manifest: RunManifest, steps: int, *, n: int = 3, timeout_s: float = 20.0, faults=None,
-                    stop_after: dict[int, int] | None = None, evict: bool = False, device: str = "cpu"):
+                    stop_after: dict[int, int] | None = None, evict: bool = False, device: str = "cpu",
+                    config: SyncConfig | None = None):
     faults, stop_after = faults or {}, stop_after or {}
     async with AsyncExitStack() as stack:
         first = await stack.enter_async_context(bare_host())
@@ -101,7 +102,7 @@ async def run_group(manifest: RunManifest, steps: int, *, n: int = 3, timeout_s:
             coll = Collective(h, pen)
             rep = Replica(trainer=None, sync=None, pen=pen, coll=coll)
             rep.sync = make_synchronizer(manifest, exchange=coll.blocking(token), penalties=pen,
-                                         config=SyncConfig(round_timeout_s=timeout_s))
+                                         config=config or SyncConfig(round_timeout_s=timeout_s))
             rep.sync.fault = faults.get(i)
             rep.trainer = Trainer(manifest, device=device, replica=i, synchronizer=rep.sync, corpus=corpus())
             reps.append(rep)

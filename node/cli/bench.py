@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--overlap", type=int, default=5, help="Streaming DiLoCo tau (inner steps during the all-reduce)")
     v.add_argument("--alpha", type=float, default=0.5, help="Streaming DiLoCo merge of local parameters")
     v.add_argument("--timeout", type=float, default=60.0, help="round deadline in seconds")
+    v.add_argument("--compare-robust", action="store_true",
+                   help="also run every networked variant with robust aggregation off")
+    v.add_argument("--poison", type=float, default=None, metavar="F",
+                   help="also run every networked variant with replica 0 multiplying the updates it sends by F "
+                        "(negative: sign-flipped)")
     v.add_argument("--only", nargs="*", default=(), help="run only variants whose label contains one of these "
                                                          "(all-reduce, the baseline, always runs)")
     v.add_argument("--out", type=Path, default=REPO / "bench" / "results",
@@ -328,7 +333,8 @@ def convergence(args: argparse.Namespace) -> int:
             steps=args.steps, init_steps=args.init_steps, regimes=tuple(args.regimes), replicas=args.replicas,
             seed=args.seed, d_model=args.d_model, layers=args.layers, batch=args.batch, lr=args.lr,
             h=args.inner_steps, h_e3m0=args.inner_steps_e3m0, fragments=args.fragments, overlap=args.overlap,
-            alpha=args.alpha, timeout_s=args.timeout, only=tuple(args.only),
+            alpha=args.alpha, timeout_s=args.timeout, only=tuple(args.only), compare_robust=args.compare_robust,
+            poison=args.poison,
             **({"cocktail": tuple(args.cocktail)} if args.cocktail else {}))
     except ValueError as e:
         print(f"shoal bench convergence: {e}", file=sys.stderr)

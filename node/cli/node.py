@@ -81,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--secret", default=None, help="the run's join secret, for a private run "
                                                   "(or set SHOAL_JOIN_SECRET)")
     t.add_argument("--steps", type=int, default=None, metavar="N", help="stop training after N steps")
+    t.add_argument("--data", default=None, metavar="PATH",
+                   help="this machine's copy of the run's corpus (.txt/.jsonl file or folder), for a run whose "
+                        "manifest names a local path: a run joined by id never reads a path its manifest names")
     t.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
     t.add_argument("--round-timeout", type=float, default=defaults.ROUND_TIMEOUT_S, metavar="SECONDS",
                    help="a replica not heard within this long is dropped from a synchronization round "
@@ -319,7 +322,7 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
     try:
         config = RunConfig(manifest=manifest, run_id=run_id,
                            secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"), device=device,
-                           device_free_bytes=free, threads=args.threads, max_steps=args.steps,
+                           device_free_bytes=free, threads=args.threads, max_steps=args.steps, data=args.data,
                            round_timeout_s=args.round_timeout,
                            broker=BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after),
                            backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time)

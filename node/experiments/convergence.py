@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import threading
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.node.train.data import load_corpus
+from shoal.node.experiments.poison import poisoner
 from shoal.node.sync.base import SyncConfig
+from shoal.node.sync.robust import RobustConfig
 from shoal.node.sync.factory import make_synchronizer
 from shoal.node.train.control import StepControl
 from shoal.node.train.trainer import Trainer
@@ -58,10 +61,14 @@ class BenchConfig:
     timeout_s: float = 60.0
     only: tuple[str, ...] = ()
     cocktail: tuple[tuple[float, float, int], ...] = ((0.1, 0.2, 4),)  # (p, r, bits) of each cocktail variant
+    compare_robust: bool = False  # every networked variant also with robust aggregation off
+    poison: float | None = None  # also run each networked variant with replica 0 multiplying its updates by this
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.init_steps < 0 or self.replicas < 2:
             raise ValueError("need steps >= 1, init_steps >= 0 and at least 2 replicas")
+        if self.poison is not None and self.replicas < 3:
+            raise ValueError("a poisoner needs at least 3 replicas (an honest majority)")
         if not self.regimes or set(self.regimes) - set(REGIMES):
             raise ValueError(f"regimes are {', '.join(REGIMES)}")
         for sp, sr, sb in self.cocktail:
@@ -134,8 +141,9 @@ def bench_key(seed: int, replica: int) -> Ed25519PrivateKey:
 
 
 async def run_variant(manifest: RunManifest, corpus, init: dict | None, *, steps: int, replicas: int,
-                      timeout_s: float) -> dict:
-    """One configuration: `replicas` hosts and trainer threads in this process, all traffic on 127.0.0.1."""
+                      timeout_s: float, robust: bool = True, poison: float | None = None) -> dict:
+    """One configuration: `replicas` hosts and trainer threads in this process, all traffic on 127.0.0.1. With
+    `poison`, replica 0 multiplies every contribution it sends by it, and the losses are the honest replicas'."""
     async with AsyncExitStack() as stack:
         hosts = []
         for i in range(replicas):
@@ -154,7 +162,9 @@ async def run_variant(manifest: RunManifest, corpus, init: dict | None, *, steps
             pen = Penalties()
             coll = Collective(h, pen)
             s = make_synchronizer(manifest, exchange=coll.blocking(token), penalties=pen,
-                                  config=SyncConfig(round_timeout_s=timeout_s))
+                                  config=SyncConfig(round_timeout_s=timeout_s, robust=RobustConfig(enabled=robust)))
+            if poison is not None and i == 0:
+                s.fault = poisoner(poison)
             t = Trainer(manifest, replica=i, synchronizer=s, corpus=corpus)
             if init is not None:
                 t.model.load_state_dict(init)
@@ -163,31 +173,72 @@ async def run_variant(manifest: RunManifest, corpus, init: dict | None, *, steps
             trainers.append(t)
         start_eval = trainers[0].evaluate()
 
-        groups = [Group(run_id=manifest.run_id, epoch=0, members=members, me=h.peer_id) for h in hosts]
+        groups = Groups(manifest.run_id, members)
 
         def train(i: int) -> None:
-            t = trainers[i]
+            t, me = trainers[i], hosts[i].peer_id
             for _ in range(steps):
-                t.step(StepControl(step=t.step_count, group=groups[i]))
-            t.close()
+                control = StepControl(step=t.step_count, group=groups.group(me, t.step_count))
+                t.step(control)
+                groups.report(me, control.offenders)
+            control = StepControl(step=t.step_count, group=groups.group(me, t.step_count))
+            t.close(control)
+            groups.report(me, control.offenders)
 
         t0 = time.perf_counter()
         async with trio.open_nursery() as nursery:
             for i in range(replicas):
                 nursery.start_soon(trio.to_thread.run_sync, train, i)
         seconds = time.perf_counter() - t0
-        evals = [t.evaluate() for t in trainers]
+        honest = range(1 if poison is not None else 0, replicas)
+        evals = [trainers[i].evaluate() for i in honest]
         return {
+            "robust": robust, "poison": poison,
+            "left_out_share": sum(syncs[i].robust_left_out for i in honest) /
+            max(1, sum(syncs[i].robust_checked for i in honest)),
             "params": sum(p.numel() for p in trainers[0].model.parameters()),
             "start_heldout_loss": start_eval,
             "heldout_loss": sum(evals) / len(evals),
             "heldout_loss_per_replica": evals,
             "bytes_sent_per_node": sum(c.bytes_sent for c in colls) / replicas,
             "tensor_bytes_sent_per_node": sum(s.bytes_sent for s in syncs) / replicas,
-            "rounds": syncs[0].rounds,
-            "state_hashes_equal": len({s.state_hash() for s in syncs}) == 1,
+            "rounds": syncs[-1].rounds,
+            "evicted_at_step": groups.evicted_at,
+            "state_hashes_equal": len({syncs[i].state_hash() for i in honest}) == 1,
             "seconds": seconds,
         }
+
+
+class Groups:
+    """The broker's part of a bench run: the group by step, and a member evicted once most of the others reported
+    it an offender, from two steps past the furthest replica (the broker's rule and switch step). Trainer threads
+    call it between their steps."""
+
+    def __init__(self, run_id: str, members: tuple[str, ...]):
+        self.run_id = run_id
+        self.epochs = [(0, members)]  # (first step, members); the epoch number is the index
+        self.reports: dict[str, set[str]] = {}
+        self.steps: dict[str, int] = {}
+        self.evicted_at: int | None = None
+        self._lock = threading.Lock()
+
+    def group(self, me: str, step: int) -> Group:
+        with self._lock:
+            self.steps[me] = step
+            epoch = max(e for e, (start, _) in enumerate(self.epochs) if start <= step)
+            members = self.epochs[epoch][1]
+            return Group(run_id=self.run_id, epoch=epoch, members=members if me in members else (me,), me=me)
+
+    def report(self, reporter: str, offenders) -> None:
+        with self._lock:
+            members = self.epochs[-1][1]
+            for p in sorted(offenders):
+                who = self.reports.setdefault(p, set())
+                who.add(reporter)
+                if p in members and len(who) > (len(members) - 1) // 2:
+                    self.evicted_at = max(self.steps.values()) + 2
+                    members = tuple(m for m in members if m != p)
+                    self.epochs.append((self.evicted_at, members))
 
 
 def run_regime(c: BenchConfig, regime: str, corpus, init: dict | None) -> list[dict]:
@@ -198,12 +249,17 @@ def run_regime(c: BenchConfig, regime: str, corpus, init: dict | None) -> list[d
         log.info("convergence (%s): %s", regime, v.label)
         if v.solo:
             r = run_solo(bench_manifest(c, v.sync, steps=c.steps, replicas=1), corpus, init, c.steps)
-        else:
-            m = bench_manifest(c, v.sync, steps=c.steps, replicas=c.replicas)
+            rows.append({"regime": regime, "variant": v.label, "method": v.sync.method, "control": True, **r})
+            continue
+        m = bench_manifest(c, v.sync, steps=c.steps, replicas=c.replicas)
+        for robust, poison in arms(c):
+            log.info("convergence (%s): %s, robust %s, poison %s", regime, v.label, robust, poison)
             r = trio.run(lambda: run_variant(m, corpus, init, steps=c.steps, replicas=c.replicas,
-                                             timeout_s=c.timeout_s))
-        rows.append({"regime": regime, "variant": v.label, "method": v.sync.method, "control": "control" in v.label,
-                     **r})
+                                             timeout_s=c.timeout_s, robust=robust, poison=poison))
+            label = v.label + ("" if robust else " [robust off]") + \
+                (f" [poisoner x{poison:g}]" if poison is not None else "")
+            rows.append({"regime": regime, "variant": label, "method": v.sync.method,
+                         "control": "control" in v.label or poison is not None or not robust, **r})
     base = rows[0]
     gain = base["start_heldout_loss"] - base["heldout_loss"]
     for r in rows:
@@ -212,6 +268,12 @@ def run_regime(c: BenchConfig, regime: str, corpus, init: dict | None) -> list[d
         r["loss_vs_allreduce_pct"] = 100 * (r["heldout_loss"] / base["heldout_loss"] - 1)
         r["share_of_allreduce_gain"] = (r["start_heldout_loss"] - r["heldout_loss"]) / gain if gain > 0 else None
     return rows
+
+
+def arms(c: BenchConfig) -> list[tuple[bool, float | None]]:
+    """(robust aggregation on, poison factor) of each run of a networked variant; the first is the baseline."""
+    robust = (True, False) if c.compare_robust else (True,)
+    return [(r, None) for r in robust] + ([(r, c.poison) for r in robust] if c.poison is not None else [])
 
 
 def run_all(c: BenchConfig) -> list[dict]:
@@ -255,7 +317,12 @@ def markdown(result: dict) -> str:
              f"bytes per replica per step), AdamW lr {c['lr']:g} with warm-up and cosine decay, seed {c['seed']} "
              f"for every variant. Held-out loss: mean over replicas of 16 held-out batches after the last step. "
              f"Bytes: everything a node wrote on collective streams (frames and headers), mean over nodes. "
-             f"Share of gain: (held-out loss before - after) / the same for all-reduce. {result['machine']}.", ""]
+             f"Share of gain: (held-out loss before - after) / the same for all-reduce. Robust aggregation (norm "
+             f"equalisation and direction check at each chunk owner, node/sync/robust.py) is on unless a row says "
+             f"[robust off]; left out: the share of other members' contributions its direction check left out; "
+             f"a member most others report is evicted (the broker's rule) from two steps past the furthest replica. "
+             f"[poisoner xF]: replica 0 multiplies every contribution it sends by F; losses and hashes are then the "
+             f"honest replicas'. {result['machine']}.", ""]
     for regime in REGIMES:
         rs = [r for r in rows if r["regime"] == regime]
         if not rs:
@@ -265,17 +332,29 @@ def markdown(result: dict) -> str:
         lines += [f"## {regime}: {what}", "",
                   f"Held-out loss before: {rs[0]['start_heldout_loss']:.4f}.", "",
                   "| variant | held-out loss | vs all-reduce | share of gain | bytes sent / node | x fewer bytes | "
-                  "rounds | hashes equal | s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+                  "rounds | hashes equal | left out | attacker evicted at step | s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
         for r in rs:
             share = f"{r['share_of_allreduce_gain']:.2f}" if r["share_of_allreduce_gain"] is not None else "-"
             fewer = f"{r['x_fewer_bytes']:.0f}" if r["x_fewer_bytes"] is not None else "-"
             lines.append(f"| {r['variant']} | {r['heldout_loss']:.4f} | {r['loss_vs_allreduce_pct']:+.2f}% | {share} | "
                          f"{r['bytes_sent_per_node']:,.0f} | {fewer} | {r['rounds']} | "
-                         f"{'yes' if r['state_hashes_equal'] else 'NO'} | {r['seconds']:.0f} |")
+                         f"{'yes' if r['state_hashes_equal'] else 'NO'} | {_left_out(r)} | "
+                         f"{_evicted(r)} | {r['seconds']:.0f} |")
         lines.append("")
     lines += ["## Targets", ""] + [f"- {t}" for t in result["targets"]]
     return "\n".join(lines) + "\n"
+
+
+def _left_out(r: dict) -> str:
+    return f"{100 * r['left_out_share']:.1f}%" if r.get("robust") else "-"
+
+
+def _evicted(r: dict) -> str:
+    """The step from which the group went on without the attacker (most members reported it); "never" if not."""
+    if r.get("poison") is None:
+        return "-" if r.get("evicted_at_step") is None else f"{r['evicted_at_step']} (an honest member!)"
+    return "never" if r.get("evicted_at_step") is None else str(r["evicted_at_step"])
 
 
 def config_dict(c: BenchConfig) -> dict:

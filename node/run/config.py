@@ -18,6 +18,7 @@ class RunConfig:
     device: str = "cpu"  # a resolved device (cpu, cuda, cuda:N, mps), not auto
     device_free_bytes: int | None = None  # its free memory at start (None: not checked), see run/preflight.py
     threads: int | None = None  # torch threads for the trainer (None: torch's default)
+    data: str | None = None  # the volunteer's --data: a local corpus for a run whose manifest names a local path
     max_steps: int | None = None  # stop training after this many steps (None: the manifest's total)
     switch_lead_s: float = 2.0  # group changes take effect this far ahead (time for the table to reach everyone)
     switch_lead_min_steps: int = 3

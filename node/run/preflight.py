@@ -5,6 +5,7 @@ and without AQ-SGD)."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from shoal.protocol.manifest import RunManifest
@@ -28,6 +29,37 @@ class UnsupportedPlan(RunError):
 
 class DoesNotFit(RunError):
     """The run's stage needs more memory than the device has free."""
+
+
+class UntrustedData(RunError):
+    """A manifest from the network names data this node may not read on its word (a local path, a path as a name)."""
+
+
+#: a dataset by name, as a hub names it ("owner/name"): never a path on this machine
+DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?")
+
+
+def data_source(manifest: RunManifest, config: RunConfig) -> str:
+    """Where this node reads the run's tokens. A manifest from the network (a run joined by id) may name the built-in
+    corpus or a dataset by name only: a local path would make this node read (and train on, and so leak into the
+    model) whatever file the run's owner chose. Such a run needs the volunteer's own `--data PATH`, which then
+    replaces the manifest's path; a manifest file the volunteer passed itself may name a path."""
+    src = manifest.data.source
+    if src == "stdlib":
+        return src
+    from_network = config.manifest is None
+    if src.startswith("hf:"):
+        name = src[3:]
+        if from_network and (not DATASET_NAME.fullmatch(name) or ".." in name):
+            raise UntrustedData(f"run {manifest.run_id[:16]}… names dataset {name!r}, which is not a dataset name "
+                                f"(owner/name)")
+        return src
+    if config.data is not None:
+        return config.data
+    if from_network:
+        raise UntrustedData(f"run {manifest.run_id[:16]}… reads its data from a local path ({src!r}); this node "
+                            f"reads its own files only when told which: shoal node --data PATH")
+    return src
 
 
 def check_plan(manifest: RunManifest) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from shoal.node.run.config import RunConfig
-from shoal.node.run.preflight import UnknownRun, preflight
+from shoal.node.run.preflight import UnknownRun, data_source, preflight
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Throughput
 from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
@@ -42,6 +42,7 @@ from shoal.swarm.run.collective_gate import CollectiveGate
 from shoal.swarm.run.group import Group
 from shoal.swarm.run.link import BlockingLinkEnd, LaneSpec, LinkConfig, LinkEnd, LinkHub, open_link_hub
 from shoal.swarm.run.schedule import GroupSchedule, lane_peers
+from shoal.swarm.state.agreed import pull_agreed
 from shoal.swarm.state.snapshot import Snapshot
 from shoal.swarm.state.transfer import (MAX_PREFIXES, StateServer, StateTransferConfig, StateTransferError,
                                         pull_state)
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 
 READY_POLL_S = 1.0  # a node waiting for a slot (or a backup) re-checks the table at least this often
 START_POLL_S = 0.5  # a new run's first members re-check whether the group is full this often
+AGREED_DEFAULT = ("/model/",)  # a synchronizer keeping everything identical: agree on the parameters at least
 PULL_RETRY_S = 0.2  # entering a group: the pause between rounds of pull attempts while no peer has the revision
 FINAL_POLL_S = 0.5  # the end of a run: the pause between asks for the group's final hashes
 VOTE_EXTRA_STEPS = 2  # after a vote, the next one waits the switch lead plus this many steps
@@ -62,6 +64,7 @@ class RunRuntime:
         self.node = node
         self.config = config
         self.manifest: RunManifest | None = config.manifest
+        self.data_source: str | None = None  # where the trainer reads tokens (preflight.data_source)
         self.hardware = hardware
         self.clock = node.membership.clock if node.membership is not None else trio.current_time
         self.client: RunClient | None = None
@@ -199,14 +202,26 @@ class RunRuntime:
         self.snapshots.request(body)
         return {"ok": True, "step": self.at_step}
 
-    async def pull_revision(self, revision: int, peers: list[str], *, only: tuple[str, ...] | None = None) -> Snapshot:
+    async def pull_revision(self, revision: int, peers: list[str], *, only: tuple[str, ...] | None = None,
+                            agree_on: tuple[str, ...] | None = None) -> Snapshot:
         """Pull exactly `revision` (or, with `only`, those tensors of it) from one of `peers` (live ones first),
-        waiting while none has reached it."""
+        waiting while none has reached it. With `agree_on`, only a state whose part under those prefixes a strict
+        majority of the live peers hold, from a random one of them (swarm/state/agreed.py)."""
         deadline = trio.current_time() + self.config.state_pull_timeout_s
         attempt = StateTransferConfig(timeout_s=min(self.config.state_pull_attempt_s, self.config.state_pull_timeout_s))
         last = None
         while trio.current_time() < deadline:
             live = {e.peer_id for e in self.node.membership.live_peers()}
+            if agree_on is not None:
+                try:
+                    return await pull_agreed(self.node.sh, [p for p in peers if p in live or last is None],
+                                             revision=revision, agree_on=agree_on, only=only, config=attempt,
+                                             penalties=self.node.penalties)
+                except StateTransferError as e:
+                    last = e
+                    log.debug("revision %d: %s", revision, e)
+                await trio.sleep(PULL_RETRY_S)
+                continue
             for p in sorted(peers, key=lambda p: p not in live):
                 if p not in live and last is not None:
                     continue  # a silent peer gets one try, then only live ones
@@ -225,8 +240,9 @@ class RunRuntime:
         the first step has no optimizer state), and takes the rest from the copy: a short catch-up. Otherwise the
         whole state."""
         keys, warm = self.sync.group_state, self.snapshots.warm
+        agree_on = keys or AGREED_DEFAULT  # what every replica holds bit-identical: the majority's is pulled
         if keys is not None and warm is not None:
-            part = await self.pull_revision(revision, peers, only=keys)
+            part = await self.pull_revision(revision, peers, only=keys, agree_on=agree_on)
             pulled, extra = part.nbytes, []
             missing = part.missing(warm)
             ask = tuple(sorted(missing)) if len(missing) <= MAX_PREFIXES else \
@@ -238,7 +254,7 @@ class RunRuntime:
                 return await trio.to_thread.run_sync(lambda: part.merged(warm, *extra)), pulled
             except StateTransferError as e:
                 log.info("the warm copy does not complete revision %d (%s): pulling all of it", revision, e)
-        snap = await self.pull_revision(revision, peers)
+        snap = await self.pull_revision(revision, peers, agree_on=agree_on)
         return snap, snap.nbytes
 
     async def _load(self, snap: Snapshot) -> None:
@@ -279,6 +295,7 @@ class RunRuntime:
         def build():
             import torch
 
+            from shoal.node.train.data import load_corpus
             from shoal.node.train.lane import Unconnected
 
             if self.config.threads:
@@ -286,8 +303,9 @@ class RunRuntime:
             sync = make_synchronizer(self.manifest, exchange=exchange, penalties=self.node.penalties,
                                      config=SyncConfig(round_timeout_s=self.config.round_timeout_s))
             boundary = Unconnected() if self.manifest.plan.stages > 1 else None  # links open before each step
+            corpus = load_corpus(self.data_source, self.manifest.data.heldout_every)
             trainer = Trainer(self.manifest, device=self.config.device, stage=stage, replica=replica,
-                              boundary=boundary, synchronizer=sync)
+                              boundary=boundary, synchronizer=sync, corpus=corpus)
             return trainer, sync
 
         self.trainer, self.sync = await trio.to_thread.run_sync(build)
@@ -619,6 +637,7 @@ class RunRuntime:
         preflight(self.manifest, self.config)  # the plan (one place: run/preflight.py) and the device's memory
         if self.manifest.join.mode == "secret" and not self.config.secret:  # to prove it, or as broker to check it
             raise AdmissionError("this run is private: a join secret is required")
+        self.data_source = data_source(self.manifest, self.config)  # never a path a network manifest chose
         self.schedule = GroupSchedule(node.peer_id)
         self.hashes = HashVotes(node.peer_id, self.node_call)
         sync = self.manifest.plan.sync

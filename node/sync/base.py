@@ -15,6 +15,7 @@ from shoal.kernels.codec import Codec, Encoded, tensor_from_buffer
 from shoal.kernels.topk import decode_topk
 from shoal.node.defaults import ROUND_TIMEOUT_S
 from shoal.node.sync.interface import Synchronizer
+from shoal.node.sync.robust import Disagreements, RobustConfig, robust_filter
 from shoal.node.train.control import StepControl
 from shoal.protocol.manifest import even_split
 from shoal.protocol.errors import ProtocolError
@@ -44,6 +45,7 @@ class SyncConfig:
     clip_factor: float = 4.0  # above this multiple it is scaled down to it (an honest spike; no penalty)
     reject_factor: float = 1000.0  # above this multiple it is rejected and its sender penalized
     broadcast_norm_factor: float = 1000.0  # owners' broadcasts: RMS against the median over chunks, reject above
+    robust: RobustConfig = RobustConfig()  # the owner's aggregation: norm equalisation and a direction check
 
     def __post_init__(self) -> None:
         if (self.round_timeout_s <= 0 or not 1 < self.clip_factor <= self.reject_factor
@@ -160,6 +162,11 @@ class GroupSync(Synchronizer):
         self.fault: Fault | None = None
         self._epoch: tuple[str, int] | None = None
         self._skipped: set[str] = set()
+        self._disagreements = Disagreements(config.robust)  # members' contributions, as this owner saw them
+        self._owner_checks = Disagreements(config.robust)  # owners' broadcasts against this member's contributions
+        self._distrusted: set[str] = set()  # reported by this owner's direction check: left out until the epoch ends
+        self.robust_checked = 0  # other members' contributions put to the direction check (as an owner)
+        self.robust_left_out = 0  # of those, left out of a round's mean
 
     def state_hash(self) -> str:
         return self.last_hash
@@ -172,7 +179,7 @@ class GroupSync(Synchronizer):
         if not isinstance(g, Group):
             raise RuntimeError(f"step {control.step} has no group to synchronize with")
         if self._epoch != (g.run_id, g.epoch):
-            self._epoch, self._skipped = (g.run_id, g.epoch), set()
+            self._epoch, self._skipped, self._distrusted = (g.run_id, g.epoch), set(), set()
         return g
 
     def live(self, g: Group) -> set[str]:
@@ -249,6 +256,26 @@ class GroupSync(Synchronizer):
                 out[p] = out[p] * (self.config.clip_factor * ref / v)
         return out
 
+    def robust_parts(self, group: Group, parts: dict[str, torch.Tensor], report: RoundReport) -> list[torch.Tensor]:
+        """What goes into the owner's mean of one chunk, in member order: `robust_filter` (norm equalisation, a
+        minority opposed to the coordinate-wise median left out); a member left out too often is an offender."""
+        parts = {m: x for m, x in parts.items() if m not in self._distrusted}
+        v = robust_filter(parts, group.members, self.config.robust)
+        others = [m for m in v.cosines if m != group.me]
+        self.robust_checked += len(others)
+        self.robust_left_out += sum(m in v.left_out for m in others)
+        for m, c in v.left_out.items():
+            log.info("update from %s left out of the mean: cosine %.3f with the members' median", m[-8:], c)
+        r = self.config.robust
+        for m in self._disagreements.record(v, group.me):
+            # reported (the broker evicts it at an agreed step once most members have), not skipped: every member
+            # keeps applying the same chunks, so replicas stay identical; this owner alone stops using its updates
+            self._distrusted.add(m)
+            why = f"update opposed the members' median in {r.offend_after} of its last {r.window_rounds} rounds"
+            report.offenders.setdefault(m, why)
+            log.warning("member %s reported: %s", m, why)
+        return [v.kept[m] for m in group.members if m in v.kept]
+
     def allreduce_mean(self, flat: torch.Tensor, codec: Codec, group: Group, round_: int, phase: str,
                        report: RoundReport) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean of `flat` over the group: reduce-scatter to chunk owners, the owner encodes once (and keeps the
@@ -268,11 +295,10 @@ class GroupSync(Synchronizer):
         def dec(n):
             return lambda buf: decode_values(decode_tensor(buf, codec=codec.name, dtype="float32", numel=n), codec)
 
-        parts = self.accept(group.me, got, dec(b - a), report)
+        parts = self.robust_parts(group, self.accept(group.me, got, dec(b - a), report), report)
         total = torch.zeros(b - a, device=flat.device)
-        for m in group.members:  # a fixed order: the owner's sum is deterministic
-            if m in parts:
-                total += parts[m]
+        for v in parts:  # in member order: the owner's sum is deterministic
+            total += v
         mean = codec.encode(total / len(parts))
         # a member not heard (or rejected) in the first phase is not waited for again: a dead member costs one
         # deadline, not two
@@ -288,6 +314,7 @@ class GroupSync(Synchronizer):
                 except ProtocolError as e:
                     self._offend(m, str(e), report)
         chunks = self.accept_broadcasts(group.me, chunks, report)
+        self.cross_check(group, {m: flat[lo:hi] for m, (lo, hi) in zip(group.members, bounds)}, chunks, report)
         covered = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
         for m, (lo, hi) in zip(group.members, bounds):
             if m in chunks:
@@ -295,6 +322,29 @@ class GroupSync(Synchronizer):
                 covered[lo:hi] = True
         self._missing(live - got.keys(), report)
         return out, covered
+
+    def cross_check(self, group: Group, own: dict[str, torch.Tensor], chunks: dict[str, torch.Tensor],
+                    report: RoundReport) -> None:
+        """Every owner's broadcast against this member's own contribution to that chunk: an honest owner's mean
+        holds it, so the two point the same way. An owner whose broadcasts keep pointing against it (a sign-flipped
+        or forged chunk) is reported (the broker evicts it once most members have). Nothing is dropped here: every
+        member applies the same chunks until then, so replicas stay identical."""
+        r = self.config.robust
+        if not r.enabled or group.size < r.min_members:
+            return
+        for m, x in chunks.items():
+            c = own.get(m)
+            if m == group.me or c is None or m in self._distrusted:
+                continue
+            norms = float(c.norm()) * float(x.norm())
+            if norms == 0.0:
+                continue
+            cos = float(torch.dot(c.to(x.device), x)) / norms
+            if self._owner_checks.note(m, cos < r.min_cosine):
+                self._distrusted.add(m)
+                why = f"its broadcasts opposed our contribution in {r.offend_after} of its last {r.window_rounds} rounds"
+                report.offenders.setdefault(m, why)
+                log.warning("owner %s reported: %s", m, why)
 
     def accept_broadcasts(self, me: str, chunks: dict[str, torch.Tensor],
                           report: RoundReport) -> dict[str, torch.Tensor]:

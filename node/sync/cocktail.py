@@ -121,7 +121,7 @@ class CocktailSync(GroupSync):
         # server: aggregate the chunk this replica owns
         comp = comps[group.rank]
         values = self.accept(group.me, got, lambda buf: decode_values(self._decode(buf, comp, "float16"), None), report)
-        s_hat = comp.server_aggregate_values([values[m] for m in group.members if m in values], self.e[lo:hi], step)
+        s_hat = comp.server_aggregate_values(self.robust_parts(group, values, report), self.e[lo:hi], step)
         # a member not heard (or rejected) in the up phase is not waited for again: a dead member costs one
         # deadline, not two
         heard = set(got) & self.live(group)
@@ -136,6 +136,7 @@ class CocktailSync(GroupSync):
                 except Exception as err:  # noqa: BLE001 - ProtocolError or a kernel's ValueError: the owner's fault
                     self._offend(m, f"broadcast: {err}", report)
         dense = self.accept_broadcasts(group.me, dense, report)
+        self.cross_check(group, {m: decode_values(up[m], None) for m in dense if m in up}, dense, report)
         for c, (m, (lo, hi)) in enumerate(zip(group.members, bounds)):
             if m in dense:
                 comps[c].worker_apply(xs[c], self.g[lo:hi], step, received[m])

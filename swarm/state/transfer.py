@@ -69,8 +69,8 @@ class StateServer:
         try:
             with trio.fail_after(self.config.timeout_s):
                 req = unpack(await read_frame(stream, 4096), max_bytes=4096)
-                if not isinstance(req, dict) or req.get("want") != "state":
-                    raise ProtocolError("state request must be {'want': 'state'}")
+                if not isinstance(req, dict) or req.get("want") not in ("state", "hash"):
+                    raise ProtocolError("state request must be {'want': 'state' or 'hash'}")
                 rev, only = req.get("revision"), req.get("only")
                 if rev is not None and (not isinstance(rev, int) or isinstance(rev, bool) or rev < 0):
                     raise ProtocolError("revision must be a non-negative int")
@@ -86,8 +86,13 @@ class StateServer:
                     await write_frame(stream, pack({"ok": False, "e": what}))
                     await stream.close()
                     return
-                if only is not None:  # hashing the part takes a while on a big model: not on the event loop
+                if only is not None and req["want"] == "state":  # hashing a part takes a while: not on the loop
                     snap = await trio.to_thread.run_sync(snap.only, tuple(only))
+                if req["want"] == "hash":  # what this replica holds, for a joiner to find the majority's state
+                    hsh = await trio.to_thread.run_sync(part_hash, snap, tuple(only or ("",)))
+                    await write_frame(stream, pack({"ok": True, "revision": snap.revision, "hash": hsh}))
+                    await stream.close()
+                    return
                 names = sorted(snap.tensors)
                 entries = [[n, dtype_name(snap.tensors[n].dtype), list(snap.tensors[n].shape),
                             snap.tensors[n].numel() * snap.tensors[n].element_size()] for n in names]
@@ -109,6 +114,12 @@ class StateServer:
         except (StreamClosed, trio.TooSlowError) as e:
             log.info("state transfer to %s ended early: %s", peer, e)
             await stream.reset()
+
+
+def part_hash(snap: Snapshot, prefixes: tuple[str, ...]) -> str:
+    """The hash of the tensors under `prefixes` alone (no skeleton: its plain values, such as the replica's data
+    position and RNG state, differ between replicas that hold the same synchronized state)."""
+    return state_hash({k: v for k, v in snap.tensors.items() if k.startswith(prefixes)})
 
 
 # -- pulling ------------------------------------------------------------------------------------------------

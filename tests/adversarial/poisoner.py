@@ -1,0 +1,86 @@
+"""Poisoning replicas for the training attack tests: a real member whose synchronizer lies about the numbers.
+
+The attacker is a replica like the others (its own libp2p host on 127.0.0.1, its own trainer thread, shoal's own
+synchronizer and collective); only its outgoing updates are rewritten by a `Fault` from
+`shoal.node.experiments.poison`: its contributions to the chunk owners scaled or sign-flipped, or, as the owner of
+a chunk, its broadcast of that chunk's aggregate. The group harness is the synchronizer tests' (`run_group`).
+`serve_lies` turns a member's state server into one that lies about the state it serves.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shoal.kernels.codec import dtype_name
+from shoal.node.experiments.poison import broadcast, contribution, poisoner
+from shoal.node.train.trainer import Trainer
+from shoal.protocol.manifest import CocktailSpec, DilocoSpec
+from shoal.protocol.wire import pack, unpack
+from shoal.swarm.net.framing import read_frame, write_frame
+from shoal.swarm.state.snapshot import raw_bytes, state_hash
+from shoal.swarm.state.transfer import STATE_PROTOCOL, part_hash
+from tests.test_sync_groups import corpus, flat, run_group, run_manifest
+
+__all__ = ["ATTACK_METHODS", "attack_manifest", "broadcast", "contribution", "corpus", "flat", "heldout_drop", "honest_agree",
+           "poisoner", "run_group", "serve_lies"]
+
+#: every synchronizer with a round each step, so a few steps give an owner enough rounds to judge a member
+ATTACK_METHODS = {
+    "allreduce": {},
+    "cocktail": {"cocktail": CocktailSpec(p=0.1, r=0.2, bits=4, warmup_steps=0)},
+    "diloco-e3m0": {"diloco": DilocoSpec(inner_steps=2, e3m0=True, outer_lr=1.0, outer_momentum=0.5)},
+}
+
+
+def attack_manifest(method: str, steps: int, replicas: int = 3):
+    return run_manifest(method.split("-")[0], steps, replicas, **ATTACK_METHODS[method])
+
+
+def honest_agree(reps, steps: int) -> None:
+    """Every honest replica trained every step with finite losses, and their synchronized states hash equal after
+    every round."""
+    for r in reps:
+        assert len(r.losses) == steps and all(math.isfinite(x) for x in r.losses), r.losses
+    for k in range(steps):
+        assert len({r.hashes[k] for r in reps}) == 1, f"honest replicas' state hashes differ after step {k}"
+
+
+def heldout_drop(reps, manifest) -> list[float]:
+    """How far each replica's held-out loss fell below that of the common initialization (same seed)."""
+    start = Trainer(manifest, corpus=corpus()).evaluate()
+    return [start - r.trainer.evaluate() for r in reps]
+
+
+def serve_lies(sh, real_at, *, malformed: bool = False) -> None:
+    """Replace a member's state server by a liar: asked for its hash, it reports the real state's (so it counts among
+    the majority); asked for the state, it serves another one: the model's weights shifted, with a checksum that
+    matches them (a self-consistent poisoned state), or with `malformed`, bytes that fail their checksum."""
+
+    async def handler(stream) -> None:
+        try:
+            req = unpack(await read_frame(stream, 4096), max_bytes=4096)
+            snap, only = real_at(req["revision"]), req.get("only")
+            if snap is None:
+                await write_frame(stream, pack({"ok": False, "e": "not yet"}))
+            elif req["want"] == "hash":
+                await write_frame(stream, pack({"ok": True, "revision": snap.revision,
+                                                "hash": part_hash(snap, tuple(only or ("",)))}))
+            else:
+                tensors = {k: v.clone() for k, v in snap.tensors.items() if not only or k.startswith(tuple(only))}
+                for k, v in tensors.items():
+                    if k.startswith("/model/") and v.is_floating_point():
+                        v.add_(1.0)
+                hsh = "0" * 64 if malformed else state_hash(tensors, snap.skeleton)
+                names = sorted(tensors)
+                entries = [[n, dtype_name(tensors[n].dtype), list(tensors[n].shape),
+                            tensors[n].numel() * tensors[n].element_size()] for n in names]
+                await write_frame(stream, pack({"ok": True, "revision": snap.revision, "hash": hsh,
+                                                "skeleton": pack(snap.skeleton), "tensors": entries}))
+                for n in names:
+                    if tensors[n].numel():
+                        await stream.write(bytes(raw_bytes(tensors[n])))
+            await stream.close()
+        except Exception:  # noqa: BLE001 - a handler must not kill the host
+            await stream.reset()
+
+    sh.set_handler(STATE_PROTOCOL, handler)
