@@ -9,6 +9,7 @@ ran with this identity before and died sends nothing new, so a restart is not re
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import trio
@@ -18,6 +19,7 @@ from shoal.swarm.net.membership import Membership
 log = logging.getLogger(__name__)
 WATCH_PERIODS = 2.5  # gossip periods of an unchanged status to watch a listed identity for a record that moves on
 MIN_WATCH_S, MAX_WATCH_S = 3.0, 12.0
+SIGNED_SINCE_SLACK_S = 1.0  # clock skew allowed between a twin elsewhere and this machine
 
 
 class TwinDetected(RuntimeError):
@@ -30,6 +32,12 @@ def listed_seq(membership: Membership, peer_id: str) -> int | None:
     if e is None or not e.live or e.status_record is None:
         return None
     return e.status_record.seq
+
+
+def listed_time(membership: Membership, peer_id: str) -> float:
+    """The signing time of the newest status record the view holds for `peer_id` (0 when none)."""
+    e = membership.peers.get(peer_id)
+    return 0.0 if e is None or e.status_record is None else e.status_record.time
 
 
 def watch_s(gossip_period_s: float) -> float:
@@ -49,11 +57,14 @@ async def refuse_twin(join: list[str], peer_id: str, *, gossip_period_s: float, 
         first = listed_seq(obs.membership, peer_id)
         if first is not None:
             on_check()
+            # a record signed before the watch began may be this identity's last run arriving late (a node restarted
+            # right after it left or was killed): only a newer record signed since then shows a live twin
+            since = time.time() - SIGNED_SINCE_SLACK_S
             with trio.move_on_after(watch_s(gossip_period_s)):
                 while not twin:
                     await trio.sleep(0.2)
                     now = listed_seq(obs.membership, peer_id)
-                    twin = now is not None and now > first
+                    twin = now is not None and now > first and listed_time(obs.membership, peer_id) >= since
             log.info("identity %s listed by the swarm; %s", peer_id, "live elsewhere" if twin else "not live")
         nursery.cancel_scope.cancel()
     if twin:
