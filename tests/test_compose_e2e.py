@@ -126,6 +126,9 @@ def test_compose_swarm_trains_replaces_a_killed_worker_and_leaves_nothing():
         user = engine.docker("image", "inspect", "shoal:latest", "--format", "{{.Config.User}}").stdout.strip()
         assert user == "shoal"  # not root
         watch = Watch(engine)
+        # a run of this test killed before its `down -v` (the engine's data root is a kept cache) leaves containers
+        # and volumes of an older build: the swarm starts from nothing
+        compose(engine, "down", "-v", "--remove-orphans", timeout_s=120)
         try:
             t_up = time.monotonic()
             compose(engine, "up", "-d", "--scale", "node=2", env={"SHOAL_STEPS": "5000"})  # 3 nodes in all

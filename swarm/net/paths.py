@@ -251,7 +251,10 @@ class Paths(INotifee):
         except Exception:  # noqa: BLE001
             return
         if self._nursery is not None and self.puncher is not None and self._initiates(peer):
-            self._nursery.start_soon(self._after_relayed_connection, peer)
+            try:
+                self._nursery.start_soon(self._after_relayed_connection, peer)
+            except RuntimeError:  # the node is stopping: its nursery takes no new tasks
+                pass
 
     async def disconnected(self, network, conn) -> None:
         return None

@@ -44,6 +44,8 @@ async def ask_hash(sh: SwarmHost, peer: str, *, revision: int, only: tuple[str, 
         raise StateTransferError(f"no hash from {peer[:16]}… within {config.timeout_s} s") from None
     except (ProtocolError, StreamClosed, OSError) as e:
         raise StateTransferError(f"hash from {peer[:16]}…: {e}") from e
+    except Exception as e:  # noqa: BLE001 - a peer that cannot be dialed (gone) comes as many types from py-libp2p
+        raise StateTransferError(f"hash from {peer[:16]}…: {type(e).__name__}: {e}") from e
     if not isinstance(h, dict) or h.get("ok") is not True:
         raise StateTransferError(f"{peer[:16]}… has no hash for revision {revision}")
     hsh = h.get("hash")
@@ -55,7 +57,8 @@ async def ask_hash(sh: SwarmHost, peer: str, *, revision: int, only: tuple[str, 
 
 async def majority_hash(sh: SwarmHost, peers: list[str], *, revision: int, only: tuple[str, ...],
                         config: StateTransferConfig) -> tuple[str, list[str]]:
-    """(the hash a strict majority of `peers` report, those reporting it); StateTransferError when none has one."""
+    """(the hash a strict majority of the `peers` that answer report, those reporting it); StateTransferError when
+    none has one."""
     answers: dict[str, str] = {}
 
     async def ask(p: str) -> None:
@@ -67,9 +70,10 @@ async def majority_hash(sh: SwarmHost, peers: list[str], *, revision: int, only:
     async with trio.open_nursery() as n:
         for p in peers:
             n.start_soon(ask, p)
-    if answers:
+    if answers:  # a strict majority of the sources that hold the revision (a peer that has not reached it, or is
+        # gone, has no say; a liar among them is outvoted, and a split loads nothing)
         hsh, count = Counter(answers.values()).most_common(1)[0]
-        if 2 * count > len(peers):
+        if 2 * count > len(answers):
             return hsh, [p for p in peers if answers.get(p) == hsh]
     raise StateTransferError(f"no majority of {len(peers)} sources holds one state at revision {revision} "
                              f"({len(answers)} answered, {len(set(answers.values()))} distinct hashes)")
