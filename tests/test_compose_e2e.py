@@ -131,7 +131,8 @@ def test_compose_swarm_trains_replaces_a_killed_worker_and_leaves_nothing():
         compose(engine, "down", "-v", "--remove-orphans", timeout_s=120)
         try:
             t_up = time.monotonic()
-            compose(engine, "up", "-d", "--scale", "node=2", env={"SHOAL_STEPS": "5000"})  # 3 nodes in all
+            # 3 nodes in all; steps paced (0.3 s) so the watch sees both replicas at one step from their status files
+            compose(engine, "up", "-d", "--scale", "node=2", env={"SHOAL_STEPS": "5000", "SHOAL_MIN_STEP_TIME": "0.3"})
             # the run trains: two replicas (the bootstrap holds one), a backup; steps advance, states agree
             watch.until(lambda: len(watch.active()) == 2 and all(st.get("state_hash") for st in watch.active().values()),
                         240, "two replicas training with state hashes")
