@@ -19,8 +19,10 @@ FAST = NodeConfig(status_interval_s=0.5, membership=MembershipConfig(suspect_aft
 
 
 @asynccontextmanager
-async def running_node(join: list[str] = (), config: NodeConfig = FAST, penalties=None):
-    node = Node(replace(config, host=replace(config.host, join=tuple(join))), HW)
+async def running_node(join: list[str] = (), config: NodeConfig = FAST, penalties=None, key=None):
+    """A node running for as long as the block does; `key`: its identity (default: a fresh one)."""
+    node = Node(replace(config, host=replace(config.host, join=tuple(join))), HW,
+                **({"key": key} if key is not None else {}))
     if penalties is not None:
         node.penalties = penalties
     async with trio.open_nursery() as n:

@@ -19,7 +19,7 @@ from shoal.swarm.net.rpc import call
 from shoal.swarm.run.broker import Broker, BrokerConfig
 from shoal.swarm.run.client import RunClient, RunClientConfig
 from shoal.swarm.run.context import RunContext
-from tests.swarm_helpers import FAST, HW
+from tests.swarm_helpers import FAST, HW, running_node
 
 BCFG = BrokerConfig(heartbeat_s=0.25, fail_after_s=2.0, lease_renew_s=0.5, lease_timeout_s=2.5, republish_s=1.0,
                     ping_timeout_s=1.0, dht_timeout_s=1.0)
@@ -35,14 +35,8 @@ def signed_manifest(owner: Ed25519PrivateKey, *, replicas: int = 2, join: JoinPo
 
 @asynccontextmanager
 async def node_with(key: Ed25519PrivateKey | None = None, join: list[str] = ()):
-    node = Node(replace(FAST, host=replace(FAST.host, join=tuple(join))), HW,
-                key=key or Ed25519PrivateKey.generate())
-    async with trio.open_nursery() as n:
-        await n.start(node.run)
-        try:
-            yield node
-        finally:
-            n.cancel_scope.cancel()
+    async with running_node(list(join), key=key or Ed25519PrivateKey.generate()) as node:
+        yield node
 
 
 def run_context(node: Node, m: RunManifest) -> RunContext:

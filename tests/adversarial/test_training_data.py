@@ -31,13 +31,8 @@ def path_manifest(owner: Ed25519PrivateKey, source: str) -> mf.RunManifest:
 @asynccontextmanager
 async def owner_node(key: Ed25519PrivateKey, config):
     """The run's owner, with the identity that signed its manifest."""
-    node = Node(config, HW, key=key)
-    async with trio.open_nursery() as n:
-        await n.start(node.run)
-        try:
-            yield node
-        finally:
-            n.cancel_scope.cancel()
+    async with running_node(list(config.host.join), config, key=key) as node:
+        yield node
 
 
 def by_id(config, run_id: str, data: str | None = None):
