@@ -5,7 +5,7 @@ driven to lie: it signs tables it has no authority for, replays what it captured
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -19,7 +19,7 @@ from shoal.swarm.net.rpc import call
 from shoal.swarm.run.broker import Broker, BrokerConfig
 from shoal.swarm.run.client import RunClient, RunClientConfig
 from shoal.swarm.run.context import RunContext
-from tests.swarm_helpers import FAST, HW, running_node
+from tests.swarm_helpers import HW, running_node
 
 BCFG = BrokerConfig(heartbeat_s=0.25, fail_after_s=2.0, lease_renew_s=0.5, lease_timeout_s=2.5, republish_s=1.0,
                     ping_timeout_s=1.0, dht_timeout_s=1.0)
