@@ -92,7 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the command's own handling took over (imports, argument parsing)
         command = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), "")
         print(f"shoal {command}".strip() + ": interrupted", file=sys.stderr, flush=True)
+        _ignore_further_signals()
         return 130
+
+
+def _ignore_further_signals() -> None:
+    """An interrupted command is on its way out with exit 130: a signal still in flight (one the event loop queued
+    and hands back as it closes, or a second Ctrl+C) must not turn that exit into a death by signal while the
+    interpreter shuts down (it restores the default disposition, which kills)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -131,4 +141,6 @@ def _main(argv: list[str] | None) -> int:
             traceback.print_exception(e, file=sys.stderr)
         logging.getLogger("shoal.cli").info("%s (exit %d)", err.message, err.code)
         print(err.line(prog), file=sys.stderr, flush=True)
+        if err.code is Exit.INTERRUPTED:
+            _ignore_further_signals()
         return int(err.code)
