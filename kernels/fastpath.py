@@ -36,8 +36,8 @@ def _fast_ok(x: torch.Tensor, bits: int, bucket: int, stochastic: bool) -> bool:
         and x.is_cuda
         and not stochastic
         and bits in _FAST.FAST_BITS
-        and bucket >= 8 // bits * 16
-        and bucket & (bucket - 1) == 0
+        and bucket % (8 // bits) == 0  # whole bytes per bucket (AQ-SGD's per-channel buckets are rows x seq)
+        and 8 // bits * 16 <= bucket <= _FAST.MAX_BUCKET
     )
 
 

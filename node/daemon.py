@@ -289,6 +289,9 @@ class Node:
             doc.update(self._last_fields)  # what the last status record said
             doc["refetches"] = self.runtime.refetches
             doc["entries"] = self.runtime.entries[-4:]
+            # the state hashes of the last steps (step -> hash): replicas compare over a window, not one sampled step
+            held = self.runtime.hashes.hashes if self.runtime.hashes is not None else {}
+            doc["recent_hashes"] = {str(k): v for k, v in sorted(held.items())[-16:]}
             doc["warm_revision"] = self.runtime.warm.revision if self.runtime.warm is not None else None
             doc["links"] = self.runtime.link_counters()
         tmp = path.with_name(f".{path.name}.tmp")

@@ -66,6 +66,9 @@ class Watch:
         for name, st in self.last.items():
             if st.get("slot") and st.get("state_hash") and st.get("step"):
                 self.hashes.setdefault(name, {})[st["step"]] = st["state_hash"]
+            if st.get("slot"):  # the status file also lists the hashes of the node's last steps
+                for step, h in (st.get("recent_hashes") or {}).items():
+                    self.hashes.setdefault(name, {})[int(step)] = h
         return self.last
 
     def active(self) -> dict[str, dict]:

@@ -1,4 +1,5 @@
-"""`shoal dash` end to end: a real 3-node swarm, the dashboard under tmux, a node killed."""
+"""`shoal dash` end to end: a real 3-node swarm, the dashboard under tmux, a node killed. Needs tmux (.ci/run installs
+it); without it the test fails with the reason, it never skips."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import pytest
 
 from shoal.node.cli.localswarm import LocalSwarm, LocalSwarmConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _needs_tmux():
+    assert shutil.which("tmux") is not None, "the dashboard test needs tmux (apt-get install tmux)"
 
 
 def short(peer_id: str) -> str:

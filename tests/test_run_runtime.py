@@ -47,6 +47,18 @@ def finished(nodes) -> bool:
     return all(n.runtime is not None and n.runtime.finished.is_set() for n in nodes)
 
 
+def pace_until_entered(nodes, backup, steps: int, step_s: float = 0.05) -> None:
+    """A step takes step_s, as a real model's would; the last 30 steps of the run take 0.3 s each until the promoted
+    backup has entered, so that the run outlasts the swap on a loaded machine too (a slot that could not be entered
+    before the end is counted as done, and the test would then see nothing of the backup)."""
+    def pace(t) -> None:
+        late = t.step_count >= steps - 30 and not backup.runtime.entries
+        time.sleep(0.3 if late else step_s)
+
+    for x in nodes:
+        x.runtime.trainer.before_step_hooks.append(pace)
+
+
 @pytest.mark.parametrize("sync", ["allreduce", "cocktail"])
 async def test_a_replica_off_the_majority_hash_refetches_and_rejoins_it(sync):
     steps = 60
@@ -100,14 +112,16 @@ async def test_a_late_joiner_enters_at_an_agreed_step_with_the_groups_state():
 async def test_a_poisoning_member_is_evicted_and_the_backup_takes_its_slot(sync):
     """NaN updates from one member: the others reject and report them, the broker evicts it on most members'
     word and bans it, the backup is promoted with the group's state, and the run ends bit-identical."""
-    steps = 60
+    steps = 100
     cfg = node_config(manifest(sync), steps)
     async with running_node((), cfg) as first:
         addrs = first.sh.addrs
         async with running_node(addrs, cfg) as second, running_node(addrs, cfg) as bad, \
                 running_node(addrs, cfg) as backup:
-            await wait_for(lambda: all(n.runtime.trainer is not None and n.runtime.trainer.step_count >= 5
-                                       for n in (first, second, bad)), 60, "three replicas to train")
+            await wait_for(lambda: all(n.runtime.trainer is not None for n in (first, second, bad)), 60, "trainers")
+            pace_until_entered((first, second, bad), backup, steps)
+            await wait_for(lambda: all(n.runtime.trainer.step_count >= 5 for n in (first, second, bad)), 60,
+                           "three replicas to train")
             assert backup.runtime.client.role() == "backup"
             bad.runtime.sync.fault = poison("nan")
             broker = first.runtime.broker
@@ -145,8 +159,7 @@ async def test_a_warm_backup_takes_a_dead_members_slot_with_a_short_catch_up(syn
         victim, kill = await n.start(_node, cfg, addrs)
         backup, _ = await n.start(_node, cfg, addrs)
         await wait_for(lambda: all(x.runtime.trainer is not None for x in (first, second, victim)), 60, "trainers")
-        for x in (first, second, victim):  # a step takes 50 ms, as a real model's would: the run outlasts the swap
-            x.runtime.trainer.before_step_hooks.append(lambda t: time.sleep(0.05))
+        pace_until_entered((first, second, victim), backup, steps)
         await wait_for(lambda: backup.runtime.warm is not None and victim.runtime.trainer.step_count >= 10, 60,
                        "a warm copy and training under way")
         kill.cancel()

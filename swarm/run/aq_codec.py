@@ -69,11 +69,17 @@ def _expected(n: int, seq: int, hidden: int, bits: int) -> tuple:
     return ("qb", "float32", (hidden, n * seq), bits, n * seq)
 
 
+def on_codec_device(x: torch.Tensor) -> torch.Tensor:
+    """float32 on CUDA when x is there (Q_b runs on the GPU, bit-identical to the CPU reference), else on the CPU."""
+    x = x.detach()
+    return x.float() if x.is_cuda else x.to("cpu", torch.float32)
+
+
 def encode_group(x: torch.Tensor, bits: int) -> tuple[object, bytes, torch.Tensor]:
     """(tensor header, frame bytes, what the receiver decodes as float32 (n, T, H)) of rows x (n, T, H).
     Raises NonFiniteError for values it cannot carry."""
     n, seq, hidden = x.shape
-    x = x.detach().to("cpu", torch.float32)
+    x = on_codec_device(x)  # a CUDA tensor is quantized and packed where it is (the Triton kernels); only bytes move
     if not bool(torch.isfinite(x).all()):
         raise NonFiniteError("NaN or Inf")
     wire = x if bits == 16 else x.permute(2, 0, 1).reshape(hidden, n * seq)
@@ -82,6 +88,9 @@ def encode_group(x: torch.Tensor, bits: int) -> tuple[object, bytes, torch.Tenso
     header = make_header(e.codec, e.dtype, e.shape, e.bits, e.bucket, e.count, mv)
     head, body = encode_frame(header, mv)
     frame = bytes(head) + bytes(body)
+    if x.is_cuda:  # decoded where it was encoded: the kernels' arithmetic is the CPU reference's, bit for bit
+        dec = _codec(n, seq, bits).decode(e)
+        return header, frame, (dec if bits == 16 else dec.view(hidden, n, seq).permute(1, 2, 0)).contiguous()
     return header, frame, decode_group(frame, n, seq, hidden, bits)
 
 
@@ -121,7 +130,7 @@ def encode_acts(spec: AQSpec, store: LinkStore, ids: list[int], acts: torch.Tens
     """Rows whose sample has a committed row here and is not `busy` (written earlier in this step, not yet
     committed) nor repeated earlier in this micro-batch nor in `force_first` go as Q_fwd(a - m); the rest as first
     visits. A delta whose new m would not be finite in fp16 goes as a first visit instead."""
-    acts = acts.detach().to("cpu", torch.float32)
+    acts = on_codec_device(acts)
     while True:
         seen: set[int] = set()
         base = []
@@ -139,11 +148,11 @@ def encode_acts(spec: AQSpec, store: LinkStore, ids: list[int], acts: torch.Tens
             h, f, dec = encode_group(acts[first], spec.first_bits)
             frames.append(f)
             headers.append(h)
-            out[first] = dec.to(torch.float16)
+            out[first] = dec.to("cpu", torch.float16)
         if delta:
-            m_old = torch.stack([store.get(ids[i]) for i in delta]).float()
+            m_old = torch.stack([store.get(ids[i]) for i in delta]).to(acts.device).float()
             h, f, dec = encode_group(acts[delta] - m_old, spec.fwd_bits)
-            m_new = (m_old + dec).to(torch.float16)
+            m_new = (m_old + dec).to("cpu", torch.float16)
             bad = [delta[k] for k in range(len(delta)) if not bool(torch.isfinite(m_new[k]).all())]
             if bad:
                 force_first = force_first | set(bad)

@@ -18,7 +18,7 @@ from shoal.protocol.lane import (AQ, BWD, DATA_TYPES, FWD, LANE_PROTOCOL, MAX_RE
                                  payload_nbytes)
 from shoal.protocol.schema import WireRecord
 from shoal.swarm.net.framing import close_quietly, read_exactly, read_frame
-from shoal.swarm.run.aq_codec import decode_group, encode_group, group_nbytes
+from shoal.swarm.run.aq_codec import decode_group, encode_group, group_nbytes, on_codec_device
 from shoal.swarm.run.aq_handover import StoreKey
 from shoal.swarm.run.aq_link import AQReceiver, AQSender, link_status, store_config
 from shoal.swarm.run.link_base import (LEN, MAX_CONTROL_BYTES, LaneSpec, LinkCounters, LinkError, Violation,
@@ -127,7 +127,7 @@ class LinkEnd:
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         if kind == AQ:
             aq = self.aq_out
-            acts = acts_BTD.detach().to("cpu", torch.float32)
+            acts = on_codec_device(acts_BTD)  # kept on a CUDA device until committed: no copy to the host
             enc = await self._local(trio.to_thread.run_sync, aq.encode, ids, acts, aq.busy(step, micro))
             await self._send(link, aq.record(step, micro, ids, acts, enc), step, phase, headers=enc.headers,
                              frames=enc.frames)
