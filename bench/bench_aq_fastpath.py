@@ -86,8 +86,8 @@ def main() -> int:
         f"| CUDA, torch reference | {t_ref_gpu * 1e3:.2f} | {t_cpu / t_ref_gpu:.1f}x |",
         f"| CUDA, Triton quantize/pack | {t_fast * 1e3:.2f} | {t_cpu / t_fast:.1f}x |",
         "",
-        "Each encode includes the store reads (CPU, fp16), the move of the old rows to the device, the frame bytes back "
-        "to the host and the sender's own decode of its frame (on the CPU, so that it is the receiver's arithmetic).",
+        "Each encode includes the store reads (CPU, fp16), the move of the old rows to the device, the sender's own "
+        "decode of what it sent (on the device: the new m it commits), the frame bytes and the new rows back to the host.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

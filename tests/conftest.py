@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -49,3 +51,26 @@ def reap_children():
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+CHILD_ENV = "SHOAL_TEST_IN_OWN_PROCESS"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked `own_process` runs in a fresh interpreter (pytest on its node id): in-process multi-node tests
+    share one event loop and its timing with nothing left over from the tests before them (threads, sockets,
+    caches of py-libp2p's). Its assertions are the test's own; a failure shows the child's output."""
+    if pyfuncitem.get_closest_marker("own_process") is None or os.environ.get(CHILD_ENV):
+        return None
+    cfg = pyfuncitem.config
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", pyfuncitem.nodeid]
+    profile = cfg.getoption("hypothesis_profile", None)
+    if profile:
+        cmd.append(f"--hypothesis-profile={profile}")
+    r = subprocess.run(cmd, cwd=cfg.rootpath, env={**os.environ, CHILD_ENV: "1"}, capture_output=True, text=True,
+                       timeout=280)
+    if r.returncode != 0:
+        out = (r.stdout + r.stderr)[-8000:]
+        pytest.fail(f"{pyfuncitem.nodeid} failed in its own process (exit {r.returncode}):\n{out}", pytrace=False)
+    return True

@@ -248,14 +248,17 @@ async def test_three_stage_lane_keeps_both_ends_stores_equal_over_epochs_and_tra
     m = replace(base, data=replace(base.data, train_subset=16), eval=replace(base.eval, every_steps=1000),
                 plan=replace(base.plan, pipeline=replace(base.plan.pipeline, buffer="disk", buffer_cap_mb=1)))
     digests: list[list[bytes]] = []
+    files: list[int] = []
 
     def check(ends) -> None:
         pairs = [(ends[s].aq_out.store.digest(), ends[s + 1].aq_in.store.digest()) for s in range(2)]
         assert all(a == b for a, b in pairs), f"step {len(digests)}: digests differ"
         digests.append([a for a, _ in pairs])
+        files.append(len(list(tmp_path.glob("*.fp16"))))
 
     losses, ends = await train_lane_over_links(m, steps, check_each_step=check, buffer_dir=str(tmp_path))
-    assert len(list(tmp_path.glob("*.fp16"))) == 4  # one file per link end
+    assert files == [4] * steps  # one file per link end while the lane trains
+    assert list(tmp_path.glob("*.fp16")) == []  # and none once the links are closed
     for s in range(2):
         out, inn = ends[s].aq_out, ends[s + 1].aq_in
         assert len(out.store) == 16 and out.store.snapshot() == inn.store.snapshot()

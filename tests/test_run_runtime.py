@@ -19,7 +19,7 @@ from shoal.swarm.run.client import RunClientConfig
 from tests.faults import poison
 from tests.swarm_helpers import FAST, running_node, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.own_process, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def manifest(sync: str, replicas: int = 3) -> mf.RunManifest:

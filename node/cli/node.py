@@ -325,7 +325,8 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
                            device_free_bytes=free, threads=args.threads, max_steps=args.steps, data=args.data,
                            round_timeout_s=args.round_timeout,
                            broker=BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after),
-                           backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time)
+                           backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time,
+                           aq_buffer_dir=str(shoal_home() / "aq"))
     except ValueError as e:
         raise CliError(str(e)) from None
     if manifest is not None:

@@ -31,6 +31,7 @@ class RunConfig:
     leave_timeout_s: float = 3.0  # a leave notice to the broker gives up after this long
     snapshot_every_steps: int = 50  # besides the steps joiners need, a fresh snapshot for backups this often
     min_step_s: float = 0.0  # pace: every step takes at least this long (a slower model, emulated for tests/benches)
+    aq_buffer_dir: str | None = None  # AQ-SGD disk buffers (manifest buffer = "disk"); None: the temp directory
     broker: BrokerConfig = field(default_factory=BrokerConfig)  # when this node hosts (or takes over) the broker
     client: RunClientConfig = field(default_factory=RunClientConfig)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from typing import Any
 
 import trio
@@ -391,13 +392,18 @@ class RunRuntime:
         t, m = self.trainer, self.manifest
         spec = LaneSpec.from_manifest(m, stage=t.stage, lane=t.replica, prev_peer=peers[0], next_peer=peers[1],
                                       train_samples=t.train_samples.num_samples,
-                                      eval_samples=t.heldout_samples.num_samples)
+                                      eval_samples=t.heldout_samples.num_samples, buffer_dir=self._aq_buffer_dir())
         self._lane_end = self._hub.open(spec)
         self._lane_peers = peers
         await self._lane_end.adopt(step)  # AQ-SGD: a replacement pulls its links' stores from the survivors
         t.boundary = BlockingLinkEnd(self._lane_end, self._token)
         log.info("lane %d stage %d links: previous %s, next %s", t.replica, t.stage,
                  (peers[0] or "-")[-8:], (peers[1] or "-")[-8:])
+
+    def _aq_buffer_dir(self) -> str | None:
+        """This run's AQ-SGD disk buffers: under the node's configured folder (its data directory), by run."""
+        base = self.config.aq_buffer_dir
+        return None if base is None else os.path.join(base, self.manifest.run_id[:16])
 
     async def _close_lane(self) -> None:
         end, self._lane_end, self._lane_peers = self._lane_end, None, None

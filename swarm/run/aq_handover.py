@@ -72,7 +72,14 @@ class AQStores:
 
     def drop(self, key: StoreKey) -> None:
         """Forget a store (this node left that link position)."""
-        self._stores.pop(key, None)
+        st = self._stores.pop(key, None)
+        if st is not None:
+            st.close()
+
+    def close(self) -> None:
+        """Every store closed (the node's links are over): disk buffers leave nothing behind."""
+        for key in list(self._stores):
+            self.drop(key)
 
     def _at(self, revision: int) -> Snapshot | None:
         """Every store that is at `revision` (no row newer), as a snapshot the state server can cut by prefix."""

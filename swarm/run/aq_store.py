@@ -10,6 +10,7 @@ file mapped into memory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
@@ -157,6 +158,13 @@ class LinkStore:
         except ValueError:
             self.clear()
             raise
+
+    def close(self) -> None:
+        """The link end is over: a disk store's file is removed (its mapping stays readable until the store is
+        dropped, so nothing is left on disk however the node ends its links)."""
+        if self._disk is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.fspath(self.config.disk_path))
 
     def clear(self) -> None:
         self._versions.clear()

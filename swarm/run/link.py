@@ -126,6 +126,7 @@ async def open_link_hub(sh: SwarmHost, penalties: Penalties, config: LinkConfig 
             with trio.CancelScope(shield=True), trio.move_on_after(5):
                 for end in list(hub._ends):
                     await end.aclose()
+            hub.aq_stores.close()
             nursery.cancel_scope.cancel()
 
 
