@@ -87,3 +87,45 @@ def test_a_killed_middle_stage_is_replaced_by_a_backup_that_pulls_both_stores(tm
         assert last["loss"] is not None and last["loss"] < 5.0
     finally:
         s.stop()
+
+
+def test_both_ends_of_a_link_killed_restart_it_empty_and_it_converges(tmp_path):
+    """SIGKILL of the stage-0 and stage-1 nodes of one lane at once: the backups of stages 0 and 1 take both slots;
+    link b0 of that lane has two new ends, so it starts empty (nobody holds its store) and fills again with first
+    visits; link b1's store is pulled from the surviving stage 2; both links' ends agree again and the lane trains."""
+    run = write_run(tmp_path / "w")
+    s = make_swarm(tmp_path, 8, run, 400)  # 3 stages x 2 lanes + backups of stages 0 and 1
+    try:
+        s.start()
+        wait(lambda: len(active(s)) == 6 and min(r.get("step") or 0 for r in active(s)) >= 8, 240,
+             "training to get going (4 epochs of each lane's 16 samples)", s)
+        # the lane whose stage 0 is not node 0 (the run owner's node hosts the broker)
+        lane = next(r["slot"][-2:] for r in active(s) if stage_of(r) == 0 and r["index"] != 0)
+        victims = [r for r in active(s) if r["slot"].endswith(lane) and stage_of(r) in (0, 1)]
+        assert len(victims) == 2 and all(v["index"] != 0 for v in victims), victims
+        wait(lambda: ends_agree(s, lane, 6), 30, "both links' ends to publish equal digests", s)
+        backups = {r.get("warm_stage"): r for r in s.summary() if r.get("role") == "backup"}
+        assert {0, 1} <= set(backups), [(r["index"], r.get("role"), r.get("warm_stage")) for r in s.summary()]
+        for v in victims:
+            s.nodes[v["index"]].proc.send_signal(signal.SIGKILL)
+        want = {f"s{st}{lane}": backups[st]["index"] for st in (0, 1)}
+        wait(lambda: all(any(r["index"] == i and r.get("slot") == slot for r in active(s)) for slot, i in want.items()),
+             90, "the backups of stages 0 and 1 to take both slots", s)
+        at = max(r.get("step") or 0 for r in active(s))
+        wait(lambda: len(active(s)) == 6 and min(r.get("step") or 0 for r in active(s)) > at + 4, 120,
+             "both lanes training again", s)
+        wait(lambda: ends_agree(s, lane, at + 2), 30, "both links' ends to agree after the restart", s)
+        logs = {st: Path(s.nodes[backups[st]["index"]].log_file).read_text() for st in (0, 1)}
+        empty_b0 = [ln for txt in logs.values() for ln in txt.splitlines()
+                    if re.search(r"AQ-SGD store \S+-b0-\w+.*the link starts empty", ln)]
+        assert empty_b0, logs[0][-2000:] + logs[1][-2000:]
+        pulled = re.findall(r"AQ-SGD store \S+-b(\d)-(\w+): (\d+) rows pulled from", logs[1])
+        assert ("1", "sender") in {(b, side) for b, side, _ in pulled}, logs[1][-3000:]
+        ends = link_ends(s, lane)
+        assert ends["b0/fwd", "sender"]["node"] == backups[0]["index"]
+        assert ends["b0/fwd", "receiver"]["node"] == ends["b1/fwd", "sender"]["node"] == backups[1]["index"]
+        assert ends["b0/fwd", "sender"]["rows"] > 0  # refilled by first visits since the restart
+        last = next(r for r in active(s) if stage_of(r) == 2 and r["slot"].endswith(lane))
+        assert last["loss"] is not None and last["loss"] < 5.0
+    finally:
+        s.stop()

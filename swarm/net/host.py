@@ -36,6 +36,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+class _Pubsub(Pubsub):
+    """py-libp2p's pubsub with an idempotent teardown of a blacklisted peer: its own teardown awaits the stream's
+    reset and then deletes the peer, which raises KeyError (and takes the whole host down) when the peer's
+    connection closed meanwhile and pubsub already removed it. A banned peer must not be able to crash a node."""
+
+    async def _teardown_if_connected(self, peer_id) -> None:
+        stream = self.peers.get(peer_id)
+        if stream is not None:
+            try:
+                await stream.reset()
+            except Exception:  # noqa: BLE001 - a stream already gone is what we wanted
+                pass
+            self.peers.pop(peer_id, None)
+        self._forget_all_subscriptions(peer_id)
+
+
 # py-libp2p's yamux by default also releases receive credit on reads its go-yamux-like rule would defer: a
 # WINDOW_UPDATE frame (a packet, and an acknowledgement back) on nearly every read. Off, it sends about a third as
 # many (measured: bench/results/network/overhead.md). The library reads this knob from the environment only.
@@ -318,7 +335,7 @@ async def open_host(key: Ed25519PrivateKey, config: HostConfig) -> AsyncIterator
                 time_to_live=30,
             )
             _guard_dht(dht)
-            pubsub = Pubsub(host, router, strict_signing=True, seen_ttl=60)
+            pubsub = _Pubsub(host, router, strict_signing=True, seen_ttl=60)
             await stack.enter_async_context(background_trio_service(dht))
             await stack.enter_async_context(background_trio_service(pubsub))
             await stack.enter_async_context(background_trio_service(router))
