@@ -45,15 +45,34 @@ def link_ends(s, lane: str) -> dict[tuple[str, str], dict]:
     return out
 
 
-def ends_agree(s, lane: str, after: int) -> bool:
-    """Both ends of both links of `lane` report their digests after the same step (> after), and they are equal."""
+def ends_agree(s, lane: str, after: int, seen: list | None = None) -> bool:
+    """Both ends of both links of `lane` report their digests after the same step (> after), and they are equal.
+    `seen` collects the mismatches met on the way: pipeline.md rule 4 lets a step aborted after the receiver
+    decoded leave the two ends apart until rule 3 (NACK, resend in full) repairs the rows at their next visit."""
     ends = link_ends(s, lane)
     for link in ("b0/fwd", "b1/fwd"):
         a, b = ends.get((link, "sender")), ends.get((link, "receiver"))
         if a is None or b is None or a.get("step") is None or a.get("step") != b.get("step") or a["step"] <= after:
             return False
-        assert a["digest"] == b["digest"], (link, a, b)
+        if a["digest"] != b["digest"]:
+            if seen is not None:
+                seen.append((link, a["step"], a["digest"], b["digest"]))
+            return False
     return True
+
+
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def churn_after(s, stamp: str) -> list[str]:
+    """Log lines of any node, later than `stamp`, that tell of a step given up or a lane link lost."""
+    out = []
+    for n in s.nodes:
+        for ln in Path(n.log_file).read_text().splitlines():
+            m = STAMP.match(ln)
+            if m and m.group(1) > stamp and re.search(r"aborted|given up| lost: ", ln):
+                out.append(ln)
+    return out
 
 
 def test_a_killed_middle_stage_is_replaced_by_a_backup_that_pulls_both_stores(tmp_path):
@@ -65,7 +84,9 @@ def test_a_killed_middle_stage_is_replaced_by_a_backup_that_pulls_both_stores(tm
              "training to get going (4 epochs of each lane's 16 samples)", s)
         victim = next(r for r in active(s) if stage_of(r) == 1 and r["index"] != 0)
         lane = victim["slot"][-2:]
-        wait(lambda: ends_agree(s, lane, 6), 30, "both links' ends to publish equal digests", s)
+        before: list = []
+        wait(lambda: ends_agree(s, lane, 6, before), 30, "both links' ends to publish equal digests", s)
+        assert before == []  # no churn yet: the two ends agree after every step
         backups = [r for r in s.summary() if r.get("role") == "backup" and r.get("warm_stage") == 1]
         assert backups, [(r["index"], r.get("role"), r.get("slot"), r.get("warm_stage")) for r in s.summary()]
         backup = backups[0]
@@ -75,14 +96,16 @@ def test_a_killed_middle_stage_is_replaced_by_a_backup_that_pulls_both_stores(tm
         at = max(r.get("step") or 0 for r in active(s))
         wait(lambda: len(active(s)) == 6 and min(r.get("step") or 0 for r in active(s)) > at + 4, 120,
              "both lanes training again", s)
-        wait(lambda: ends_agree(s, lane, at + 2), 30, "both links' ends to agree after the hand-over", s)
+        wait(lambda: ends_agree(s, lane, at + 2), 60, "both links' ends to agree after the hand-over", s)
         log = Path(s.nodes[backup["index"]].log_file).read_text()
         pulled = re.findall(r"AQ-SGD store \S+-b(\d)-(\w+): (\d+) rows pulled from \S+ at revision (\d+)", log)
         assert {(b, side) for b, side, _, _ in pulled} == {("0", "receiver"), ("1", "sender")}, log[-3000:]
         assert all(int(n) > 0 for _, _, n, _ in pulled)
         ends = link_ends(s, lane)
         assert ends["b0/fwd", "receiver"]["node"] == ends["b1/fwd", "sender"]["node"] == backup["index"]
-        assert all(e["nacks"] == 0 for e in ends.values()), ends  # the pulled stores matched: no row was NACKed
+        # the pulled stores matched: no row was NACKed, unless a step was given up after the hand-over (rule 4)
+        pulled_at = STAMP.match([ln for ln in log.splitlines() if "rows pulled from" in ln][-1]).group(1)
+        assert all(e["nacks"] == 0 for e in ends.values()) or churn_after(s, pulled_at), ends
         last = next(r for r in active(s) if stage_of(r) == 2 and r["slot"].endswith(lane))
         assert last["loss"] is not None and last["loss"] < 5.0
     finally:
@@ -114,7 +137,7 @@ def test_both_ends_of_a_link_killed_restart_it_empty_and_it_converges(tmp_path):
         at = max(r.get("step") or 0 for r in active(s))
         wait(lambda: len(active(s)) == 6 and min(r.get("step") or 0 for r in active(s)) > at + 4, 120,
              "both lanes training again", s)
-        wait(lambda: ends_agree(s, lane, at + 2), 30, "both links' ends to agree after the restart", s)
+        wait(lambda: ends_agree(s, lane, at + 2), 60, "both links' ends to agree after the restart", s)
         logs = {st: Path(s.nodes[backups[st]["index"]].log_file).read_text() for st in (0, 1)}
         empty_b0 = [ln for txt in logs.values() for ln in txt.splitlines()
                     if re.search(r"AQ-SGD store \S+-b0-\w+.*the link starts empty", ln)]
