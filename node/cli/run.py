@@ -122,7 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--first-visit-bits", type=int, default=8, metavar="B",
                    help="AQ-SGD: bits of a sample's first visit on a link, 16 = fp16 (default: %(default)s)")
     p.add_argument("--aq-buffer", choices=("memory", "disk"), default="memory",
-                   help="AQ-SGD: where each link end keeps its buffer (default: %(default)s)")
+                   help="AQ-SGD: where each link end keeps its buffer; disk: one file per link end under "
+                        "$SHOAL_HOME/aq/RUN/, removed when the node's links close (default: %(default)s)")
     p.add_argument("--aq-buffer-cap-mb", type=int, default=4096, metavar="MB",
                    help="AQ-SGD: buffer cap per link end (default: %(default)s)")
     p.add_argument("--train-subset", type=int, default=0, metavar="N",
