@@ -243,11 +243,16 @@ async def test_silent_member_misses_the_deadline_and_the_round_completes_without
     assert trio.current_time() - t0 < 30
 
 
+@pytest.mark.own_process
 @pytest.mark.parametrize("method", list(METHODS))
 async def test_an_honest_spike_is_clipped_not_punished(method):
-    """30x the others' size sits between the clip (4x) and reject (1000x) factors: scaled down, nobody penalized."""
+    """A spike of 10x its own size puts a member's chunks between the clip (4x) and reject (1000x) factors of the
+    chunk's median: scaled down, nobody penalized. (10x, not more: the reference is per chunk, and in a chunk of
+    embedding rows an honest member whose batch holds tokens the others' lack already sits about 50x above the
+    median, measured here; a 30x spike then crossed the reject line in 2 of 3 runs. A generous deadline and a
+    process of its own: a member missing a deadline on a loaded machine is not what this test is about.)"""
     steps = 8
-    reps, ids = await run_group(method_manifest(method, steps), steps, timeout_s=5.0, faults={0: spike(30.0)})
+    reps, ids = await run_group(method_manifest(method, steps), steps, timeout_s=20.0, faults={0: spike(10.0)})
     for r in reps:
         assert not r.offenders and not r.missing
         assert not any(r.pen.is_banned(p) for p in ids)
