@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -75,13 +76,22 @@ def churn_after(s, stamp: str) -> list[str]:
     return out
 
 
-def test_a_killed_middle_stage_is_replaced_by_a_backup_that_pulls_both_stores(tmp_path):
-    run = write_run(tmp_path / "w")
-    s = make_swarm(tmp_path, 8, run, 400)  # 3 stages x 2 lanes + backups of stages 0 and 1
+@contextmanager
+def training_swarm(tmp_path: Path):
+    """8 node processes: 3 stages x 2 lanes and backups of stages 0 and 1, trained past 4 epochs of each lane's 16
+    samples; stopped on the way out."""
+    s = make_swarm(tmp_path, 8, write_run(tmp_path / "w"), 400)
     try:
         s.start()
         wait(lambda: len(active(s)) == 6 and min(r.get("step") or 0 for r in active(s)) >= 8, 240,
              "training to get going (4 epochs of each lane's 16 samples)", s)
+        yield s
+    finally:
+        s.stop()
+
+
+def test_a_killed_middle_stage_is_replaced_by_a_backup_that_pulls_both_stores(tmp_path):
+    with training_swarm(tmp_path) as s:
         victim = next(r for r in active(s) if stage_of(r) == 1 and r["index"] != 0)
         lane = victim["slot"][-2:]
         before: list = []
@@ -108,20 +118,13 @@ def test_a_killed_middle_stage_is_replaced_by_a_backup_that_pulls_both_stores(tm
         assert all(e["nacks"] == 0 for e in ends.values()) or churn_after(s, pulled_at), ends
         last = next(r for r in active(s) if stage_of(r) == 2 and r["slot"].endswith(lane))
         assert last["loss"] is not None and last["loss"] < 5.0
-    finally:
-        s.stop()
 
 
 def test_both_ends_of_a_link_killed_restart_it_empty_and_it_converges(tmp_path):
     """SIGKILL of the stage-0 and stage-1 nodes of one lane at once: the backups of stages 0 and 1 take both slots;
     link b0 of that lane has two new ends, so it starts empty (nobody holds its store) and fills again with first
     visits; link b1's store is pulled from the surviving stage 2; both links' ends agree again and the lane trains."""
-    run = write_run(tmp_path / "w")
-    s = make_swarm(tmp_path, 8, run, 400)  # 3 stages x 2 lanes + backups of stages 0 and 1
-    try:
-        s.start()
-        wait(lambda: len(active(s)) == 6 and min(r.get("step") or 0 for r in active(s)) >= 8, 240,
-             "training to get going (4 epochs of each lane's 16 samples)", s)
+    with training_swarm(tmp_path) as s:
         # the lane whose stage 0 is not node 0 (the run owner's node hosts the broker)
         lane = next(r["slot"][-2:] for r in active(s) if stage_of(r) == 0 and r["index"] != 0)
         victims = [r for r in active(s) if r["slot"].endswith(lane) and stage_of(r) in (0, 1)]
@@ -150,5 +153,3 @@ def test_both_ends_of_a_link_killed_restart_it_empty_and_it_converges(tmp_path):
         assert ends["b0/fwd", "sender"]["rows"] > 0  # refilled by first visits since the restart
         last = next(r for r in active(s) if stage_of(r) == 2 and r["slot"].endswith(lane))
         assert last["loss"] is not None and last["loss"] < 5.0
-    finally:
-        s.stop()

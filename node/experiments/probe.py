@@ -137,19 +137,20 @@ def verify(topo: Topology, config: ProbeConfig = ProbeConfig()) -> list[ProbeRes
         for i, rate, src, dst, ip in jobs:
             if rate is None:
                 one(i, src, dst, ip)
-        for i, rate, src, dst, ip in jobs:
+
+        def result(i, rate) -> ProbeResult:
             m = measured.get(i)
             if not isinstance(m, float):
                 raise NetnsError(f"probe of node {i} {direction}: {m or 'no answer'}")
-            r = _check(i, direction, rate, m, config)
+            return _check(i, direction, rate, m, config)
+
+        for i, rate, src, dst, ip in jobs:
+            r = result(i, rate)
             if not r.ok and rate is not None:  # one more try, alone: a probe that shared the CPU can read low
                 log.info("probe node %d %s: %.1f Mbit/s (expected %s): measuring again, alone", i, direction,
                          r.measured_mbit, r.expected_mbit)
                 one(i, src, dst, ip)
-                again = measured.get(i)
-                if not isinstance(again, float):
-                    raise NetnsError(f"probe of node {i} {direction}: {again or 'no answer'}")
-                r = _check(i, direction, rate, again, config)
+                r = result(i, rate)
             results.append(r)
     for r in results:
         log.info("probe node %d %s: %.1f Mbit/s (expected %s) %s", r.node, r.direction, r.measured_mbit,

@@ -87,11 +87,11 @@ def encode_group(x: torch.Tensor, bits: int) -> tuple[object, bytes, torch.Tenso
     mv = e.payload_bytes()
     header = make_header(e.codec, e.dtype, e.shape, e.bits, e.bucket, e.count, mv)
     head, body = encode_frame(header, mv)
-    frame = bytes(head) + bytes(body)
-    if x.is_cuda:  # decoded where it was encoded: the kernels' arithmetic is the CPU reference's, bit for bit
-        dec = _codec(n, seq, bits).decode(e)
-        return header, frame, (dec if bits == 16 else dec.view(hidden, n, seq).permute(1, 2, 0)).contiguous()
-    return header, frame, decode_group(frame, n, seq, hidden, bits)
+    # decoded from what was just encoded, where it was encoded: the frame carries these very bytes, and the CUDA
+    # kernels' arithmetic is the CPU reference's bit for bit, so this is what the receiver's decode_group gives
+    dec = _codec(n, seq, bits).decode(e)
+    dec = dec if bits == 16 else dec.view(hidden, n, seq).permute(1, 2, 0)
+    return header, bytes(head) + bytes(body), dec.contiguous()
 
 
 def decode_group(buf: bytes, n: int, seq: int, hidden: int, bits: int) -> torch.Tensor:
