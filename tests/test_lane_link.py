@@ -194,6 +194,28 @@ async def test_deadlines_dial_failures_and_refusals_raise_link_error():
         assert e.value.cause == LinkError.DIAL and e.value.peer == ghost
 
 
+async def test_a_replacement_that_dials_before_the_survivor_moved_is_refused_unpenalized_then_served():
+    """A promoted backup may dial a surviving neighbour whose end of the link still names the peer it replaces
+    (the survivor has not reached the step of the new table yet): that is refused without a strike, and the dial
+    succeeds once the survivor opens its end to the replacement, within the dial deadline."""
+    async with AsyncExitStack() as stack:
+        lenient = replace(FAST, dial_timeout_s=5.0)
+        (old, survivor, new), pens, hubs = await chain(stack, 3, config=lenient)
+        await new.connect(survivor.addrs[0])
+        stale = hubs[1].open(spec(1, [old.peer_id, survivor.peer_id]))
+        fresh = hubs[2].open(spec(0, [new.peer_id, survivor.peer_id]))
+        got: list = []
+        async with trio.open_nursery() as n:
+            n.start_soon(lambda: fresh.send_act(0, 0, list(range(B)), acts(0, 0)))
+            await trio.sleep(1.0)  # the replacement dials and is refused, more than once
+            assert not pens[1].reasons(new.peer_id) and not pens[1].is_banned(new.peer_id)
+            await stale.aclose()
+            moved = hubs[1].open(spec(1, [new.peer_id, survivor.peer_id]))
+            got.append(await moved.recv_act(0, 0))
+        assert torch.equal(got[0][1], acts(0, 0))
+        assert not pens[1].reasons(new.peer_id)
+
+
 async def test_an_abort_reaches_the_neighbour_at_once():
     async with AsyncExitStack() as stack:
         hosts, _, hubs = await chain(stack, 2)
@@ -264,12 +286,15 @@ FAULTS = {
     "wrong run": ({"run": "x" * 64}, None, "wrong run", False),
     "unknown lane": ({"lane": 7}, None, "unknown lane or boundary", False),
     "unknown boundary": ({"boundary": 5}, None, "unknown lane or boundary", False),
+    "hello naming other peers": ({"peers": "swapped"}, None, "names other peers", False),
 }
 
 
 async def hostile_dial(attacker, victim: str, hello: dict, payload: bytes | None) -> None:
     stream = await attacker.open_stream(victim, LANE_PROTOCOL)
     h = {"run": RUN, "boundary": 0, "lane": 0, "direction": FWD, "peers": (attacker.peer_id, victim), **hello}
+    if h["peers"] == "swapped":
+        h["peers"] = (victim, attacker.peer_id)
     await stream.write(frame(encode_message(LinkHello(**h))))
     if payload is not None:
         await read_frame(stream, 1024)  # the first credit

@@ -48,12 +48,15 @@ def finished(nodes) -> bool:
 
 
 def pace_until_entered(nodes, backup, steps: int, step_s: float = 0.05) -> None:
-    """A step takes step_s, as a real model's would; the last 30 steps of the run take 0.3 s each until the promoted
-    backup has entered, so that the run outlasts the swap on a loaded machine too (a slot that could not be entered
-    before the end is counted as done, and the test would then see nothing of the backup)."""
+    """A step takes step_s, as a real model's would; from step 10 on (the tests' faults come at steps 5-10) a step
+    takes 0.3 s, and the last 20 steps 0.6 s, until the promoted backup has entered, so that the run outlasts the
+    failure detection (fail_after_s 8 s) and the swap on a loaded machine too: about 30 s of margin (a slot that could
+    not be entered before the end is counted as done, and the test would then see nothing of the backup)."""
     def pace(t) -> None:
-        late = t.step_count >= steps - 30 and not backup.runtime.entries
-        time.sleep(0.3 if late else step_s)
+        if backup.runtime.entries or t.step_count < 10:
+            time.sleep(step_s)
+        else:
+            time.sleep(0.6 if t.step_count >= steps - 20 else 0.3)
 
     for x in nodes:
         x.runtime.trainer.before_step_hooks.append(pace)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -51,8 +52,25 @@ def wait(pred, timeout_s: float, what: str, s: LocalSwarm) -> float:
         if pred():
             return time.monotonic() - t0
         time.sleep(0.2)
-    rows = [{k: r.get(k) for k in ("index", "role", "slot", "step", "state", "state_hash", "error")} for r in s.summary()]
-    raise AssertionError(f"timed out after {timeout_s} s: {what}\n{json.dumps(rows, indent=1)}")
+    rows = [json.dumps({k: r.get(k) for k in ("index", "role", "slot", "step", "state", "state_hash", "error")})
+            for r in s.summary()]
+    raise AssertionError(f"timed out after {timeout_s} s: {what}\n" + "\n".join(rows) + "\n" + log_tails(s))
+
+
+def log_tails(s: LocalSwarm, lines: int = 6, width: int = 220) -> str:
+    """The last warnings and lane events of each node's log, one line each, cut to `width`: what a CI report shows
+    of a failure."""
+    out = []
+    for i, n in enumerate(s.nodes):
+        try:
+            text = Path(n.log_file).read_text(errors="replace").splitlines()
+        except OSError as e:
+            out.append(f"node {i}: no log ({e})")
+            continue
+        worth = [ln for ln in text if re.search(r" (WARNING|ERROR) shoal|Traceback| entered | links: |aborted", ln)]
+        worth = worth[-lines:]
+        out += [f"node {i}: {ln[:width]}" for ln in worth]
+    return "\n".join(out)
 
 
 def done(s: LocalSwarm, steps: int, replicas: int) -> bool:

@@ -8,8 +8,11 @@ import pytest
 import torch
 import trio
 
+from shoal.node.run.votes import HashVotes
 from shoal.protocol.wire import pack
 from shoal.swarm.net.framing import read_frame, write_frame
+from shoal.swarm.net.rpc import RpcError
+from shoal.swarm.run.group import Group
 from shoal.swarm.state.snapshot import Snapshot, StateTransferError, flatten_state, state_hash, unflatten_state
 from shoal.swarm.state.transfer import STATE_PROTOCOL, StateServer, StateTransferConfig, pull_state
 from shoal.swarm.state.vote import agreed, holder
@@ -193,6 +196,29 @@ def test_the_agreed_hash_is_a_strict_majority_or_a_deterministic_choice_once_eve
     # the same answer whatever the order of the votes
     assert agreed(dict(reversed(list(votes.items()))), 3) == "h1"
     assert holder({"c": "h1", "b": "h1", "a": "h2"}, "h1") == "b"
+
+
+@pytest.mark.parametrize("third", ["holds none", "silent"])
+async def test_a_member_that_holds_no_state_at_the_vote_step_has_no_say(third):
+    """Two members that differ, and a third still entering the group (it answers that it holds no state at that
+    step): the split of the two is decided at once (the third could not enter while they differ). A third that does
+    not answer at all still counts against every hash: no decision."""
+    me, b, c = "a" * 8, "b" * 8, "c" * 8
+    mine = {5: "zz", 6: "zz", 7: "zz"}
+    answers = {b: {5: "aa"}, c: {}}
+
+    async def call(peer: str, method: str, step):
+        assert method == "run.hash_at"
+        if peer == c and third == "silent":
+            raise RpcError("no answer")
+        return {"hash": answers[peer].get(step)}
+
+    votes = HashVotes(me, call)
+    for step, h in mine.items():
+        votes.record(step, h)
+    g = Group(run_id="r" * 64, epoch=1, members=(me, b, c), me=me)
+    src = await votes.vote(g)  # at step 7 - VOTE_LAG_STEPS = 5
+    assert src == (b if third == "holds none" else None)
 
 
 async def test_a_partial_pull_carries_only_the_asked_tensors_and_completes_from_a_base():

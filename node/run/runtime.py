@@ -17,6 +17,7 @@ import contextlib
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -204,14 +205,18 @@ class RunRuntime:
         return {"ok": True, "step": self.at_step}
 
     async def pull_revision(self, revision: int, peers: list[str], *, only: tuple[str, ...] | None = None,
-                            agree_on: tuple[str, ...] | None = None) -> Snapshot:
+                            agree_on: tuple[str, ...] | None = None,
+                            wanted: Callable[[], bool] | None = None) -> Snapshot:
         """Pull exactly `revision` (or, with `only`, those tensors of it) from one of `peers` (live ones first),
         waiting while none has reached it. With `agree_on`, only a state whose part under those prefixes a strict
-        majority of the live peers hold, from a random one of them (swarm/state/agreed.py)."""
+        majority of the live peers hold, from a random one of them (swarm/state/agreed.py). `wanted`: asked before
+        every retry; once False the pull is given up (the slot it was for has changed)."""
         deadline = trio.current_time() + self.config.state_pull_timeout_s
         attempt = StateTransferConfig(timeout_s=min(self.config.state_pull_attempt_s, self.config.state_pull_timeout_s))
         last = None
         while trio.current_time() < deadline:
+            if last is not None and wanted is not None and not wanted():
+                raise StateTransferError(f"revision {revision} is no longer wanted (this node's slot changed): {last}")
             live = {e.peer_id for e in self.node.membership.live_peers()}
             if agree_on is not None:
                 try:
@@ -235,7 +240,8 @@ class RunRuntime:
         raise StateTransferError(f"no peer served revision {revision} within {self.config.state_pull_timeout_s} s: "
                                  f"{last}")
 
-    async def _pull_group_state(self, revision: int, peers: list[str]) -> tuple[Snapshot, int]:
+    async def _pull_group_state(self, revision: int, peers: list[str],
+                                wanted: Callable[[], bool] | None = None) -> tuple[Snapshot, int]:
         """The state to load at `revision`, and the bytes pulled for it. A backup with a warm copy pulls only what
         the synchronizer keeps bit-identical across the group, plus whatever the copy lacks (a copy taken before
         the first step has no optimizer state), and takes the rest from the copy: a short catch-up. Otherwise the
@@ -243,19 +249,19 @@ class RunRuntime:
         keys, warm = self.sync.group_state, self.snapshots.warm
         agree_on = keys or AGREED_DEFAULT  # what every replica holds bit-identical: the majority's is pulled
         if keys is not None and warm is not None:
-            part = await self.pull_revision(revision, peers, only=keys, agree_on=agree_on)
+            part = await self.pull_revision(revision, peers, only=keys, agree_on=agree_on, wanted=wanted)
             pulled, extra = part.nbytes, []
             missing = part.missing(warm)
             ask = tuple(sorted(missing)) if len(missing) <= MAX_PREFIXES else \
                 tuple(sorted({"/" + name.split("/")[1] + "/" for name in missing}))  # a name is its own prefix
             if missing and len(ask) <= MAX_PREFIXES:
-                extra.append(await self.pull_revision(revision, peers, only=ask))
+                extra.append(await self.pull_revision(revision, peers, only=ask, wanted=wanted))
                 pulled += extra[0].nbytes
             try:
                 return await trio.to_thread.run_sync(lambda: part.merged(warm, *extra)), pulled
             except StateTransferError as e:
                 log.info("the warm copy does not complete revision %d (%s): pulling all of it", revision, e)
-        snap = await self.pull_revision(revision, peers, agree_on=agree_on)
+        snap = await self.pull_revision(revision, peers, agree_on=agree_on, wanted=wanted)
         return snap, snap.nbytes
 
     async def _load(self, snap: Snapshot) -> None:
@@ -337,7 +343,15 @@ class RunRuntime:
             peers = [m for m in (t.members(stage) if t else ()) if m != me]
         t0 = self.clock()
         log.info("entering the group at step %d: pulling that revision from %s", step, [p[-8:] for p in peers])
-        snap, pulled = await self._pull_group_state(step, peers)
+        try:
+            snap, pulled = await self._pull_group_state(step, peers,
+                                                        wanted=lambda: self.schedule.entry() == (step, stage, replica))
+        except StateTransferError as e:  # no majority state to enter with (the replicas differ until their vote
+            # settles it), or the slot changed: wait for the broker's next table and try its entry then
+            log.warning("could not enter the group at step %d: %s", step, e)
+            self.state = "ready"
+            await self._wait_for_table(READY_POLL_S)
+            return
         await self._load(snap)
         took = self.clock() - t0
         self.entries.append({"step": step, "bytes_pulled": pulled, "state_bytes": snap.nbytes,

@@ -53,8 +53,9 @@ class HashVotes:
                 return True
         return False
 
-    async def gather(self, group: Group, step: int) -> dict[str, str]:
-        """Every member's state hash at `step` (ours included; members that do not hold it yet are absent)."""
+    async def gather(self, group: Group, step: int, abstained: set[str] | None = None) -> dict[str, str]:
+        """Every member's state hash at `step` (ours included; members that do not hold it yet are absent, and
+        those that answered that they hold none are added to `abstained`)."""
         votes = {self.me: self.hashes[step]}
 
         async def ask(peer: str) -> None:
@@ -66,6 +67,8 @@ class HashVotes:
             h = ans.get("hash") if isinstance(ans, dict) else None
             if isinstance(h, str) and 0 < len(h) <= 2 * HASH_CHARS:
                 votes[peer] = h
+            elif isinstance(ans, dict) and "hash" in ans and h is None and abstained is not None:
+                abstained.add(peer)
 
         async with trio.open_nursery() as n:
             for peer in group.members:
@@ -88,13 +91,19 @@ class HashVotes:
         return holder(votes, top)
 
     async def vote(self, group: Group | None) -> str | None:
-        """Vote at one recent step every member holds (members run in lockstep, within a step of each other)."""
+        """Vote at one recent step every member holds (members run in lockstep, within a step of each other).
+        A member that answers that it holds no state at that step (one still entering the group, or that entered
+        later) has no say: counting it against every hash would leave two members that differ undecided for as
+        long as it cannot enter, and it cannot enter while they differ (an entry loads only what a majority of
+        its sources hold)."""
         if group is None or group.size < MIN_VOTERS or not self.hashes:
             return None
         step = max(self.hashes) - VOTE_LAG_STEPS
         if step not in self.hashes:
             return None
-        return self.source(group, step, await self.gather(group, step))
+        abstained: set[str] = set()
+        votes = await self.gather(group, step, abstained)
+        return self.source(group, step, votes, voters=group.size - len(abstained))
 
     async def rpc_hash_at(self, caller: str, body: Any) -> Any:
         if not isinstance(body, int) or isinstance(body, bool) or body < 0:

@@ -97,14 +97,18 @@ class LinkHub:
             return
         found = self._inbound.get((hello.run, hello.boundary, hello.lane, hello.direction))
         plausible = self._plausible(hello)
-        if found is None and plausible:  # our end of it is not open (yet): the dialer retries, no penalty
-            log.info("lane link b%d/%s lane %d from %s refused: not open here", hello.boundary, hello.direction,
-                     hello.lane, peer)
-            await _refuse(stream, "this link is not open here")
+        if plausible and hello.peers == (peer, self.sh.peer_id) and (found is None or found[1].peer != peer):
+            # our end of it is not open (yet), or still open to the neighbour the dialer replaces (a promoted
+            # backup may dial before this node has moved to the table that names it): the dialer retries until
+            # its dial deadline, no penalty (an honest replacement must not be banned for being early)
+            why = "not open here" if found is None else "open here to another peer (yet)"
+            log.info("lane link b%d/%s lane %d from %s refused: %s", hello.boundary, hello.direction, hello.lane,
+                     peer, why)
+            await _refuse(stream, f"this link is {why}")
             return
-        if found is None or found[1].peer != peer or hello.peers != (peer, self.sh.peer_id):
-            why = ("wrong run" if plausible is None else "unknown lane or boundary" if found is None
-                   else "not the peer this link expects")
+        if found is None or found[1].peer != peer or hello.peers != (peer, self.sh.peer_id):  # not honest
+            why = ("wrong run" if plausible is None else "unknown lane or boundary" if not plausible
+                   else "the hello names other peers than the stream's")
             self.penalties.penalize(peer, f"lane link: hello for run {hello.run[:16]} b{hello.boundary}/"
                                           f"{hello.direction} lane {hello.lane}: {why}")
             await reset_quietly(stream)
