@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -94,6 +97,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shoal {command}".strip() + ": interrupted", file=sys.stderr, flush=True)
         _ignore_further_signals()
         return 130
+
+
+def run() -> None:
+    """The `shoal` process: `main`, then exit with its status. An interrupted command leaves at once with 130
+    after the interpreter's exit handlers (logs flushed, network namespaces torn down): a full interpreter
+    shutdown after an interrupt could still end as a death by SIGINT (-2) on a loaded machine, which tells a
+    script that calls shoal something else than "interrupted"."""
+    code = main()
+    if code == 130:
+        _ignore_further_signals()
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            for f in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    f.flush()
+            os._exit(code)
+    sys.exit(code)
 
 
 def _ignore_further_signals() -> None:

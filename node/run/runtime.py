@@ -498,10 +498,18 @@ class RunRuntime:
         if g is not None and g.size >= MIN_VOTERS:
             self.state = "syncing"
             votes: dict[str, str] = {}
+            abstained: set[str] = set()  # at the last gather: members that hold no final state (one that never
+            #                              entered): after the wait they have no say, as in a vote during the run
             with trio.move_on_after(self.config.final_check_s):
-                while len(votes := await self.hashes.gather(g, final_rev)) < len(self._voters(g)):
+                while True:
+                    none: set[str] = set()
+                    got = await self.hashes.gather(g, final_rev, none)
+                    votes, abstained = got, none
+                    if len(votes) >= len(self._voters(g)):
+                        break
                     await trio.sleep(FINAL_POLL_S)  # the others are still on their last steps
-            src = self.hashes.source(g, final_rev, votes, voters=len(self._voters(g))) if votes else None
+            voters = self._voters(g) - abstained
+            src = self.hashes.source(g, final_rev, votes, voters=len(voters)) if votes else None
             if src is not None:
                 await self._load(await self.pull_revision(final_rev, [src]))
                 self.refetches += 1
