@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def run() -> None:
+def entry() -> None:
     """The `shoal` process: `main`, then exit with its status. An interrupted command leaves at once with 130
     after the interpreter's exit handlers (logs flushed, network namespaces torn down): a full interpreter
     shutdown after an interrupt could still end as a death by SIGINT (-2) on a loaded machine, which tells a
