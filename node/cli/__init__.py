@@ -105,8 +105,7 @@ def entry() -> None:
     shutdown after an interrupt could still end as a death by SIGINT (-2) on a loaded machine, which tells a
     script that calls shoal something else than "interrupted"."""
     code = main()
-    if code == 130:
-        _ignore_further_signals()
+    if code == 130:  # main already ignores further signals on this path
         try:
             atexit._run_exitfuncs()
         finally:

@@ -498,13 +498,11 @@ class RunRuntime:
         if g is not None and g.size >= MIN_VOTERS:
             self.state = "syncing"
             votes: dict[str, str] = {}
-            abstained: set[str] = set()  # at the last gather: members that hold no final state (one that never
-            #                              entered): after the wait they have no say, as in a vote during the run
+            abstained: set[str] = set()  # members that hold no final state (one that never entered): after the
+            #                              wait they have no say, as in a vote during the run
             with trio.move_on_after(self.config.final_check_s):
                 while True:
-                    none: set[str] = set()
-                    got = await self.hashes.gather(g, final_rev, none)
-                    votes, abstained = got, none
+                    votes, abstained = await self.hashes.gather(g, final_rev)
                     if len(votes) >= len(self._voters(g)):
                         break
                     await trio.sleep(FINAL_POLL_S)  # the others are still on their last steps

@@ -53,10 +53,10 @@ class HashVotes:
                 return True
         return False
 
-    async def gather(self, group: Group, step: int, abstained: set[str] | None = None) -> dict[str, str]:
-        """Every member's state hash at `step` (ours included; members that do not hold it yet are absent, and
-        those that answered that they hold none are added to `abstained`)."""
-        votes = {self.me: self.hashes[step]}
+    async def gather(self, group: Group, step: int) -> tuple[dict[str, str], set[str]]:
+        """Every member's state hash at `step` (ours included; members that do not hold it yet are absent), and
+        the members that answered that they hold none."""
+        votes, abstained = {self.me: self.hashes[step]}, set()
 
         async def ask(peer: str) -> None:
             try:
@@ -67,14 +67,14 @@ class HashVotes:
             h = ans.get("hash") if isinstance(ans, dict) else None
             if isinstance(h, str) and 0 < len(h) <= 2 * HASH_CHARS:
                 votes[peer] = h
-            elif isinstance(ans, dict) and "hash" in ans and h is None and abstained is not None:
+            elif isinstance(ans, dict) and "hash" in ans and h is None:
                 abstained.add(peer)
 
         async with trio.open_nursery() as n:
             for peer in group.members:
                 if peer != self.me:
                     n.start_soon(ask, peer)
-        return votes
+        return votes, abstained
 
     def source(self, group: Group, step: int, votes: dict[str, str], *, voters: int | None = None) -> str | None:
         """A peer holding the agreed hash at `step`, when ours is not it (None: we hold it, or none is agreed yet).
@@ -101,8 +101,7 @@ class HashVotes:
         step = max(self.hashes) - VOTE_LAG_STEPS
         if step not in self.hashes:
             return None
-        abstained: set[str] = set()
-        votes = await self.gather(group, step, abstained)
+        votes, abstained = await self.gather(group, step)
         return self.source(group, step, votes, voters=group.size - len(abstained))
 
     async def rpc_hash_at(self, caller: str, body: Any) -> Any:

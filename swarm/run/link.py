@@ -97,7 +97,8 @@ class LinkHub:
             return
         found = self._inbound.get((hello.run, hello.boundary, hello.lane, hello.direction))
         plausible = self._plausible(hello)
-        if plausible and hello.peers == (peer, self.sh.peer_id) and (found is None or found[1].peer != peer):
+        honest = plausible and hello.peers == (peer, self.sh.peer_id)
+        if honest and (found is None or found[1].peer != peer):
             # our end of it is not open (yet), or still open to the neighbour the dialer replaces (a promoted
             # backup may dial before this node has moved to the table that names it): the dialer retries until
             # its dial deadline, no penalty (an honest replacement must not be banned for being early)
@@ -106,7 +107,7 @@ class LinkHub:
                      peer, why)
             await _refuse(stream, f"this link is {why}")
             return
-        if found is None or found[1].peer != peer or hello.peers != (peer, self.sh.peer_id):  # not honest
+        if not honest:
             why = ("wrong run" if plausible is None else "unknown lane or boundary" if not plausible
                    else "the hello names other peers than the stream's")
             self.penalties.penalize(peer, f"lane link: hello for run {hello.run[:16]} b{hello.boundary}/"
