@@ -47,16 +47,24 @@ def finished(nodes) -> bool:
     return all(n.runtime is not None and n.runtime.finished.is_set() for n in nodes)
 
 
-def pace_until_entered(nodes, backup, steps: int, step_s: float = 0.05) -> None:
-    """A step takes step_s, as a real model's would; from step 10 on (the tests' faults come at steps 5-10) a step
-    takes 0.3 s, and the last 20 steps 0.6 s, until the promoted backup has entered, so that the run outlasts the
-    failure detection (fail_after_s 8 s) and the swap on a loaded machine too: about 30 s of margin (a slot that could
-    not be entered before the end is counted as done, and the test would then see nothing of the backup)."""
+def pace_until_entered(nodes, backup, steps: int, step_s: float = 0.05, margin_s: float = 75.0) -> None:
+    """A step takes step_s, as a real model's would; from step 10 on (the tests' faults come at steps 5-10) the
+    steps left are spread over `margin_s` of wall time until the promoted backup has entered, so that the run
+    outlasts the failure detection (fail_after_s 8 s), the pull and the swap however loaded the machine is (a slot
+    that could not be entered before the end is counted as done, and the test would then see nothing of the
+    backup). Once the backup has entered, steps take step_s again. The margin is wall time, not a count of steps:
+    a step count gave ~27 s, which a loaded CI machine once used up before the backup entered."""
+    since: list[float] = []
+
     def pace(t) -> None:
         if backup.runtime.entries or t.step_count < 10:
             time.sleep(step_s)
-        else:
-            time.sleep(0.6 if t.step_count >= steps - 20 else 0.3)
+            return
+        now = time.monotonic()
+        if not since:
+            since.append(now)
+        left_s = since[0] + margin_s - now
+        time.sleep(max(0.3, left_s / max(1, steps - t.step_count)))
 
     for x in nodes:
         x.runtime.trainer.before_step_hooks.append(pace)

@@ -365,6 +365,7 @@ class Broker:
                 del self.slots[key]
                 self._group_changed(key[0])
                 if not self._promote_into(key, peer_id):
+                    log.warning("no backup of stage %d can fill %s; the group shrinks", key[0], slot_name(*key))
                     self._empty_since.setdefault(key, self.clock())
         if self.standby == peer_id:
             self.standby = None
@@ -403,7 +404,6 @@ class Broker:
     def _promote_into(self, key: tuple[int, int], failed: str) -> bool:
         b = self._best_backup(key)
         if b is None:
-            log.warning("no backup of stage %d can fill %s; the group shrinks", key[0], slot_name(*key))
             return False
         self.slots[key] = b.peer_id
         b.state = ACTIVE
