@@ -71,6 +71,15 @@ def pytest_pyfunc_call(pyfuncitem):
     r = subprocess.run(cmd, cwd=cfg.rootpath, env={**os.environ, CHILD_ENV: "1"}, capture_output=True, text=True,
                        timeout=280)
     if r.returncode != 0:
-        out = (r.stdout + r.stderr)[-8000:]
-        pytest.fail(f"{pyfuncitem.nodeid} failed in its own process (exit {r.returncode}):\n{out}", pytrace=False)
+        pytest.fail(f"{pyfuncitem.nodeid} failed in its own process (exit {r.returncode}):\n"
+                    f"{_failure_excerpt(r.stdout + r.stderr)}", pytrace=False)
     return True
+
+
+def _failure_excerpt(out: str, head: int = 6000, tail: int = 3000) -> str:
+    """The child's traceback (the start of its FAILURES section, which captured library chatter can push far from
+    the end) and the end of its output."""
+    at = out.find("= FAILURES =")
+    if at < 0 or len(out) - at <= head + tail:
+        return out[-(head + tail):]
+    return f"{out[at:at + head]}\n[…]\n{out[-tail:]}"
