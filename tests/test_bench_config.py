@@ -1,4 +1,5 @@
-"""`shoal bench convergence`'s settings: the variants it runs and the settings it refuses, before any training."""
+"""The benchmarks' settings: `shoal bench convergence`'s variants and refusals, `shoal bench network`'s workload
+manifests, before any training."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 import pytest
 
 from shoal.node.experiments.convergence import BenchConfig, variants
+from shoal.node.experiments.workloads import workload
 
 
 def test_each_cocktail_setting_is_a_variant_after_the_controls():
@@ -29,3 +31,14 @@ def test_the_command_line_explains_a_bad_cocktail_setting(arg, message):
     out = subprocess.run([sys.executable, "-m", "shoal.node.cli", "bench", "convergence", "--cocktail", arg],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_a_pipeline_workload_takes_the_presets_width_with_more_layers():
+    w = workload("pipeline-aqsgd")
+    m = w.manifest(size="tiny", nodes=2, steps=60, lr=3e-3, eval_every=10, layers=4)
+    default = w.manifest(size="tiny", nodes=2, steps=60, lr=3e-3, eval_every=10)
+    assert (m.model.n_layers, m.model.d_model) == (4, default.model.d_model) and default.model.n_layers == 2
+    assert m.plan.stages == 2 and m.plan.pipeline.compression == "aqsgd"
+    assert m.batch.batch_size // m.batch.micro_batch_size == 8  # M = 4 x S micro-batches
+    with pytest.raises(ValueError, match="1 layers do not split into 2 stages"):
+        w.manifest(size="tiny", nodes=2, steps=60, lr=3e-3, eval_every=10, layers=1)

@@ -86,12 +86,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "(per node and direction) for each scenario, then unshaped (the limit), and "
                                    "hivemind on the same links. Needs root. Writes JSON and Markdown.",
                        epilog="scenarios: " + ", ".join(_scenario_names()) + ". workloads: allreduce, "
-                              "allreduce-fp16, cocktail, diloco-e3m0, streaming-diloco (pipeline-fp32, "
-                              "pipeline-aqsgd once S=2 runs)")
+                              "allreduce-fp16, cocktail, diloco-e3m0, streaming-diloco, pipeline-fp32, "
+                              "pipeline-aqsgd (S=2, one lane per 2 nodes)")
     n.add_argument("--scenario", default="home-100", help="comma-separated scenario names or JSON files")
     n.add_argument("--sync", default="cocktail,allreduce", help="comma-separated workloads")
     n.add_argument("--baseline", default="", help="hivemind: also train with hivemind (default averaging and 8-bit)")
     n.add_argument("--size", default="tiny", choices=("tiny", "small"), help="model preset (default: %(default)s)")
+    n.add_argument("--layers", type=int, default=None,
+                   help="the preset's width with this many layers (default: the preset's own; tiny has 2)")
     n.add_argument("--nodes", type=int, default=4, help="nodes, each in its own namespace (default: %(default)s)")
     n.add_argument("--steps", type=int, default=None, help="steps per segment at most (tiny 120, small 6)")
     n.add_argument("--window", default=None, metavar="A,B",
@@ -370,7 +372,7 @@ def network(args: argparse.Namespace) -> int:
     window = args.window or ("2,5" if small else "20,80")
     try:
         w0, w1 = (int(x) for x in window.split(","))
-        seg = SegmentConfig(size=args.size, nodes=args.nodes, max_steps=steps, window_steps=(w0, min(w1, steps)),
+        seg = SegmentConfig(size=args.size, layers=args.layers, nodes=args.nodes, max_steps=steps, window_steps=(w0, min(w1, steps)),
                             target_loss=None if args.no_target else args.target_loss if args.target_loss is not None
                             else None if small else 2.8,
                             eval_every=10, lr=args.lr, status_interval_s=args.status_interval,

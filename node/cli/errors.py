@@ -20,7 +20,6 @@ class Exit(IntEnum):
     NO_DEVICE = 9  # the asked-for device (cuda, mps) is not available
     DOES_NOT_FIT = 10  # the run's stage does not fit in the device's free memory
     ADDRESS_IN_USE = 11  # the --listen port is taken
-    UNSUPPORTED_PLAN = 12  # a plan this version cannot train (compressed activations between pipeline stages)
     INTERRUPTED = 130  # Ctrl+C (or SIGTERM/SIGHUP) before the node was up
 
 
@@ -37,8 +36,6 @@ HINTS: dict[Exit, str] = {
     Exit.NO_DEVICE: "use --device auto or cpu (shoal doctor lists the devices torch sees)",
     Exit.DOES_NOT_FIT: "free memory on the device, use a bigger one, or join a run with a smaller model",
     Exit.ADDRESS_IN_USE: "choose another port in --listen, or port 0 for any free one",
-    Exit.UNSUPPORTED_PLAN: "this version of shoal sends activations between pipeline stages uncompressed; create "
-                           "the run with --pipeline-compression none",
 }
 
 #: exception classes (module.qualname, anywhere in the exception's MRO) that are expected errors, by exit status;
@@ -53,7 +50,6 @@ EXPECTED: dict[str, Exit] = {
     "shoal.node.train.device.DeviceUnavailable": Exit.NO_DEVICE,
     "shoal.node.run.preflight.DoesNotFit": Exit.DOES_NOT_FIT,
     "shoal.swarm.net.listen.AddressInUse": Exit.ADDRESS_IN_USE,
-    "shoal.node.run.preflight.UnsupportedPlan": Exit.UNSUPPORTED_PLAN,
 }
 
 
@@ -131,6 +127,5 @@ _COMMENTS: dict[Exit, str] = {
     Exit.NO_DEVICE: "the device asked for (--device cuda, mps) is not available",
     Exit.DOES_NOT_FIT: "the run's model does not fit in the device's free memory",
     Exit.ADDRESS_IN_USE: "the --listen port is already in use",
-    Exit.UNSUPPORTED_PLAN: "a plan this version does not train (compressed activations between pipeline stages)",
     Exit.INTERRUPTED: "interrupted (Ctrl+C, SIGTERM or SIGHUP) before the node was up",
 }

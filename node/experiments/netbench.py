@@ -136,7 +136,7 @@ def _config_dict(c: NetBenchConfig) -> dict:
     return {"scenarios": list(c.scenarios), "workloads": list(c.workloads), "baselines": list(c.baselines),
             "hivemind_compressions": list(c.hivemind_compressions), "limit": c.limit, "prefix": c.prefix,
             "budget_s": c.budget_s,
-            "segment": {"size": s.size, "nodes": s.nodes, "max_steps": s.max_steps, "window_steps": list(s.window_steps),
+            "segment": {"size": s.size, "layers": s.layers, "nodes": s.nodes, "max_steps": s.max_steps, "window_steps": list(s.window_steps),
                         "target_loss": s.target_loss, "eval_every": s.eval_every, "lr": s.lr,
                         "time_limit_s": s.time_limit_s, "status_interval_s": s.status_interval_s,
                         "gone_after_s": s.gone_after_s, "round_timeout_s": s.round_timeout_s}}

@@ -69,7 +69,7 @@ def markdown(doc: dict) -> str:
            f"Machine: {doc['machine']}. Whole run: {doc['wall_s']:.0f} s.", "",
            f"Each segment: {s['nodes']} `shoal node` processes (all active replicas, no backup), each in its own "
            f"network namespace on a bridge that lives in a switch namespace, links shaped with tbf on both veth ends; "
-           f"the `{s['size']}` model, lr {s['lr']}, eval every {s['eval_every']} steps, at most {s['max_steps']} "
+           f"the `{s['size']}` model{_layers(s)}, lr {s['lr']}, eval every {s['eval_every']} steps, at most {s['max_steps']} "
            f"steps or {s['time_limit_s']:.0f} s of training; status every {s['status_interval_s']} s "
            f"(the node's default). Throughput, bytes and CPU are measured from step {s['window_steps'][0]} to "
            f"step {s['window_steps'][1]} (past start-up and CocktailSGD's warm-up). Each shaping was checked by a "
@@ -173,3 +173,8 @@ def targets(rows: list[dict]) -> list[str]:
             out.append(f"cocktail on {r['scenario']}: wire bytes {r['wire_over_payload']:.2f}x payload "
                        f"(target <= 1.2x): {'met' if r['wire_over_payload'] <= 1.2 else 'NOT met'}")
     return out
+
+
+def _layers(segment: dict) -> str:
+    """' with N layers' when the run overrode the preset's layer count (older results carry no such field)."""
+    return f" with {segment['layers']} layers" if segment.get("layers") else ""

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SegmentConfig:
     size: str = "tiny"
+    layers: int | None = None  # the preset's own layer count unless set
     nodes: int = 4
     max_steps: int = 150  # synchronized steps (hivemind: epochs) at most
     window_steps: tuple[int, int] = (20, 80)
@@ -55,7 +56,7 @@ def shoal_segment(topo: Topology, workload: Workload, cfg: SegmentConfig, workdi
 
     workdir.mkdir(parents=True, exist_ok=True)
     m = workload.manifest(size=cfg.size, nodes=cfg.nodes, steps=cfg.max_steps, lr=cfg.lr, eval_every=cfg.eval_every,
-                          seed=cfg.seed).signed(load_or_create_identity(workdir / "node0.key"))
+                          seed=cfg.seed, layers=cfg.layers).signed(load_or_create_identity(workdir / "node0.key"))
     (workdir / "run.toml").write_text(m.to_toml())
     extra = ("--run", str(workdir / "run.toml"), "--threads", "1", "--round-timeout", str(cfg.round_timeout_s),
              "--steps", str(cfg.max_steps))
@@ -80,7 +81,7 @@ def hivemind_segment(topo: Topology, python: str, settings: HivemindSettings, wo
     optimizer, evaluation); its own averaging replaces the synchronizer."""
     workdir.mkdir(parents=True, exist_ok=True)
     m = workload.manifest(size=cfg.size, nodes=cfg.nodes, steps=cfg.max_steps, lr=cfg.lr, eval_every=cfg.eval_every,
-                          seed=cfg.seed)
+                          seed=cfg.seed, layers=cfg.layers)
     (workdir / "run.toml").write_text(m.to_toml())
     swarm = HivemindSwarm(python=python, topo=topo, nodes=cfg.nodes, workdir=workdir, manifest=workdir / "run.toml",
                           steps=cfg.max_steps, settings=settings, time_limit_s=cfg.time_limit_s + 60,

@@ -2,8 +2,7 @@
 
 A workload is data: the run's parallel plan and synchronizer settings, the rest of the manifest shared by all
 (model size, batch, optimizer, evaluation), so every workload of a run trains the same model on the same data.
-Pipeline runs plug in as workloads with `stages=2` and a `pipeline` spec; they run once the runtime serves S > 1
-(until then their nodes report the runtime's refusal, and the result row says so).
+Pipeline runs are workloads with `stages=2` and a `pipeline` spec (fp32 activations, or AQ-SGD).
 """
 
 from __future__ import annotations
@@ -35,10 +34,15 @@ class Workload:
         return nodes // self.stages
 
     def manifest(self, *, size: str, nodes: int, steps: int, lr: float, eval_every: int, seed: int = 0,
-                 warmup_steps: int = 10) -> mf.RunManifest:
+                 warmup_steps: int = 10, layers: int | None = None) -> mf.RunManifest:
         """The run: `nodes` nodes, all of them active (S stages x D replicas), no backups; a pipeline splits each
-        step into M = 4 x S micro-batches (pipeline.md "Schedule")."""
+        step into M = 4 x S micro-batches (pipeline.md "Schedule"). `layers`: the preset's width with this many
+        layers instead of its own."""
         extra = {}
+        if layers is not None:
+            if layers < self.stages:
+                raise ValueError(f"{self.name}: {layers} layers do not split into {self.stages} stages")
+            extra["model"] = mf.ModelSpec.preset(size, n_layers=layers)
         if self.stages > 1:
             b = mf.RunManifest.default(size).batch
             extra["batch"] = mf.BatchSpec(batch_size=b.batch_size, micro_batch_size=max(

@@ -1,7 +1,4 @@
-"""What a node checks before it asks for a place in a run: a plan this version trains, a stage that fits its device.
-
-`check_plan` is the one place that refuses plans this version cannot train (none at the moment: pipelines train with
-and without AQ-SGD)."""
+"""What a node checks before it asks for a place in a run: data it may read, a stage that fits its device."""
 
 from __future__ import annotations
 
@@ -16,15 +13,11 @@ if TYPE_CHECKING:
 
 
 class RunError(RuntimeError):
-    """The run cannot go on on this node (e.g. a plan this version cannot train); the message says why."""
+    """The run cannot go on on this node (e.g. no stage fits its device); the message says why."""
 
 
 class UnknownRun(RunError, ConnectionError):
     """No joined peer knows the run (its manifest or its broker)."""
-
-
-class UnsupportedPlan(RunError):
-    """A run this version of shoal cannot train."""
 
 
 class DoesNotFit(RunError):
@@ -62,10 +55,6 @@ def data_source(manifest: RunManifest, config: RunConfig) -> str:
     return src
 
 
-def check_plan(manifest: RunManifest) -> None:
-    """Raise UnsupportedPlan for a plan this version cannot train (every valid manifest trains now)."""
-
-
 def stage_need(manifest: RunManifest, device: str, stage: int = 0) -> StageMemory:
     """The memory estimate for training `stage` of the run on `device` (16-bit activations on CUDA)."""
     from shoal.node.train.memory import stage_memory
@@ -84,9 +73,8 @@ def check_fits(manifest: RunManifest, device: str, free_bytes: int | None, stage
 
 
 def preflight(manifest: RunManifest, config: RunConfig) -> StageMemory:
-    """Raise UnsupportedPlan, or DoesNotFit when no stage of the run fits this node's device (the broker places a
+    """Raise DoesNotFit when no stage of the run fits this node's device (the broker places a
     node only in a stage it has the memory for); else the estimate for the smallest stage."""
-    check_plan(manifest)
     needs = [stage_need(manifest, config.device, s) for s in range(manifest.plan.stages)]
     smallest = min(range(len(needs)), key=lambda s: needs[s].total_bytes)
     return check_fits(manifest, config.device, config.device_free_bytes, stage=smallest)
