@@ -149,7 +149,7 @@ async def test_killed_active_node_is_replaced_by_a_backup():
         assert t.standby == c.node.peer_id
         await wait_for(lambda: b.client.table.version == t.version, 5, "the broker's client")
         assert c.client.group().members == tuple(sorted([bid, c.node.peer_id]))
-        assert b.broker.promotions[-1][1:] == ("s0r1", a.node.peer_id, c.node.peer_id)
+        assert b.broker.seating.promotions[-1][1:] == ("s0r1", a.node.peer_id, c.node.peer_id)
         print(f"promotion after kill: {took:.2f} s (fail_after_s={BCFG.fail_after_s})")
         assert time.monotonic() - t0 < BCFG.fail_after_s + 3
         n.cancel_scope.cancel()

@@ -85,7 +85,7 @@ async def test_a_silent_member_is_suspect_after_three_beats_and_failed_after_fai
     assert b.providers[a].state == ACTIVE
     check_at(0.01)
     assert b.providers[a].state == GONE and b.table.slot_of(backup) == (0, 0)
-    assert b.promotions[-1][1:] == ("s0r0", a, backup)
+    assert b.seating.promotions[-1][1:] == ("s0r0", a, backup)
 
 
 async def test_a_straggler_moves_to_the_pool_on_its_third_miss_within_the_window_and_is_held_there():
@@ -136,7 +136,7 @@ async def test_lanes_fill_busiest_stage_first_and_backups_fill_only_their_stage(
     b.renew_lease()  # (its lease loop renews meanwhile)
     b.touch(s0), b.touch(b0)
     b.check_liveness()
-    assert b.dissolved == 1 and b.table.slot_of(s0) is None and b.table.backup_stage(s0) == 0
+    assert b.seating.dissolved == 1 and b.table.slot_of(s0) is None and b.table.backup_stage(s0) == 0
 
 
 async def test_the_broker_loop_fails_a_silent_member_at_fail_after_s_in_virtual_time(autojump_clock):

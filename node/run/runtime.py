@@ -16,14 +16,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-from collections.abc import Callable
 from typing import Any
 
 import trio
 
 from shoal.node.run.config import RunConfig
+from shoal.node.run.lanes import StageLinks
 from shoal.node.run.preflight import UnknownRun, data_source, preflight
+from shoal.node.run.pulls import StatePulls
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Throughput
 from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
@@ -42,19 +42,15 @@ from shoal.swarm.run.client import RunClient, fetch_table
 from shoal.swarm.run.collective import Collective
 from shoal.swarm.run.collective_gate import CollectiveGate
 from shoal.swarm.run.group import Group
-from shoal.swarm.run.link import BlockingLinkEnd, LaneSpec, LinkConfig, LinkEnd, LinkHub, open_link_hub
-from shoal.swarm.run.schedule import GroupSchedule, lane_peers
-from shoal.swarm.state.agreed import pull_agreed
+from shoal.swarm.run.link import LinkConfig, open_link_hub
+from shoal.swarm.run.schedule import GroupSchedule
 from shoal.swarm.state.snapshot import Snapshot
-from shoal.swarm.state.transfer import (MAX_PREFIXES, StateServer, StateTransferConfig, StateTransferError,
-                                        pull_state)
+from shoal.swarm.state.transfer import StateServer, StateTransferError
 
 log = logging.getLogger(__name__)
 
 READY_POLL_S = 1.0  # a node waiting for a slot (or a backup) re-checks the table at least this often
 START_POLL_S = 0.5  # a new run's first members re-check whether the group is full this often
-AGREED_DEFAULT = ("/model/",)  # a synchronizer keeping everything identical: agree on the parameters at least
-PULL_RETRY_S = 0.2  # entering a group: the pause between rounds of pull attempts while no peer has the revision
 FINAL_POLL_S = 0.5  # the end of a run: the pause between asks for the group's final hashes
 VOTE_EXTRA_STEPS = 2  # after a vote, the next one waits the switch lead plus this many steps
 
@@ -76,6 +72,7 @@ class RunRuntime:
         self.sync: Synchronizer | None = None
         self.schedule: GroupSchedule | None = None
         self.snapshots = SnapshotStore(every_steps=config.snapshot_every_steps)
+        self.pulls = StatePulls(node, config, self.snapshots)
         self.hashes: HashVotes | None = None
         self.throughput: Throughput | None = None
         self.entries: list[dict[str, Any]] = []  # each time this node entered a group: step, bytes, seconds
@@ -91,10 +88,7 @@ class RunRuntime:
         self._abandoned: dict[int, int] = {}  # stage -> the newest group epoch this node left when counted failed
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
-        self._hub: LinkHub | None = None  # a pipeline stage's lane links (several stages only)
-        self._lane_end: LinkEnd | None = None
-        self._lane_peers: tuple[str | None, str | None] | None = None
-        self._link_bytes_closed = [0, 0]  # (sent, received) on lane links closed since the start
+        self.links: StageLinks | None = None  # a pipeline stage's links to its lane neighbours (several stages)
         self._lane_broken_at: int | None = None  # the step at which this stage's lane failed, until re-formed
         self._lane_report_at = 0.0
 
@@ -123,10 +117,8 @@ class RunRuntime:
                 fields["loss"] = loss if loss is not None and math.isfinite(loss) else None
                 fields["tokens_per_s"] = round(self.throughput.tokens_per_s(self.last.tokens_per_s), 1)
             fields["eval_loss"] = t.last_eval_loss
-        if self._lane_end is not None or any(self._link_bytes_closed):
-            fields["link_bytes_sent"], fields["link_bytes_recv"] = self.link_bytes()
-        if self._lane_end is not None:
-            fields["lane_links"] = self._lane_end.link_statuses()
+        if self.links is not None:
+            fields.update(self.links.status_fields())
         if s is not None:
             hashes = self.hashes.hashes
             # the hash recorded with the step published (once done, the final state's)
@@ -140,15 +132,7 @@ class RunRuntime:
 
     def link_counters(self) -> dict[str, Any]:
         """This stage's current lane links ("b0/fwd"...): the neighbour and the messages and bytes each way."""
-        return self._lane_end.counters() if self._lane_end is not None else {}
-
-    def link_bytes(self) -> tuple[int, int]:
-        """Wire bytes (sent, received) on this stage's lane links since the start."""
-        sent, recv = self._link_bytes_closed
-        if self._lane_end is not None:
-            for c in self._lane_end.counters().values():
-                sent, recv = sent + c["sent"]["wire_bytes"], recv + c["recv"]["wire_bytes"]
-        return sent, recv
+        return self.links.counters() if self.links is not None else {}
 
     # -- groups by step ------------------------------------------------------------------------------------
     def _on_table(self, table: AssignmentTable) -> None:
@@ -204,66 +188,6 @@ class RunRuntime:
         self.snapshots.request(body)
         return {"ok": True, "step": self.at_step}
 
-    async def pull_revision(self, revision: int, peers: list[str], *, only: tuple[str, ...] | None = None,
-                            agree_on: tuple[str, ...] | None = None,
-                            wanted: Callable[[], bool] | None = None) -> Snapshot:
-        """Pull exactly `revision` (or, with `only`, those tensors of it) from one of `peers` (live ones first),
-        waiting while none has reached it. With `agree_on`, only a state whose part under those prefixes a strict
-        majority of the live peers hold, from a random one of them (swarm/state/agreed.py). `wanted`: asked before
-        every retry; once False the pull is given up (the slot it was for has changed)."""
-        deadline = trio.current_time() + self.config.state_pull_timeout_s
-        attempt = StateTransferConfig(timeout_s=min(self.config.state_pull_attempt_s, self.config.state_pull_timeout_s))
-        last = None
-        while trio.current_time() < deadline:
-            if last is not None and wanted is not None and not wanted():
-                raise StateTransferError(f"revision {revision} is no longer wanted (this node's slot changed): {last}")
-            live = {e.peer_id for e in self.node.membership.live_peers()}
-            if agree_on is not None:
-                try:
-                    return await pull_agreed(self.node.sh, [p for p in peers if p in live or last is None],
-                                             revision=revision, agree_on=agree_on, only=only, config=attempt,
-                                             penalties=self.node.penalties)
-                except StateTransferError as e:
-                    last = e
-                    log.debug("revision %d: %s", revision, e)
-                await trio.sleep(PULL_RETRY_S)
-                continue
-            for p in sorted(peers, key=lambda p: p not in live):
-                if p not in live and last is not None:
-                    continue  # a silent peer gets one try, then only live ones
-                try:
-                    return await pull_state(self.node.sh, p, revision=revision, config=attempt, only=only)
-                except StateTransferError as e:
-                    last = e
-                    log.debug("revision %d from %s: %s", revision, p, e)
-            await trio.sleep(PULL_RETRY_S)
-        raise StateTransferError(f"no peer served revision {revision} within {self.config.state_pull_timeout_s} s: "
-                                 f"{last}")
-
-    async def _pull_group_state(self, revision: int, peers: list[str],
-                                wanted: Callable[[], bool] | None = None) -> tuple[Snapshot, int]:
-        """The state to load at `revision`, and the bytes pulled for it. A backup with a warm copy pulls only what
-        the synchronizer keeps bit-identical across the group, plus whatever the copy lacks (a copy taken before
-        the first step has no optimizer state), and takes the rest from the copy: a short catch-up. Otherwise the
-        whole state."""
-        keys, warm = self.sync.group_state, self.snapshots.warm
-        agree_on = keys or AGREED_DEFAULT  # what every replica holds bit-identical: the majority's is pulled
-        if keys is not None and warm is not None:
-            part = await self.pull_revision(revision, peers, only=keys, agree_on=agree_on, wanted=wanted)
-            pulled, extra = part.nbytes, []
-            missing = part.missing(warm)
-            ask = tuple(sorted(missing)) if len(missing) <= MAX_PREFIXES else \
-                tuple(sorted({"/" + name.split("/")[1] + "/" for name in missing}))  # a name is its own prefix
-            if missing and len(ask) <= MAX_PREFIXES:
-                extra.append(await self.pull_revision(revision, peers, only=ask, wanted=wanted))
-                pulled += extra[0].nbytes
-            try:
-                return await trio.to_thread.run_sync(lambda: part.merged(warm, *extra)), pulled
-            except StateTransferError as e:
-                log.info("the warm copy does not complete revision %d (%s): pulling all of it", revision, e)
-        snap = await self.pull_revision(revision, peers, agree_on=agree_on, wanted=wanted)
-        return snap, snap.nbytes
-
     async def _load(self, snap: Snapshot) -> None:
         """Load the group's state, then let the synchronizer restart local state from the synchronized one."""
         state = snap.state()
@@ -274,22 +198,6 @@ class RunRuntime:
 
         await trio.to_thread.run_sync(load)
         self.at_step = self.trainer.step_count
-
-    async def _keep_warm(self) -> None:
-        """While this node is a backup, pull a fresh copy of its stage's state from an active replica every
-        `backup_refresh_s`, so that a promotion is a short catch-up."""
-        i = 0
-        while True:
-            t, stage = self.client.table, self.client.backup_stage()
-            members = t.members(stage) if t is not None and stage is not None else ()
-            if members:
-                peer = members[i % len(members)]
-                i += 1
-                try:
-                    self.snapshots.warm = await pull_state(self.node.sh, peer)
-                except StateTransferError as e:
-                    log.info("warm copy from %s failed: %s", peer, e)
-            await trio.sleep(self.config.backup_refresh_s)
 
     # -- entering a group ----------------------------------------------------------------------------------
     async def _build_trainer(self, stage: int, replica: int) -> None:
@@ -326,7 +234,8 @@ class RunRuntime:
         if self.trainer is not None and (self.trainer.stage, self.trainer.replica) != (stage, replica):
             log.info("slot changes from s%dr%d to s%dr%d: a new trainer", self.trainer.stage, self.trainer.replica,
                      stage, replica)
-            await self._close_lane()
+            if self.links is not None:
+                await self.links.close()
             self.trainer = None  # another stage holds other parameters; another lane reads other samples
         if self.trainer is None:
             await self._build_trainer(stage, replica)
@@ -344,8 +253,8 @@ class RunRuntime:
         t0 = self.clock()
         log.info("entering the group at step %d: pulling that revision from %s", step, [p[-8:] for p in peers])
         try:
-            snap, pulled = await self._pull_group_state(step, peers,
-                                                        wanted=lambda: self.schedule.entry() == (step, stage, replica))
+            snap, pulled = await self.pulls.group_state(
+                step, peers, self.sync.group_state, wanted=lambda: self.schedule.entry() == (step, stage, replica))
         except StateTransferError as e:  # no majority state to enter with (the replicas differ until their vote
             # settles it), or the slot changed: wait for the broker's next table and try its entry then
             log.warning("could not enter the group at step %d: %s", step, e)
@@ -370,7 +279,7 @@ class RunRuntime:
         peers = sorted({m for t in tables for m in t.members(stage)} - {self.node.peer_id})
         log.info("our slot takes effect after the run's last step %d: pulling the final state from %s", limit,
                  [p[-8:] for p in peers])
-        await self._load(await self.pull_revision(limit + 1, peers))
+        await self._load(await self.pulls.revision(limit + 1, peers))
 
     def _left_behind(self, step: int) -> bool:
         """The other members of our stage report steps more than `switch_lead_min_steps` ahead of ours (we entered
@@ -395,43 +304,12 @@ class RunRuntime:
         return t is not None and all(len(t.members(s)) >= self.manifest.plan.replicas for s in range(t.stages))
 
     # -- one step ------------------------------------------------------------------------------------------
-    async def _connect_lane(self, step: int) -> None:
-        """A pipeline stage: make its links go to the lane neighbours that the table in force at `step` names,
-        closing the old ones first when a neighbour changed (a promoted backup, a re-formed lane)."""
-        table = self.schedule.table_at(step, self.trainer.stage)
-        peers = lane_peers(table, self.node.peer_id) if table is not None else (None, None)
-        if peers == self._lane_peers and self._lane_end is not None:
-            return
-        await self._close_lane()
-        t, m = self.trainer, self.manifest
-        spec = LaneSpec.from_manifest(m, stage=t.stage, lane=t.replica, prev_peer=peers[0], next_peer=peers[1],
-                                      train_samples=t.train_samples.num_samples,
-                                      eval_samples=t.heldout_samples.num_samples, buffer_dir=self._aq_buffer_dir())
-        self._lane_end = self._hub.open(spec)
-        self._lane_peers = peers
-        await self._lane_end.adopt(step)  # AQ-SGD: a replacement pulls its links' stores from the survivors
-        t.boundary = BlockingLinkEnd(self._lane_end, self._token)
-        log.info("lane %d stage %d links: previous %s, next %s", t.replica, t.stage,
-                 (peers[0] or "-")[-8:], (peers[1] or "-")[-8:])
-
-    def _aq_buffer_dir(self) -> str | None:
-        """This run's AQ-SGD disk buffers: under the node's configured folder (its data directory), by run."""
-        base = self.config.aq_buffer_dir
-        return None if base is None else os.path.join(base, self.manifest.run_id[:16])
-
-    async def _close_lane(self) -> None:
-        end, self._lane_end, self._lane_peers = self._lane_end, None, None
-        if end is not None:
-            sent, recv = self.link_bytes()
-            self._link_bytes_closed = [sent, recv]
-            await end.aclose()
-
     async def _step(self, group: Group) -> None:
         """Run step `at_step` with `group`: first the snapshot a joiner or a backup needs (stored before the step
         runs, so it is served while the group waits for the joiner), then the step itself; then act on it."""
         t = self.trainer
-        if self._hub is not None:
-            await self._connect_lane(self.at_step)
+        if self.links is not None:
+            await self.links.connect(t, self.schedule.table_at(self.at_step, t.stage), self.at_step)
         control = StepControl(step=self.at_step, group=group)
         if self.snapshots.wanted(control.step):
             self.snapshots.add(await trio.to_thread.run_sync(self._snapshot, control))
@@ -509,7 +387,7 @@ class RunRuntime:
             voters = self._voters(g) - abstained
             src = self.hashes.source(g, final_rev, votes, voters=len(voters)) if votes else None
             if src is not None:
-                await self._load(await self.pull_revision(final_rev, [src]))
+                await self._load(await self.pulls.revision(final_rev, [src]))
                 self.refetches += 1
                 self.hashes.record(final_rev, self.sync.state_hash())
                 log.warning("final state hash disagreed with the majority: re-fetched the final state from %s", src)
@@ -524,7 +402,7 @@ class RunRuntime:
     async def _refetch_now(self, step: int) -> None:
         src, self._refetch = self._refetch[1], None
         self.state = "syncing"
-        await self._load(await self.pull_revision(step, [src]))
+        await self._load(await self.pulls.revision(step, [src]))
         self.refetches += 1
         log.warning("state hash disagreed with the majority: re-fetched step %d from %s", step, src)
 
@@ -568,7 +446,7 @@ class RunRuntime:
         if self.clock() >= self._lane_report_at:
             self._lane_report_at = self.clock() + self.config.round_timeout_s
             g = self.group_at(self.at_step)
-            prev, nxt = self._lane_peers or (None, None)
+            prev, nxt = (self.links.peers if self.links is not None else None) or (None, None)
             if g is not None:
                 self._nursery.start_soon(lambda: self.client.report_missing(
                     [], epoch=g.epoch, stage=g.stage, neighbours=[p for p in (prev, nxt) if p]))
@@ -660,7 +538,7 @@ class RunRuntime:
         self._start_deadline = self.clock() + self.config.start_wait_s
         if self.manifest is None:
             self.manifest = await self.fetch_manifest(self.config.run_id, joined)
-        preflight(self.manifest, self.config)  # the plan (one place: run/preflight.py) and the device's memory
+        preflight(self.manifest, self.config)  # the device's memory (run/preflight.py)
         if self.manifest.join.mode == "secret" and not self.config.secret:  # to prove it, or as broker to check it
             raise AdmissionError("this run is private: a join secret is required")
         self.data_source = data_source(self.manifest, self.config)  # never a path a network manifest chose
@@ -685,7 +563,9 @@ class RunRuntime:
                               plan=(self.manifest.run_id, plan.stages, plan.replicas)) \
             if plan.stages > 1 else contextlib.nullcontext()  # a pipeline stage's links to its lane neighbours
         async with links as hub, trio.open_nursery() as nursery:
-            self._hub, self._nursery = hub, nursery
+            self._nursery = nursery
+            if hub is not None:
+                self.links = StageLinks(hub, self._token, self.manifest, node.peer_id, self.config.aq_buffer_dir)
             # a node that restarted finds its run again from its peers (the table may name this node as broker)
             patient = bool(node.config.host.join) or self.config.manifest is None or any(
                 e.status_record is not None and e.status_record.run_id == self.manifest.run_id
@@ -708,7 +588,7 @@ class RunRuntime:
             if self.client.table is not None:
                 self._on_table(self.client.table)
             task_status.started(self)
-            nursery.start_soon(self._keep_warm)
+            nursery.start_soon(self.pulls.keep_warm, self.client)
             await self._train()
 
     async def leave(self) -> None:

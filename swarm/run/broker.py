@@ -4,31 +4,27 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 
-from shoal.protocol.admission import admission_key, new_nonce, proof_ok
 from shoal.protocol.assignment import (
     ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_PROVIDERS, REGISTERED, AdmitRequest, AdmitResponse,
     AssignmentTable, BrokerLease, MissingReport, ProviderEntry, SlotEntry, slot_name)
 from shoal.protocol.envelope import seal
-from shoal.protocol.records import HardwareProfile
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.membership import LEFT
 from shoal.swarm.net.rpc import RpcError, call, parse_body
 from shoal.swarm.run.authority import DELEGATES, RunAuthority
 from shoal.swarm.run.context import Handler, RunContext
-from shoal.swarm.run.placement import Reach, direct_possible, rank_for_dialed_roles
+from shoal.swarm.run.gate import AdmissionGate
+from shoal.swarm.run.seating import Provider, Seating
 
 log = logging.getLogger(__name__)
 
 MAX_GONE_KEPT = 32  # gone providers listed in the table, newest first; older ones are forgotten
-MAX_CHALLENGES = 1024  # outstanding admission challenges (one per caller, the oldest forgotten first)
-CHALLENGE_TTL_S = 30.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,22 +66,6 @@ class BrokerConfig:
                    heartbeat_s=min(d.heartbeat_s, fail_after_s / 3), lease_renew_s=fail_after_s / 4, **more)
 
 
-@dataclass(slots=True)
-class Provider:
-    peer_id: str
-    state: str
-    order: int  # admission order; breaks ties, and picks the standby
-    last_contact: float  # clock seconds
-    admitted_unix: float  # wall seconds (compared with leave notices' times)
-    score: tuple = ()  # smaller is better: the backup promoted first
-    hardware: HardwareProfile | None = None
-    stage: int = 0  # the stage it holds or, as a backup, keeps warm
-    suspect: bool = False
-    gone_at: float = 0.0
-    hold_until: float = 0.0  # clock seconds: not promoted before (a straggler moved to the pool)
-    misses: list[float] = field(default_factory=list)  # clock seconds at which it missed rounds while answering
-
-
 class AdmissionError(RuntimeError):
     """Admission was refused; the message says why (wrong run, no secret, not on the allowlist, run full)."""
 
@@ -97,13 +77,10 @@ class NotBroker(RuntimeError):
 class Broker:
     """Runs on the broker node. Start with `await nursery.start(broker.run)`; the table is `broker.table`.
 
-    Slots are (stage, replica); replica r of every stage is lane r, and a lane trains only with every stage filled.
-    A provider is placed into the first free slot of the lowest lane (the stage with the most parameters first,
-    among the stages whose memory need it fits), or joins the backup pool keeping one stage warm (the stage with the
-    fewest backups); a failed slot is filled by a backup of its stage (the fastest first). With several stages, a
-    lane is filled whole or not at all, and a lane whose empty slot no backup can fill for `dissolve_after_s` is
-    dissolved: its members return to the pool. A change of one stage's group changes every stage's epoch then
-    (lane completeness decides every stage's group)."""
+    Who sits where follows `seating.Seating`'s rules (slots, backups, whole lanes); the broker admits providers
+    (through its `gate`), notices failures and leaves, keeps the group epochs and switch steps, and publishes the
+    signed table under its lease. A change of one stage's group changes every stage's epoch when the run has
+    several stages (lane completeness decides every stage's group)."""
 
     def __init__(self, ctx: RunContext, config: BrokerConfig = BrokerConfig(), *, lease_epoch: int = 0,
                  version: int = 0, secret: str | None = None):
@@ -117,7 +94,7 @@ class Broker:
         self.epochs = [0] * self.stages
         self.switch_steps = [0] * self.stages
         self.providers: dict[str, Provider] = {}
-        self.slots: dict[tuple[int, int], str] = {}
+        self.seating = Seating(ctx, self.providers, dissolve_after_s=config.dissolve_after_s)
         self.standby: str | None = None
         self._order = itertools.count()
         self.table: AssignmentTable | None = None
@@ -126,17 +103,12 @@ class Broker:
         self.deposed = False  # a newer broker took over, or our lease lapsed: stop acting, stop publishing
         self.renewed_at = self.clock()  # the last lease renewal this broker issued (clock seconds)
         self.on_change: list[Callable[[AssignmentTable, bytes], None]] = []
-        self.promotions: list[tuple[float, str, str, str]] = []  # (unix time, slot, failed peer, promoted peer)
         self.reforms = 0  # groups re-formed (same members, next epoch) after a member missed a round but answered
         self._offences: dict[tuple[int, int, str], set[str]] = {}  # (stage, epoch, offender) -> reporters
         self._checking: set[tuple[int, int, str]] = set()  # (stage, epoch, peer) reported missing, being pinged
-        self._empty_since: dict[tuple[int, int], float] = {}  # slots of partly filled lanes: empty since (clock)
-        self.dissolved = 0  # lanes dissolved for want of a backup
         self._dirty = trio.Event()
         self.authority = RunAuthority(ctx.manifest)
-        self.secret = secret  # a private run's join secret: the broker checks admission proofs with it
-        self._admission_key: bytes | None = None
-        self._challenges: OrderedDict[str, tuple[bytes, float]] = OrderedDict()  # caller -> (nonce, issued at)
+        self.gate = AdmissionGate(ctx, secret)  # who may join
         self.delegation_env: bytes | None = None  # the owner's delegation naming this broker and its standby
         self.handlers: dict[str, Handler] = {"run.admit": self._rpc_admit, "run.challenge": self._rpc_challenge,
                                              "run.table": self._rpc_table,
@@ -162,7 +134,7 @@ class Broker:
                                                  score=(0, 0.0, backups.get(p.peer_id, len(backups))),
                                                  gone_at=b.clock() if p.state == GONE else 0.0)
         for s in table.slots:
-            b.slots[(s.stage, s.replica)] = s.peer_id
+            b.seating.slots[(s.stage, s.replica)] = s.peer_id
             b.providers.setdefault(s.peer_id, b._provider(s.peer_id, ACTIVE)).stage = s.stage
         old = table.peer_id
         if old in b.providers and b.providers[old].state != GONE:
@@ -186,12 +158,13 @@ class Broker:
         for s in range(self.stages):
             if prev is not None and prev.epochs[s] != self.epochs[s] and self.ctx.switch_step is not None:
                 self.switch_steps[s] = max(self.switch_steps[s], self.ctx.switch_step(s))
-        backups = self._backups()
+        backups = self.seating.backups()
         self.table = AssignmentTable(
             peer_id=self.ctx.me, run_id=self.ctx.run_id, lease_epoch=self.lease_epoch, version=self.version,
             time=self.ctx.wall(), stages=self.stages, replicas=self.replicas, epochs=tuple(self.epochs),
             standby=self.standby,
-            slots=tuple(SlotEntry(stage=s, replica=r, peer_id=pid) for (s, r), pid in sorted(self.slots.items())),
+            slots=tuple(SlotEntry(stage=s, replica=r, peer_id=pid)
+                        for (s, r), pid in sorted(self.seating.slots.items())),
             backups=tuple(p.peer_id for p in backups), backup_stages=tuple(p.stage for p in backups),
             providers=tuple(ProviderEntry(peer_id=p.peer_id, state=p.state) for p in providers),
             switch_steps=tuple(self.switch_steps), delegation=self.delegation_env)
@@ -203,51 +176,12 @@ class Broker:
                 log.warning("table listener failed: %s: %s", type(e).__name__, e)
         self._dirty.set()
 
-    def _backups(self) -> list[Provider]:
-        return sorted((p for p in self.providers.values() if p.state == BACKUP), key=lambda p: (p.score, p.order))
-
-    def _promotable(self, stage: int) -> list[Provider]:
-        now = self.clock()
-        return [b for b in self._backups() if b.stage == stage and not b.suspect and b.hold_until <= now]
-
-    def _free_slots(self, stage: int) -> list[tuple[int, int]]:
-        return [(stage, r) for r in range(self.replicas) if (stage, r) not in self.slots]
-
-    def _fits(self, hw: HardwareProfile | None, stage: int) -> bool:
-        return hw is None or hw.memory_bytes <= 0 or self.ctx.manifest.stage_memory_bytes(stage) <= hw.memory_bytes
-
-    def _training(self) -> bool:
-        """Whether the run has begun training (a group change then takes effect at a step past 0)."""
-        return self.ctx.switch_step is not None and self.ctx.switch_step(0) > 0
-
-    def _placement(self, hw: HardwareProfile | None) -> tuple[int, int] | None:
-        """Where a newcomer goes: the first free slot of the lowest lane, the busiest stage (most parameters) first,
-        among the stages it has the memory for (None: no such slot). With several stages, once training has begun,
-        only a slot of a part-filled lane: an empty lane is re-formed from the pool, whole (`_fill_free_slots`)."""
-        m = self.ctx.manifest
-        lanes_in_use = {r for _, r in self.slots}
-        free = [(r, -m.stage_params(st), st) for st in range(self.stages) if self._fits(hw, st)
-                for _, r in self._free_slots(st)
-                if self.stages == 1 or r in lanes_in_use or not self._training()]
-        if not free:
-            return None
-        r, _, st = min(free)
-        return st, r
-
-    def _warm_stage(self, hw: HardwareProfile | None) -> int:
-        """The stage a new backup keeps warm: the one with the fewest backups among those it fits (the lowest on
-        ties)."""
-        counts = [0] * self.stages
-        for b in self._backups():
-            counts[b.stage] += 1
-        fitting = [s for s in range(self.stages) if self._fits(hw, s)] or list(range(self.stages))
-        return min(fitting, key=lambda s: (counts[s], s))
-
-    def _group_changed(self, stage: int) -> None:
-        """A new epoch for `stage`'s group; with several stages for every stage's (a lane's completeness decides
-        each stage's group, so any slot change may change them all)."""
-        for s in (range(self.stages) if self.stages > 1 else (stage,)):
-            self.epochs[s] += 1
+    def _group_changed(self, *stages: int) -> None:
+        """A new epoch for each of `stages`' groups (once per mention); with several stages for every stage's (a
+        lane's completeness decides each stage's group, so any slot change may change them all)."""
+        for stage in stages:
+            for s in (range(self.stages) if self.stages > 1 else (stage,)):
+                self.epochs[s] += 1
 
     def _pick_standby(self) -> None:
         """The standby: the longest-admitted live provider the run's owner authorises as broker. The owner's own
@@ -266,49 +200,11 @@ class Broker:
                 self.delegation_env = auth.issue(self.ctx.sh.key, wanted, self.ctx.wall())
 
     # -- admission -----------------------------------------------------------------------------------------
-    def check_policy(self, peer_id: str, req: AdmitRequest) -> str | None:
-        """Why `peer_id` may not join (None: it may). Cheap checks only; the secret is checked separately."""
-        if req.run_id != self.ctx.run_id:
-            return f"this broker serves run {self.ctx.run_id[:16]}…, not {req.run_id[:16]}…"
-        pol = self.ctx.manifest.join
-        if pol.mode == "allowlist" and not pol.admits_peer(peer_id):
-            return "this run is private: peer is not on the run's allowlist"
-        if pol.mode == "secret" and (req.proof is None or req.nonce is None):
-            return "this run is private: a join secret is required"
-        return None
-
-    def challenge(self, caller: str) -> bytes:
-        """A fresh nonce for `caller`'s admission proof (one outstanding per caller, used once)."""
-        nonce = new_nonce()
-        self._challenges.pop(caller, None)
-        self._challenges[caller] = (nonce, self.clock())
-        while len(self._challenges) > MAX_CHALLENGES:
-            self._challenges.popitem(last=False)
-        return nonce
-
-    async def _proof_ok(self, peer_id: str, req: AdmitRequest) -> str | None:
-        """Why `req`'s proof of the join secret fails (None: it holds): it must answer the nonce this broker gave
-        `peer_id` (once, within CHALLENGE_TTL_S), for this run, this broker and `peer_id`."""
-        issued = self._challenges.pop(peer_id, None)
-        if issued is None or issued[0] != req.nonce or self.clock() - issued[1] > CHALLENGE_TTL_S:
-            return "this run is private: the admission proof answers no challenge of this broker"
-        if self.secret is None:
-            return "this broker does not hold the run's join secret"
-        if self._admission_key is None:  # scrypt: keep the loop free
-            salt = bytes.fromhex(self.ctx.manifest.join.secret_salt)
-            self._admission_key = await trio.to_thread.run_sync(admission_key, self.secret, salt)
-        ok = proof_ok(self._admission_key, req.proof, run_id=self.ctx.run_id, broker=self.ctx.me, joiner=peer_id,
-                      nonce=req.nonce)
-        return None if ok else "this run is private: wrong join secret"
-
     async def admit(self, peer_id: str, req: AdmitRequest) -> AdmitResponse:
         """Check the join policy, then place `peer_id` in a free slot or in the backup pool."""
         if not self.holds_lease():
             raise NotBroker("this node's broker does not hold the run's lease")
-        why = self.check_policy(peer_id, req)
-        pol = self.ctx.manifest.join
-        if why is None and pol.mode == "secret":
-            why = await self._proof_ok(peer_id, req)
+        why = await self.gate.refusal(peer_id, req)
         if why is not None:
             if self.ctx.penalties is not None and peer_id != self.ctx.me:
                 self.ctx.penalties.penalize(peer_id, f"admission refused: {why}")
@@ -325,14 +221,9 @@ class Broker:
         p = self._provider(peer_id, REGISTERED, hardware=hw, score=(-hw.memory_bytes, -hw.matmul_tflops, 0))
         self.providers[peer_id] = p
         p.state = BENCHMARKED  # the profile carries the node's measured compute and memory
-        free = None if req.backup_only else self._placement(hw)
+        free = self.seating.seat(p, backup_only=req.backup_only)
         if free is not None:
-            self.slots[free] = peer_id
-            p.state, p.stage = ACTIVE, free[0]
-            self._empty_since.pop(free, None)
             self._group_changed(free[0])
-        else:
-            p.state, p.stage = BACKUP, self._warm_stage(hw)
         self._pick_standby()
         self._rebuild()
         log.info("admitted %s as %s", peer_id, slot_name(*free) if free else f"backup of stage {p.stage}")
@@ -347,8 +238,9 @@ class Broker:
             self.reform(p.stage, f"{p.peer_id[:16]}… (re)started in its slot and enters again")
 
     def _answer(self, p: Provider) -> AdmitResponse:
-        slot = next((slot_name(*k) for k, v in self.slots.items() if v == p.peer_id), None)
-        return AdmitResponse(admitted=True, state=p.state, slot=slot, table=self.table_env)
+        slot = self.seating.slot_of(p.peer_id)
+        return AdmitResponse(admitted=True, state=p.state, slot=slot_name(*slot) if slot else None,
+                             table=self.table_env)
 
     # -- failures and leaves -------------------------------------------------------------------------------
     def mark_failed(self, peer_id: str, reason: str, *, state: str = GONE) -> bool:
@@ -360,99 +252,12 @@ class Broker:
             state, "failed"), reason)
         p.state = state
         p.gone_at = self.clock() if state == GONE else 0.0
-        for key, pid in list(self.slots.items()):
-            if pid == peer_id:
-                del self.slots[key]
-                self._group_changed(key[0])
-                if not self._promote_into(key, peer_id):
-                    log.warning("no backup of stage %d can fill %s; the group shrinks", key[0], slot_name(*key))
-                    self._empty_since.setdefault(key, self.clock())
+        self._group_changed(*self.seating.vacate(peer_id, self.table))
         if self.standby == peer_id:
             self.standby = None
         self._pick_standby()
         self._rebuild()
         return True
-
-    def _reach(self) -> dict[str, Reach]:
-        """What each provider announced about its reachability (a provider not heard of yet: unknown)."""
-        m = self.ctx.membership
-        out: dict[str, Reach] = {}
-        for pid in self.providers:
-            a = m.peers[pid].announcement_record if m is not None and pid in m.peers else None
-            if a is not None:
-                out[pid] = Reach(reachability=a.reachability)
-        return out
-
-    def _best_backup(self, key: tuple[int, int]) -> Provider | None:
-        """The backup to fill slot `key`: of its stage, the most reachable first (a member others dial), and one
-        that can get a direct connection to every member it will exchange with (its stage group and lane
-        neighbours; bulk traffic never rides a relay); None when no backup fits."""
-        ready = self._promotable(key[0])
-        if not ready:
-            return None
-        reach = self._reach()
-        stage, lane = key
-        peers = [pid for pid in (self.table.group_members(stage) if self.table else ())]
-        peers += [pid for (st, r), pid in self.slots.items() if r == lane and abs(st - stage) == 1]
-        by_id = {b.peer_id: b for b in ready}
-        for pid in rank_for_dialed_roles([b.peer_id for b in ready], reach):
-            mine = reach.get(pid, Reach())
-            if all(direct_possible(mine, reach.get(q, Reach())) for q in peers if q != pid):
-                return by_id[pid]
-        return None
-
-    def _promote_into(self, key: tuple[int, int], failed: str) -> bool:
-        b = self._best_backup(key)
-        if b is None:
-            return False
-        self.slots[key] = b.peer_id
-        b.state = ACTIVE
-        self.promotions.append((self.ctx.wall(), slot_name(*key), failed, b.peer_id))
-        log.info("promoted backup %s into %s (was %s)", b.peer_id, slot_name(*key), failed)
-        return True
-
-    def _fill_free_slots(self) -> bool:
-        """Backups into free slots: with one stage, any free slot; with several, a lane only when every free slot
-        of it can be filled at once (a part-filled lane cannot train)."""
-        changed = False
-        for r in range(self.replicas):
-            free = [(st, r) for st in range(self.stages) if (st, r) not in self.slots]
-            if not free:
-                continue
-            if self.stages > 1 and any(self._best_backup(k) is None for k in free):
-                continue  # not every free slot of the lane can be filled now
-            for key in free:
-                if self._promote_into(key, ""):
-                    self._empty_since.pop(key, None)
-                    self._group_changed(key[0])
-                    changed = True
-        return changed
-
-    def _dissolve_stale_lanes(self) -> bool:
-        """Dissolve every lane with a slot empty for `dissolve_after_s` that no backup can fill: its members go back
-        to the pool, keeping their stage warm."""
-        now, changed = self.clock(), False
-        for key, since in list(self._empty_since.items()):
-            if key in self.slots:
-                del self._empty_since[key]
-                continue
-            if now - since < self.config.dissolve_after_s or self._promotable(key[0]):
-                continue
-            lane = key[1]
-            members = [(k, pid) for k, pid in self.slots.items() if k[1] == lane]
-            for k, pid in members:
-                del self.slots[k]
-                p = self.providers.get(pid)
-                if p is not None:
-                    p.state, p.stage = BACKUP, k[0]
-            for k in [k for k in self._empty_since if k[1] == lane]:
-                del self._empty_since[k]
-            self._group_changed(key[0])
-            self.dissolved += 1
-            changed = True
-            log.warning("dissolved lane %d: slot %s empty for %.0f s with no backup of stage %d; its %d members "
-                        "return to the pool", lane, slot_name(*key), now - since, key[0], len(members))
-        return changed
 
     def touch(self, peer_id: str) -> None:
         p = self.providers.get(peer_id)
@@ -488,10 +293,12 @@ class Broker:
                     p.suspect = suspect
                     log.info("provider %s %s", p.peer_id, "suspect" if suspect else "back")
         old_standby = self.standby
-        filled = self._fill_free_slots()
-        filled |= self.stages > 1 and self._dissolve_stale_lanes()
+        changed = self.seating.fill_free_slots(self.table)
+        if self.stages > 1:
+            changed += self.seating.dissolve_stale_lanes()
+        self._group_changed(*changed)
         self._pick_standby()
-        if filled or self.standby != old_standby:
+        if changed or self.standby != old_standby:
             self._rebuild()
 
     # -- RPC -----------------------------------------------------------------------------------------------
@@ -507,7 +314,7 @@ class Broker:
             raise NotBroker("this node's broker does not hold the run's lease")
         if not isinstance(body, dict) or body.get("run_id") != self.ctx.run_id:
             raise ValueError("a challenge is asked for this broker's run")
-        return {"nonce": self.challenge(caller)}
+        return {"nonce": self.gate.challenge(caller)}
 
     async def _rpc_table(self, caller: str, body: Any) -> Any:
         """The table, and the lease while we hold it (only a live lease is evidence that this broker renews)."""
@@ -586,7 +393,7 @@ class Broker:
         within the window and a backup of its stage can take its place, move it to the backup pool and hold it
         there for `demote_hold_s`."""
         p = self.providers.get(peer_id)
-        if p is not None and self._straggler(p) and self._promotable(stage):
+        if p is not None and self._straggler(p) and self.seating.promotable(stage):
             p.hold_until = self.clock() + self.config.demote_hold_s
             self.mark_failed(peer_id, f"{why}: {len(p.misses)} times in {self.config.straggler_window_s:.0f} s",
                              state=BACKUP)

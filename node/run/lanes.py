@@ -1,0 +1,74 @@
+"""A pipeline stage's links to its lane neighbours, as a node's run holds them: opened to the neighbours that the
+table in force names, replaced when one of them changes (a promoted backup, a re-formed lane), and their bytes
+counted across replacements."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import trio
+
+from shoal.protocol.assignment import AssignmentTable
+from shoal.protocol.manifest import RunManifest
+from shoal.swarm.run.link import BlockingLinkEnd, LaneSpec, LinkEnd, LinkHub
+from shoal.swarm.run.schedule import lane_peers
+
+log = logging.getLogger(__name__)
+
+
+class StageLinks:
+    """This stage's links (several stages only): `connect` before each step, `close` when the slot changes."""
+
+    def __init__(self, hub: LinkHub, token: trio.lowlevel.TrioToken, manifest: RunManifest, me: str,
+                 buffer_dir: str | None):
+        self.hub, self._token, self.manifest, self.me = hub, token, manifest, me
+        #: this run's AQ-SGD disk buffers: under the node's configured folder (its data directory), by run
+        self.buffer_dir = None if buffer_dir is None else os.path.join(buffer_dir, manifest.run_id[:16])
+        self.end: LinkEnd | None = None
+        self.peers: tuple[str | None, str | None] | None = None  # (previous, next) stage's peer of the lane
+        self._closed_bytes = (0, 0)  # (sent, received) on links closed since the start
+
+    async def connect(self, trainer, table: AssignmentTable | None, step: int) -> None:
+        """Make the links of `trainer`'s stage go to the lane neighbours that `table` (in force at `step`) names,
+        closing the old ones first when a neighbour changed; the trainer's boundary is the new links."""
+        peers = lane_peers(table, self.me) if table is not None else (None, None)
+        if peers == self.peers and self.end is not None:
+            return
+        await self.close()
+        spec = LaneSpec.from_manifest(self.manifest, stage=trainer.stage, lane=trainer.replica, prev_peer=peers[0],
+                                      next_peer=peers[1], train_samples=trainer.train_samples.num_samples,
+                                      eval_samples=trainer.heldout_samples.num_samples, buffer_dir=self.buffer_dir)
+        self.end = self.hub.open(spec)
+        self.peers = peers
+        await self.end.adopt(step)  # AQ-SGD: a replacement pulls its links' stores from the survivors
+        trainer.boundary = BlockingLinkEnd(self.end, self._token)
+        log.info("lane %d stage %d links: previous %s, next %s", trainer.replica, trainer.stage,
+                 (peers[0] or "-")[-8:], (peers[1] or "-")[-8:])
+
+    async def close(self) -> None:
+        end, self.end, self.peers = self.end, None, None
+        if end is not None:
+            self._closed_bytes = self.bytes()
+            await end.aclose()
+
+    def counters(self) -> dict[str, Any]:
+        """The current links ("b0/fwd"...): the neighbour and the messages and bytes each way."""
+        return self.end.counters() if self.end is not None else {}
+
+    def bytes(self) -> tuple[int, int]:
+        """Wire bytes (sent, received) on this stage's links since the start."""
+        sent, recv = self._closed_bytes
+        for c in self.counters().values():
+            sent, recv = sent + c["sent"]["wire_bytes"], recv + c["recv"]["wire_bytes"]
+        return sent, recv
+
+    def status_fields(self) -> dict[str, Any]:
+        """What the node's status record says of its links: bytes since the start, and each link's state."""
+        fields: dict[str, Any] = {}
+        if self.end is not None or any(self._closed_bytes):
+            fields["link_bytes_sent"], fields["link_bytes_recv"] = self.bytes()
+        if self.end is not None:
+            fields["lane_links"] = self.end.link_statuses()
+        return fields

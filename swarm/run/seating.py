@@ -1,0 +1,206 @@
+"""Where a run's providers sit, as its broker decides: (stage, replica) slots and the backup pool; a newcomer's
+place, the backup that fills a failed slot, lanes filled whole, and lanes dissolved when no backup can fill them.
+
+Slots are (stage, replica); replica r of every stage is lane r, and a lane trains only with every stage filled.
+A provider is placed into the first free slot of the lowest lane (the stage with the most parameters first, among
+the stages whose memory need it fits), or joins the backup pool keeping one stage warm (the stage with the fewest
+backups); a failed slot is filled by a backup of its stage (the most reachable first, then the fastest). With
+several stages, a lane is filled whole or not at all, and a lane whose empty slot no backup can fill for
+`dissolve_after_s` is dissolved: its members return to the pool, each keeping its stage warm.
+
+The broker owns the providers (`providers`, shared) and the group epochs: every change of seats is returned to it
+as the stages whose group changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from shoal.protocol.assignment import ACTIVE, BACKUP, AssignmentTable, slot_name
+from shoal.protocol.records import HardwareProfile
+from shoal.swarm.run.context import RunContext
+from shoal.swarm.run.placement import Reach, direct_possible, rank_for_dialed_roles
+
+log = logging.getLogger(__name__)
+
+Slot = tuple[int, int]  # (stage, replica)
+
+
+@dataclass(slots=True)
+class Provider:
+    peer_id: str
+    state: str
+    order: int  # admission order; breaks ties, and picks the standby
+    last_contact: float  # clock seconds
+    admitted_unix: float  # wall seconds (compared with leave notices' times)
+    score: tuple = ()  # smaller is better: the backup promoted first
+    hardware: HardwareProfile | None = None
+    stage: int = 0  # the stage it holds or, as a backup, keeps warm
+    suspect: bool = False
+    gone_at: float = 0.0
+    hold_until: float = 0.0  # clock seconds: not promoted before (a straggler moved to the pool)
+    misses: list[float] = field(default_factory=list)  # clock seconds at which it missed rounds while answering
+
+
+class Seating:
+    """The slots of one run and the rules that fill them (see the module)."""
+
+    def __init__(self, ctx: RunContext, providers: dict[str, Provider], *, dissolve_after_s: float):
+        self.ctx = ctx
+        self.providers = providers  # the broker's, by peer id
+        self.dissolve_after_s = dissolve_after_s
+        plan = ctx.manifest.plan
+        self.stages, self.replicas = plan.stages, plan.replicas
+        self.slots: dict[Slot, str] = {}
+        self.empty_since: dict[Slot, float] = {}  # slots of partly filled lanes: empty since (clock)
+        self.promotions: list[tuple[float, str, str, str]] = []  # (unix time, slot, failed peer, promoted peer)
+        self.dissolved = 0  # lanes dissolved for want of a backup
+
+    def slot_of(self, peer_id: str) -> Slot | None:
+        return next((k for k, v in self.slots.items() if v == peer_id), None)
+
+    def backups(self) -> list[Provider]:
+        """The backup pool, the one promoted first first."""
+        return sorted((p for p in self.providers.values() if p.state == BACKUP), key=lambda p: (p.score, p.order))
+
+    def promotable(self, stage: int) -> list[Provider]:
+        now = self.ctx.clock()
+        return [b for b in self.backups() if b.stage == stage and not b.suspect and b.hold_until <= now]
+
+    def _fits(self, hw: HardwareProfile | None, stage: int) -> bool:
+        return hw is None or hw.memory_bytes <= 0 or self.ctx.manifest.stage_memory_bytes(stage) <= hw.memory_bytes
+
+    def _training(self) -> bool:
+        """Whether the run has begun training (a group change then takes effect at a step past 0)."""
+        return self.ctx.switch_step is not None and self.ctx.switch_step(0) > 0
+
+    # -- a newcomer ------------------------------------------------------------------------------------------
+    def seat(self, p: Provider, *, backup_only: bool) -> Slot | None:
+        """Place the newcomer `p`: in a free slot (made ACTIVE; returned), else in the backup pool keeping the
+        stage with the fewest backups warm (None)."""
+        free = None if backup_only else self._placement(p.hardware)
+        if free is None:
+            p.state, p.stage = BACKUP, self._warm_stage(p.hardware)
+            return None
+        self.slots[free] = p.peer_id
+        p.state, p.stage = ACTIVE, free[0]
+        self.empty_since.pop(free, None)
+        return free
+
+    def _placement(self, hw: HardwareProfile | None) -> Slot | None:
+        """Where a newcomer goes: the first free slot of the lowest lane, the busiest stage (most parameters) first,
+        among the stages it has the memory for (None: no such slot). With several stages, once training has begun,
+        only a slot of a part-filled lane: an empty lane is re-formed from the pool, whole (`fill_free_slots`)."""
+        m = self.ctx.manifest
+        lanes_in_use = {r for _, r in self.slots}
+        free = [(r, -m.stage_params(st), st) for st in range(self.stages) if self._fits(hw, st)
+                for r in range(self.replicas) if (st, r) not in self.slots
+                if self.stages == 1 or r in lanes_in_use or not self._training()]
+        if not free:
+            return None
+        r, _, st = min(free)
+        return st, r
+
+    def _warm_stage(self, hw: HardwareProfile | None) -> int:
+        """The stage a new backup keeps warm: the one with the fewest backups among those it fits (the lowest on
+        ties)."""
+        counts = [0] * self.stages
+        for b in self.backups():
+            counts[b.stage] += 1
+        fitting = [s for s in range(self.stages) if self._fits(hw, s)] or list(range(self.stages))
+        return min(fitting, key=lambda s: (counts[s], s))
+
+    # -- a provider gone -------------------------------------------------------------------------------------
+    def vacate(self, peer_id: str, table: AssignmentTable | None) -> list[int]:
+        """Take `peer_id` out of its slots, each filled by the best backup of its stage at once (or left empty,
+        counting towards its lane's dissolution); returns the stages whose group changed."""
+        changed = []
+        for key, pid in list(self.slots.items()):
+            if pid == peer_id:
+                del self.slots[key]
+                changed.append(key[0])
+                if not self._promote_into(key, peer_id, table):
+                    log.warning("no backup of stage %d can fill %s; the group shrinks", key[0], slot_name(*key))
+                    self.empty_since.setdefault(key, self.ctx.clock())
+        return changed
+
+    def _reach(self) -> dict[str, Reach]:
+        """What each provider announced about its reachability (a provider not heard of yet: unknown)."""
+        m = self.ctx.membership
+        out: dict[str, Reach] = {}
+        for pid in self.providers:
+            a = m.peers[pid].announcement_record if m is not None and pid in m.peers else None
+            if a is not None:
+                out[pid] = Reach(reachability=a.reachability)
+        return out
+
+    def _best_backup(self, key: Slot, table: AssignmentTable | None) -> Provider | None:
+        """The backup to fill slot `key`: of its stage, the most reachable first (a member others dial), and one
+        that can get a direct connection to every member it will exchange with (its stage group in `table`, the
+        one in force, and lane neighbours; bulk traffic never rides a relay); None when no backup fits."""
+        ready = self.promotable(key[0])
+        if not ready:
+            return None
+        reach = self._reach()
+        stage, lane = key
+        peers = [pid for pid in (table.group_members(stage) if table else ())]
+        peers += [pid for (st, r), pid in self.slots.items() if r == lane and abs(st - stage) == 1]
+        by_id = {b.peer_id: b for b in ready}
+        for pid in rank_for_dialed_roles([b.peer_id for b in ready], reach):
+            mine = reach.get(pid, Reach())
+            if all(direct_possible(mine, reach.get(q, Reach())) for q in peers if q != pid):
+                return by_id[pid]
+        return None
+
+    def _promote_into(self, key: Slot, failed: str, table: AssignmentTable | None) -> bool:
+        b = self._best_backup(key, table)
+        if b is None:
+            return False
+        self.slots[key] = b.peer_id
+        b.state = ACTIVE
+        self.promotions.append((self.ctx.wall(), slot_name(*key), failed, b.peer_id))
+        log.info("promoted backup %s into %s (was %s)", b.peer_id, slot_name(*key), failed)
+        return True
+
+    # -- each liveness check ---------------------------------------------------------------------------------
+    def fill_free_slots(self, table: AssignmentTable | None) -> list[int]:
+        """Backups into free slots: with one stage, any free slot; with several, a lane only when every free slot
+        of it can be filled at once (a part-filled lane cannot train). Returns the stages whose group changed."""
+        changed = []
+        for r in range(self.replicas):
+            free = [(st, r) for st in range(self.stages) if (st, r) not in self.slots]
+            if not free:
+                continue
+            if self.stages > 1 and any(self._best_backup(k, table) is None for k in free):
+                continue  # not every free slot of the lane can be filled now
+            for key in free:
+                if self._promote_into(key, "", table):
+                    self.empty_since.pop(key, None)
+                    changed.append(key[0])
+        return changed
+
+    def dissolve_stale_lanes(self) -> list[int]:
+        """Dissolve every lane with a slot empty for `dissolve_after_s` that no backup can fill: its members go back
+        to the pool, keeping their stage warm. Returns the stages whose group changed."""
+        now, changed = self.ctx.clock(), []
+        for key, since in list(self.empty_since.items()):
+            if key in self.slots:
+                del self.empty_since[key]
+                continue
+            if now - since < self.dissolve_after_s or self.promotable(key[0]):
+                continue
+            lane = key[1]
+            members = [(k, pid) for k, pid in self.slots.items() if k[1] == lane]
+            for k, pid in members:
+                del self.slots[k]
+                p = self.providers.get(pid)
+                if p is not None:
+                    p.state, p.stage = BACKUP, k[0]
+            for k in [k for k in self.empty_since if k[1] == lane]:
+                del self.empty_since[k]
+            changed.append(key[0])
+            self.dissolved += 1
+            log.warning("dissolved lane %d: slot %s empty for %.0f s with no backup of stage %d; its %d members "
+                        "return to the pool", lane, slot_name(*key), now - since, key[0], len(members))
+        return changed
