@@ -17,7 +17,7 @@ from shoal.node.train.control import StepControl
 from shoal.protocol.assignment import ACTIVE, BACKUP, GONE, AdmitRequest, BrokerLease
 from shoal.protocol.envelope import open_envelope, seal
 from shoal.protocol.assignment import RUN_RECORD_TYPES
-from shoal.protocol.manifest import ParallelPlan, RunManifest, SyncSpec
+from shoal.protocol.manifest import ModelSpec, ParallelPlan, RunManifest, SyncSpec
 from shoal.swarm.net.identity import peer_id_of
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.pulse import Pulse, PulseConfig
@@ -137,6 +137,27 @@ async def test_lanes_fill_busiest_stage_first_and_backups_fill_only_their_stage(
     b.touch(s0), b.touch(b0)
     b.check_liveness()
     assert b.seating.dissolved == 1 and b.table.slot_of(s0) is None and b.table.backup_stage(s0) == 0
+
+
+async def test_a_lane_with_two_empty_slots_is_dissolved_once():
+    clock = FakeClock()
+    ctx = context(clock)
+    ctx.manifest = RunManifest.default(plan=ParallelPlan(stages=3, replicas=1, sync=SyncSpec(method="none")),
+                                       model=ModelSpec(size="custom", n_layers=3))
+    b = Broker(ctx, CFG)
+    peers = await admitted(b, 3)
+    assert sorted(b.table.slot_of(p) for p in peers) == [(0, 0), (1, 0), (2, 0)]
+    gone = [p for p in peers if b.table.slot_of(p)[0] in (0, 1)]
+    for p in gone:  # both ends of one link, and no backup: two empty slots in lane 0
+        b.mark_failed(p, "gone")
+    survivor = next(p for p in peers if p not in gone)
+    epochs = b.epochs[:]
+    clock.advance(60.0)
+    b.renew_lease()
+    b.touch(survivor)
+    b.check_liveness()
+    assert b.seating.dissolved == 1 and b.table.slot_of(survivor) is None and b.table.backup_stage(survivor) == 2
+    assert b.epochs == [e + 1 for e in epochs]  # one group change for the one lane
 
 
 async def test_the_broker_loop_fails_a_silent_member_at_fail_after_s_in_virtual_time(autojump_clock):

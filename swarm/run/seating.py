@@ -185,6 +185,8 @@ class Seating:
         to the pool, keeping their stage warm. Returns the stages whose group changed."""
         now, changed = self.ctx.clock(), []
         for key, since in list(self.empty_since.items()):
+            if key not in self.empty_since:
+                continue  # its lane was dissolved for another of its empty slots
             if key in self.slots:
                 del self.empty_since[key]
                 continue
