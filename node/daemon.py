@@ -294,6 +294,8 @@ class Node:
             doc["recent_hashes"] = {str(k): v for k, v in sorted(held.items())[-16:]}
             doc["warm_revision"] = self.runtime.warm.revision if self.runtime.warm is not None else None
             doc["links"] = self.runtime.link_counters()
+            # AQ-SGD link ends' digests by step, over the last steps: the two ends compare at a step both hold
+            doc["recent_link_digests"] = self.runtime.link_digests()
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, path)

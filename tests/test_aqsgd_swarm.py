@@ -46,18 +46,33 @@ def link_ends(s, lane: str) -> dict[tuple[str, str], dict]:
     return out
 
 
+def recent_digests(s, lane: str) -> dict[str, dict[int, str]]:
+    """"link/side" -> {step: digest} over the last steps, from the status files of the live nodes holding a slot of
+    `lane` (each end keeps its last steps' digests there, so two ends sampled at different moments share steps)."""
+    out = {}
+    for r in active(s):
+        if r["slot"].endswith(lane):
+            st = s.nodes[r["index"]].status() or {}
+            for key, hist in (st.get("recent_link_digests") or {}).items():
+                out[key] = {int(step): d for step, d in hist.items()}
+    return out
+
+
 def ends_agree(s, lane: str, after: int, seen: list | None = None) -> bool:
-    """Both ends of both links of `lane` report their digests after the same step (> after), and they are equal.
-    `seen` collects the mismatches met on the way: pipeline.md rule 4 lets a step aborted after the receiver
-    decoded leave the two ends apart until rule 3 (NACK, resend in full) repairs the rows at their next visit."""
-    ends = link_ends(s, lane)
+    """Both ends of both links of `lane` hold digests for a common step past `after`, and at the newest such step
+    they are equal. `seen` collects the mismatches met on the way: pipeline.md rule 4 lets a step aborted after the
+    receiver decoded leave the two ends apart until rule 3 (NACK, resend in full) repairs the rows at their next
+    visit."""
+    digests = recent_digests(s, lane)
     for link in ("b0/fwd", "b1/fwd"):
-        a, b = ends.get((link, "sender")), ends.get((link, "receiver"))
-        if a is None or b is None or a.get("step") is None or a.get("step") != b.get("step") or a["step"] <= after:
+        a, b = digests.get(f"{link}/sender", {}), digests.get(f"{link}/receiver", {})
+        common = [step for step in set(a) & set(b) if step > after]
+        if not common:
             return False
-        if a["digest"] != b["digest"]:
+        step = max(common)
+        if a[step] != b[step]:
             if seen is not None:
-                seen.append((link, a["step"], a["digest"], b["digest"]))
+                seen.append((link, step, a[step], b[step]))
             return False
     return True
 

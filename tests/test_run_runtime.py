@@ -10,10 +10,12 @@ from dataclasses import replace
 import pytest
 import torch
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.node.run.config import RunConfig
 from shoal.protocol.assignment import GONE
 from shoal.protocol import manifest as mf
+from shoal.swarm.net.identity import peer_id_of
 from shoal.swarm.run.broker import BrokerConfig
 from shoal.swarm.run.client import RunClientConfig
 from tests.faults import poison
@@ -101,6 +103,21 @@ async def test_a_replica_off_the_majority_hash_refetches_and_rejoins_it(sync):
             assert len(hashes(nodes)) == 1
             assert first.runtime.refetches == second.runtime.refetches == 0
             assert all(n.runtime.trainer.step_count == steps for n in nodes)
+
+
+async def test_a_refetch_whose_source_is_gone_is_given_up_and_voted_again():
+    """The peer a hash vote named dies before the re-fetch: the pull gives up as soon as that peer is not live
+    (instead of trying it for the whole state-pull timeout, then failing the node), and the replica votes again."""
+    steps = 20
+    cfg = node_config(manifest("allreduce", replicas=1), steps)
+    async with running_node((), cfg) as node:
+        await wait_for(lambda: finished([node]), 60, "a one-replica run")
+        rt = node.runtime
+        gone = peer_id_of(Ed25519PrivateKey.generate())  # never live: as a peer that died after the vote
+        rt._refetch = (steps, gone)
+        with trio.fail_after(10):
+            await rt._refetch_now(steps)
+        assert rt._refetch is None and rt.refetches == 0
 
 
 async def test_a_late_joiner_enters_at_an_agreed_step_with_the_groups_state():

@@ -57,6 +57,10 @@ class StageLinks:
         """The current links ("b0/fwd"...): the neighbour and the messages and bytes each way."""
         return self.end.counters() if self.end is not None else {}
 
+    def recent_digests(self) -> dict[str, dict[str, str]]:
+        """"link/side" -> {step: digest} after each of the last steps (AQ-SGD stores; empty otherwise)."""
+        return self.end.recent_digests() if self.end is not None else {}
+
     def bytes(self) -> tuple[int, int]:
         """Wire bytes (sent, received) on this stage's links since the start."""
         sent, recv = self._closed_bytes

@@ -134,6 +134,10 @@ class RunRuntime:
         """This stage's current lane links ("b0/fwd"...): the neighbour and the messages and bytes each way."""
         return self.links.counters() if self.links is not None else {}
 
+    def link_digests(self) -> dict[str, dict[str, str]]:
+        """This stage's AQ-SGD link ends ("b0/fwd/receiver"...): store digest by step, over the last steps."""
+        return self.links.recent_digests() if self.links is not None else {}
+
     # -- groups by step ------------------------------------------------------------------------------------
     def _on_table(self, table: AssignmentTable) -> None:
         if self.schedule.add(table):
@@ -386,23 +390,43 @@ class RunRuntime:
                     await trio.sleep(FINAL_POLL_S)  # the others are still on their last steps
             voters = self._voters(g) - abstained
             src = self.hashes.source(g, final_rev, votes, voters=len(voters)) if votes else None
-            if src is not None:
-                await self._load(await self.pulls.revision(final_rev, [src]))
-                self.refetches += 1
-                self.hashes.record(final_rev, self.sync.state_hash())
-                log.warning("final state hash disagreed with the majority: re-fetched the final state from %s", src)
+            if src is not None:  # any member holding the agreed hash serves it, should the one named be gone
+                me = self.node.peer_id
+                holders = [src] + sorted(p for p, h in votes.items() if h == votes[src] and p not in (src, me))
+                try:
+                    snap = await self.pulls.revision(final_rev, holders)
+                except StateTransferError as e:
+                    log.warning("final state hash disagreed with the majority, and no member holding it served it "
+                                "(%s): this replica ends with its own state", e)
+                else:
+                    await self._load(snap)
+                    self.refetches += 1
+                    self.hashes.record(final_rev, self.sync.state_hash())
+                    log.warning("final state hash disagreed with the majority: re-fetched the final state from one "
+                                "of %s", [p[-8:] for p in holders])
         t.last_eval_loss = await trio.to_thread.run_sync(t.evaluate)
+
+    def _live(self) -> set[str]:
+        """The peers this node's membership view holds live."""
+        return {e.peer_id for e in self.node.membership.live_peers()}
 
     def _voters(self, g: Group) -> set[str]:
         """The members of `g` that can still vote: this node and those its membership view holds live (a member
         killed near the end never answers; waiting for it would only hold the run's end up)."""
-        live = {e.peer_id for e in self.node.membership.live_peers()}
+        live = self._live()
         return {m for m in g.members if m == self.node.peer_id or m in live}
 
     async def _refetch_now(self, step: int) -> None:
+        """Load the majority's state at `step` from the peer the vote named. Should that peer go (killed after the
+        vote), the re-fetch is given up once it is no longer live, and the next vote names another."""
         src, self._refetch = self._refetch[1], None
         self.state = "syncing"
-        await self._load(await self.pulls.revision(step, [src]))
+        try:
+            snap = await self.pulls.revision(step, [src], wanted=lambda: src in self._live())
+        except StateTransferError as e:
+            log.warning("could not re-fetch step %d from %s (%s): voting again", step, src[-8:], e)
+            return
+        await self._load(snap)
         self.refetches += 1
         log.warning("state hash disagreed with the majority: re-fetched step %d from %s", step, src)
 

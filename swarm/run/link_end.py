@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from shoal.swarm.run.link import LinkHub
 
 log = logging.getLogger(__name__)
+
+DIGEST_HISTORY = 16  # steps of store digests each AQ-SGD link end keeps for its status file
 
 
 class _Link:
@@ -65,6 +68,9 @@ class LinkEnd:
         self.aq_out: AQSender | None = None  # AQ-SGD: this end's store of each activation link
         self.aq_in: AQReceiver | None = None
         self.settled: tuple[int, dict[str, dict[str, Any]]] | None = None  # (step, stores()) after the last step
+        #: (link, side) -> (step, digest) after each of the last DIGEST_HISTORY steps: observers that sample two
+        #: ends at different moments compare them at a step both hold
+        self.recent: dict[tuple[str, str], deque[tuple[int, str]]] = {}
         self._fresh: list[tuple[StoreKey, Any, str]] = []  # stores new here: pulled from the other end (adopt)
         if spec.aq is not None:
             for boundary, side, peer in ((s, "sender", nxt), (s - 1, "receiver", prev)):
@@ -107,6 +113,10 @@ class LinkEnd:
                         **({"step": self.settled[0], "digest": st["digest"][:16], "rows": st["rows"],
                             "nacks": st["nacks"]} if st else {})})
         return out
+
+    def recent_digests(self) -> dict[str, dict[str, str]]:
+        """"link/side" -> {step: digest} of this end's stores after each of the last steps (AQ-SGD)."""
+        return {f"{link}/{side}": {str(step): d for step, d in hist} for (link, side), hist in self.recent.items()}
 
     def stores(self) -> dict[str, dict[str, Any]]:
         """Per activation link ("b0/fwd"...) with AQ-SGD: this end's store (compression, digest, rows, NACKs)."""
@@ -248,6 +258,9 @@ class LinkEnd:
             return
         if self.step is not None and self.spec.aq is not None:
             self.settled = (self.step, self.stores())  # nothing of `step` has touched the stores yet
+            for name, st in self.settled[1].items():
+                self.recent.setdefault((name, st["side"]), deque(maxlen=DIGEST_HISTORY)).append(
+                    (self.step, st["digest"][:16]))
         self.step = step
         self._aborted = {k: v for k, v in self._aborted.items() if k[0] >= step - 1}
         if self.aq_out is not None:
