@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from shoal.protocol.errors import FieldError
 from shoal.protocol.schema import Bool, Choice, Float, Int, Nested, Optional, Seq, Str, WireRecord, spec
 
 PEER_ID = Str(64, allow_empty=False)
@@ -43,10 +44,24 @@ class Announcement(WireRecord):
     revision: int = spec(Int(0, 2**31), default=0)  # re-announcements of one start: a higher one replaces a lower
 
 
+CHECK_GRAINS = (4, 16, 64)  # a link end's checkpoint steps: the last two multiples of each
+MAX_CHECKS = 2 * len(CHECK_GRAINS)
+
+
+def checkpoint_steps(steps) -> list[int]:
+    """Of `steps`, the checkpoint steps to keep (ascending): the last two multiples of each of CHECK_GRAINS."""
+    keep: set[int] = set()
+    for g in CHECK_GRAINS:
+        keep.update(sorted(s for s in steps if s % g == 0)[-2:])
+    return sorted(keep)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkStatus(WireRecord):
     """One lane link end of a pipeline stage: what crosses it and, with AQ-SGD, this end's store digest after
-    `step` (the two ends of a link must agree; pipeline.md "AQ-SGD over a link", rule 5)."""
+    `step` (the two ends of a link must agree; pipeline.md "AQ-SGD over a link", rule 5), and after a few earlier
+    checkpoint steps: the last two multiples of 4, of 16 and of 64 (`check_steps`, oldest first, with
+    `check_digests`), so that two ends whose records were taken at different steps still share steps to compare."""
 
     link: str = spec(Str(16, allow_empty=False))  # "b0/fwd": activations from stage 0 to stage 1
     peer: str = spec(PEER_ID)  # the other end
@@ -56,6 +71,13 @@ class LinkStatus(WireRecord):
     digest: str = spec(Str(16), default="")  # its first 16 hex digits ("" without a store)
     rows: int = spec(Int(0, 2**40), default=0)
     nacks: int = spec(Int(0, 2**40), default=0)  # NACKs sent (receiver) or received (sender)
+    check_steps: tuple[int, ...] = spec(Seq(Int(0, 2**62), MAX_CHECKS), default=(), omit_if_default=True)
+    check_digests: tuple[str, ...] = spec(Seq(Str(16), MAX_CHECKS), default=(), omit_if_default=True)
+
+    def __post_init__(self) -> None:
+        WireRecord.__post_init__(self)
+        if len(self.check_steps) != len(self.check_digests):
+            raise FieldError("check_digests", f"{len(self.check_digests)} digests for {len(self.check_steps)} steps")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

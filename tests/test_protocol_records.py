@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from shoal.protocol.envelope import open_envelope, seal
 from shoal.protocol.errors import DecodeError, FieldError, ProtocolError, SignatureError, TooLargeError, VersionError
-from shoal.protocol.records import RECORD_TYPES, Announcement, HardwareProfile, LeaveNotice, StatusRecord
+from shoal.protocol.records import (MAX_CHECKS, RECORD_TYPES, Announcement, HardwareProfile, LeaveNotice, LinkStatus,
+                                    StatusRecord, checkpoint_steps)
 from shoal.protocol.signing import b58decode, b58encode, peer_id_from_public_key, public_key_bytes
 from shoal.protocol.wire import pack, unpack
 
@@ -54,6 +55,29 @@ def test_status_record_is_gossip_sized():
                        slot="s9r99", step=10**9, loss=1.0, eval_loss=1.0, tokens_per_s=1e6, state_hash="f" * 64,
                        error="x" * 200)
     assert len(seal(rec, KEY)) < 1024
+
+
+def test_link_checkpoints_are_the_last_two_multiples_of_each_grain_and_stay_gossip_sized():
+    assert checkpoint_steps(range(200)) == [128, 176, 192, 196]
+    assert checkpoint_steps([3, 5]) == [] and checkpoint_steps([4, 8, 12]) == [8, 12]
+    steps = checkpoint_steps(range(10**9 - 200, 10**9))
+    assert len(steps) == MAX_CHECKS
+
+    def link(name: str, side: str) -> LinkStatus:
+        return LinkStatus(link=name, peer=PID, side=side, compression="aqsgd", step=10**9, digest="f" * 16,
+                          rows=2**40, nacks=10**6, check_steps=tuple(steps), check_digests=("e" * 16,) * len(steps))
+
+    middle = StatusRecord(peer_id=PID, seq=2**40, time=1.7e9, role="active", state="training", run_id="r" * 64,
+                          slot="s9r99", step=10**9, loss=1.0, eval_loss=1.0, tokens_per_s=1e6, state_hash="f" * 64,
+                          lane_links=(link("b0/fwd", "receiver"), link("b1/fwd", "sender")))
+    assert open_envelope(seal(middle, KEY), RECORD_TYPES).record == middle
+    assert len(seal(middle, KEY)) < 1400  # a middle stage's record, both links with every checkpoint
+    with pytest.raises(FieldError, match="check_digests"):
+        LinkStatus(link="b0/fwd", peer=PID, side="sender", compression="aqsgd", check_steps=(4, 8),
+                   check_digests=("a" * 16,))
+    with pytest.raises(FieldError, match="check_steps"):
+        LinkStatus(link="b0/fwd", peer=PID, side="sender", compression="aqsgd", check_steps=tuple(range(7)),
+                   check_digests=("a",) * 7)
 
 
 def test_record_signed_by_another_key_is_rejected():

@@ -173,6 +173,30 @@ def test_ago_and_sizes():
     assert fmt.nbytes(24 << 30) == "25.8 GB" and fmt.nbytes(12) == "12 B"
 
 
+def test_aqsgd_link_ends_sampled_at_different_steps_are_judged_at_a_checkpoint_both_carry():
+    """Each end's record is taken at its own moment (a fast lane's two ends never publish the same step), but both
+    carry their digests at the last multiples of 4, 16 and 64: the verdict is taken at the newest one both hold."""
+    from shoal.protocol.records import LinkStatus, checkpoint_steps
+
+    def link(side: str, peer: str, step: int, digest_at) -> LinkStatus:
+        checks = checkpoint_steps(range(step + 1))
+        return LinkStatus(link="b0/fwd", peer=peer, side=side, compression="aqsgd", step=step,
+                          digest=digest_at(step), rows=16, check_steps=tuple(checks),
+                          check_digests=tuple(digest_at(s) for s in checks))
+
+    same = lambda s: f"{s:016x}"  # noqa: E731 - the digest after step s, equal at both ends
+    view = SwarmView()
+    view.feed(st(A1, 1, T0, slot="s0r0", lane_links=(link("sender", A2, 37, same),)), T0)
+    view.feed(st(A2, 1, T0, slot="s1r0", lane_links=(link("receiver", A1, 43, same),)), T0)
+    assert view.peers[A1].link_verdicts == {("b0/fwd", "sender"): "agrees"}  # at step 36, a checkpoint of both
+    assert view.peers[A2].link_verdicts == {("b0/fwd", "receiver"): "agrees"}
+    apart = lambda s: same(s) if s < 44 else "ff" * 8  # noqa: E731 - the receiver's rows went their own way
+    view.feed(st(A1, 2, T0 + 4, slot="s0r0", lane_links=(link("sender", A2, 50, same),)), T0 + 4)
+    view.feed(st(A2, 2, T0 + 4, slot="s1r0", lane_links=(link("receiver", A1, 53, apart),)), T0 + 4)
+    assert view.peers[A1].link_verdicts == {("b0/fwd", "sender"): "differs"}  # at step 48
+    assert view.peers[A2].link_verdicts == {("b0/fwd", "receiver"): "differs"}
+
+
 def test_aqsgd_link_digests_are_judged_against_the_other_end_at_a_common_step():
     from shoal.protocol.records import LinkStatus
     from shoal.tui.peers import peer_detail

@@ -329,7 +329,7 @@ def _on_status(view: SwarmView, s: StatusRecord, now: float) -> None:
     _on_links(view, p, s)
 
 
-LINK_HISTORY = 8  # steps of digests kept per link end
+LINK_HISTORY = 16  # steps of digests kept per link end (each record brings its step and its checkpoint steps)
 OTHER_SIDE = {"sender": "receiver", "receiver": "sender"}
 
 
@@ -342,6 +342,7 @@ def _on_links(view: SwarmView, p: PeerView, s: StatusRecord) -> None:
         if x.compression != "aqsgd" or x.step is None:
             continue
         hist = p.link_digests.setdefault((x.link, x.side), {})
+        hist.update(zip(x.check_steps, x.check_digests))  # checkpoints: steps the other end publishes too
         hist[x.step] = x.digest
         for old in sorted(hist)[:-LINK_HISTORY]:
             del hist[old]

@@ -14,6 +14,7 @@ import trio
 from shoal.protocol.errors import DecodeError, ProtocolError, TooLargeError
 from shoal.protocol.frames import MAX_HEADER_BYTES
 from shoal.kernels.quant import NonFiniteError
+from shoal.protocol.records import checkpoint_steps
 from shoal.protocol.lane import (AQ, BWD, DATA_TYPES, FWD, LANE_PROTOCOL, MAX_RECORD_BYTES, TENSOR_TYPES, TRAIN, Abort,
                                  Act, Credit, Grad, LaneNorm, LinkHello, Nack, Refuse, decode_message, encode_message,
                                  payload_nbytes)
@@ -71,6 +72,7 @@ class LinkEnd:
         #: (link, side) -> (step, digest) after each of the last DIGEST_HISTORY steps: observers that sample two
         #: ends at different moments compare them at a step both hold
         self.recent: dict[tuple[str, str], deque[tuple[int, str]]] = {}
+        self.checks: dict[tuple[str, str], dict[int, str]] = {}  # (link, side) -> digests at checkpoint steps
         self._fresh: list[tuple[StoreKey, Any, str]] = []  # stores new here: pulled from the other end (adopt)
         if spec.aq is not None:
             for boundary, side, peer in ((s, "sender", nxt), (s - 1, "receiver", prev)):
@@ -109,9 +111,11 @@ class LinkEnd:
             if link is None:
                 continue
             st = stores.get(link.name)
+            checks = sorted(self.checks.get((link.name, side), {}).items())
             out.append({"link": link.name, "peer": link.peer, "side": side, "compression": self.spec.kind,
                         **({"step": self.settled[0], "digest": st["digest"][:16], "rows": st["rows"],
-                            "nacks": st["nacks"]} if st else {})})
+                            "nacks": st["nacks"], "check_steps": [s for s, _ in checks],
+                            "check_digests": [d for _, d in checks]} if st else {})})
         return out
 
     def recent_digests(self) -> dict[str, dict[str, str]]:
@@ -259,8 +263,12 @@ class LinkEnd:
         if self.step is not None and self.spec.aq is not None:
             self.settled = (self.step, self.stores())  # nothing of `step` has touched the stores yet
             for name, st in self.settled[1].items():
-                self.recent.setdefault((name, st["side"]), deque(maxlen=DIGEST_HISTORY)).append(
-                    (self.step, st["digest"][:16]))
+                key, digest = (name, st["side"]), st["digest"][:16]
+                self.recent.setdefault(key, deque(maxlen=DIGEST_HISTORY)).append((self.step, digest))
+                checks = self.checks.setdefault(key, {})
+                checks[self.step] = digest
+                for old in set(checks) - set(checkpoint_steps(checks)):
+                    del checks[old]
         self.step = step
         self._aborted = {k: v for k, v in self._aborted.items() if k[0] >= step - 1}
         if self.aq_out is not None:
