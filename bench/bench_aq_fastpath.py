@@ -14,8 +14,8 @@ from contextlib import contextmanager
 import torch
 
 from shoal.kernels import fastpath
-from shoal.swarm.run.aq_codec import AQSpec, encode_acts
-from shoal.swarm.run.aq_store import LinkStore, StoreConfig
+from shoal.swarm.lane.aq_codec import AQSpec, encode_acts
+from shoal.swarm.lane.aq_store import LinkStore, StoreConfig
 
 
 @contextmanager

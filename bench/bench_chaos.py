@@ -1,4 +1,4 @@
-"""Seeded chaos runs of a local training swarm (node/experiments/chaos.py): in every run a broker frozen (SIGSTOP)
+"""Seeded chaos runs of a local training swarm (bench/lab/chaos.py): in every run a broker frozen (SIGSTOP)
 past its lease and a broker killed and restarted with its identity within a second, plus random faults (SIGKILL and
 SIGTERM with restarts, SIGSTOP) and a member killed a few steps before the end.
 
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shoal.node.experiments.chaos import ChaosConfig, ChaosRun
+from shoal.bench.chaos import ChaosConfig, ChaosRun
 
 STOPS = ("stop", "broker-freeze")
 

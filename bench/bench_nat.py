@@ -9,7 +9,7 @@ Writes nat.json and nat.md (with this command) into --out.
 - punch: each try is a fresh natcheck host behind NAT 1 that reaches A (behind NAT 0) through P; success means a
   direct connection followed; the time runs from its first dial of A (through the relay) to the direct one.
   Tried with the routers dropping unsolicited packets (home routers) and with bare MASQUERADE.
-- training: three replicas (the run of tests/test_run_swarm.py) with P public and two behind NATs, against three
+- training: three replicas (the run of tests/swarm/test_run_swarm.py) with P public and two behind NATs, against three
   on the public segment; tokens/s over the steps both runs share, alternating the two setups.
 """
 
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shoal.node.experiments.nat_topology import Topology, TopologyConfig, wait_status
+from shoal.bench.nat_topology import Topology, TopologyConfig, wait_status
 from shoal.node.train.hardware import hardware_profile
 from shoal.protocol import manifest as mf
 from shoal.swarm.net.identity import load_or_create_identity
@@ -88,7 +88,7 @@ def reachability_and_punch(home: Path, firewall: bool, relay_trials: int, punch_
         target = a.status()["peer_id"]
         tries = []
         for _ in range(punch_tries):
-            r = t.run_tool(t.home_ns(1), ["shoal.node.experiments.natcheck", "reach", "--join", join, "--target",
+            r = t.run_tool(t.home_ns(1), ["shoal.bench.natcheck", "reach", "--join", join, "--target",
                                           target, "--timeout", "10"], 120)
             r.pop("_stderr", None)
             tries.append({k: r.get(k) for k in ("direct", "direct_s", "relayed_rpc_s", "first_path", "error")})

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shoal.node.cli.localswarm import LocalSwarm, LocalSwarmConfig
+from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig
 from shoal.protocol import manifest as mf
 from shoal.swarm.net.identity import load_or_create_identity
 

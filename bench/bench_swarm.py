@@ -19,7 +19,7 @@ from pathlib import Path
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.node.cli.localswarm import LocalSwarm, LocalSwarmConfig
+from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig
 from shoal.protocol.envelope import seal
 from shoal.protocol.records import LeaveNotice
 from shoal.swarm.net.dht_records import announcement_key

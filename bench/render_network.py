@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from shoal.node.experiments import netreport
+from shoal.bench import netreport
 
 for arg in sys.argv[1:]:
     p = Path(arg)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from shoal.protocol.errors import FieldError
-from shoal.protocol.records import PEER_ID, RECORD_TYPES, TIME_S, HardwareProfile
+from shoal.protocol.records import PEER_ID, TIME_S, HardwareProfile
 from shoal.protocol.schema import Bool, Bytes, Choice, Int, Nested, Optional, Seq, Str, WireRecord, spec
 
 RUN_ID = Str(80, allow_empty=False)
@@ -220,5 +220,3 @@ class MissingReport(WireRecord):
 
 RUN_RECORD_TYPES: dict[str, type[WireRecord]] = {cls.KIND: cls for cls in (BrokerLease, AssignmentTable,
                                                                                    BrokerDelegation)}
-
-RECORD_TYPES.update(RUN_RECORD_TYPES)  # gossip and the DHT validator accept these kinds

@@ -199,7 +199,7 @@ def lane_message_nbytes(rec: WireRecord, *tensors: TensorHeader | None) -> int:
     forward = h + B·T·H·fb/8 and backward = h + B·T·H·bb/8 for the dense kinds, where h is this record's and its
     tensor header's encoding with their length prefixes (a few dozen bytes; it grows with the ids). With AQ-SGD,
     forward = h + n_first·T·H·fb/8 + n_delta·T·H·b/8 + scales and backward = h + B·T·H·bb/8 + scales
-    (swarm/run/aq_codec.py `group_nbytes`), h now counting each group's frame header."""
+    (swarm/lane/aq_codec.py `group_nbytes`), h now counting each group's frame header."""
     n = LENGTH_PREFIX_BYTES + len(encode_message(rec))
     for tensor in tensors:
         if tensor is not None:

@@ -6,7 +6,7 @@ import struct
 from typing import BinaryIO
 
 from shoal.protocol.errors import DecodeError
-from shoal.protocol.records import RECORD_TYPES
+from shoal.protocol.kinds import RECORD_TYPES
 from shoal.protocol.schema import WireRecord
 from shoal.protocol.wire import MAX_RECORD_BYTES, pack, unpack
 

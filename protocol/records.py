@@ -118,7 +118,5 @@ class LeaveNotice(WireRecord):
     reason: str = spec(Str(200), default="")
 
 
-RECORD_TYPES: dict[str, type[WireRecord]] = {cls.KIND: cls for cls in (Announcement, StatusRecord, LeaveNotice)}
-
-# the broker's record kinds (lease, assignment table) register themselves into RECORD_TYPES on import
-import shoal.protocol.assignment  # noqa: E402,F401
+#: a node's own record kinds (protocol/kinds.py joins them with the run's into the table gossip and the DHT accept)
+NODE_RECORD_TYPES: dict[str, type[WireRecord]] = {cls.KIND: cls for cls in (Announcement, StatusRecord, LeaveNotice)}

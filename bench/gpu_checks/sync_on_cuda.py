@@ -1,7 +1,7 @@
 """Device check (not a test: run by hand on a GPU machine without libp2p): the synchronizers with trainers on CUDA,
 over an in-memory exchange; replicas must agree bit for bit, learn, and a replica loaded from a CPU snapshot must
 rejoin. The same code path over real hosts:
-tests/test_sync_groups.py::test_replicas_on_a_gpu_learn_and_stay_identical.
+tests/swarm/test_sync_groups.py::test_replicas_on_a_gpu_learn_and_stay_identical.
 
     python bench/gpu_checks/sync_on_cuda.py [cuda|cpu]
 """

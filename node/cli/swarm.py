@@ -197,7 +197,7 @@ def up(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from shoal.node.cli.errors import CliError, Exit
-    from shoal.node.cli.localswarm import LocalSwarm, LocalSwarmConfig, SignalGuard
+    from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig, SignalGuard
     from shoal.node.cli.node import shoal_home
     from shoal.swarm.net.observer import LOCAL_SWARM_FILE
 
@@ -346,13 +346,13 @@ def read_swarm_file(path) -> dict | None:
 
 
 def running_supervisor(doc: dict) -> bool:
-    from shoal.node.cli.localswarm import same_process
+    from shoal.node.localswarm import same_process
 
     return same_process(doc["pid"], doc.get("start_time"))
 
 
 def live_nodes(doc: dict) -> list[dict]:
-    from shoal.node.cli.localswarm import same_process
+    from shoal.node.localswarm import same_process
 
     return [n for n in doc.get("nodes", []) if isinstance(n, dict) and isinstance(n.get("pid"), int)
             and same_process(n["pid"], n.get("start_time"))]

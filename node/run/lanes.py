@@ -12,7 +12,10 @@ import trio
 
 from shoal.protocol.assignment import AssignmentTable
 from shoal.protocol.manifest import RunManifest
-from shoal.swarm.run.link import BlockingLinkEnd, LaneSpec, LinkEnd, LinkHub
+from shoal.swarm.lane.blocking import BlockingLinkEnd
+from shoal.swarm.lane.end import LinkEnd
+from shoal.swarm.lane.hub import LinkHub
+from shoal.swarm.lane.spec import LaneSpec
 from shoal.swarm.run.schedule import lane_peers
 
 log = logging.getLogger(__name__)

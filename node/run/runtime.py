@@ -42,7 +42,8 @@ from shoal.swarm.run.client import RunClient, fetch_table
 from shoal.swarm.run.collective import Collective
 from shoal.swarm.run.collective_gate import CollectiveGate
 from shoal.swarm.run.group import Group
-from shoal.swarm.run.link import LinkConfig, open_link_hub
+from shoal.swarm.lane.hub import open_link_hub
+from shoal.swarm.lane.spec import LinkConfig
 from shoal.swarm.run.schedule import GroupSchedule
 from shoal.swarm.state.snapshot import Snapshot
 from shoal.swarm.state.transfer import StateServer, StateTransferError

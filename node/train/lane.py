@@ -1,6 +1,6 @@
 """A stage's view of its lane (the `Boundary` the GPipe schedule talks through) and an in-process lane of threads.
 
-The runtime plugs in the network implementation (swarm/run/link.py `BlockingLinkEnd`, which has these methods);
+The runtime plugs in the network implementation (swarm/lane/blocking.py `BlockingLinkEnd`, which has these methods);
 `LocalLane` joins S stages in one process through mailboxes (parity tests, one-machine pipelines).
 """
 

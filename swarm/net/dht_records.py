@@ -6,7 +6,7 @@ from libp2p.records.validator import Validator
 
 from shoal.protocol.envelope import open_envelope
 from shoal.protocol.errors import ProtocolError
-from shoal.protocol.records import RECORD_TYPES
+from shoal.protocol.kinds import RECORD_TYPES
 from shoal.protocol.wire import MAX_RECORD_BYTES
 
 NAMESPACE = "shoal"

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from shoal.protocol.envelope import Signed, open_envelope
 from shoal.protocol.errors import ProtocolError
-from shoal.protocol.records import RECORD_TYPES
+from shoal.protocol.kinds import RECORD_TYPES
 from shoal.protocol.signing import b58encode
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties

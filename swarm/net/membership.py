@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from shoal.protocol.envelope import Signed, open_envelope
 from shoal.protocol.errors import ProtocolError
-from shoal.protocol.records import RECORD_TYPES, Announcement, LeaveNotice, StatusRecord
+from shoal.protocol.kinds import RECORD_TYPES
+from shoal.protocol.records import Announcement, LeaveNotice, StatusRecord
 from shoal.swarm.net.pulse import Pulse
 
 ALIVE, SUSPECT, GONE, LEFT = "alive", "suspect", "gone", "left"

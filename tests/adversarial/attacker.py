@@ -19,7 +19,7 @@ from shoal.swarm.net.rpc import call
 from shoal.swarm.run.broker import Broker, BrokerConfig
 from shoal.swarm.run.client import RunClient, RunClientConfig
 from shoal.swarm.run.context import RunContext
-from tests.swarm_helpers import HW, running_node
+from tests.helpers.swarm import HW, running_node
 
 BCFG = BrokerConfig(heartbeat_s=0.25, fail_after_s=2.0, lease_renew_s=0.5, lease_timeout_s=2.5, republish_s=1.0,
                     ping_timeout_s=1.0, dht_timeout_s=1.0)

@@ -2,7 +2,7 @@
 
 The attacker is a replica like the others (its own libp2p host on 127.0.0.1, its own trainer thread, shoal's own
 synchronizer and collective); only its outgoing updates are rewritten by a `Fault` from
-`shoal.node.experiments.poison`: its contributions to the chunk owners scaled or sign-flipped, or, as the owner of
+`shoal.bench.poison`: its contributions to the chunk owners scaled or sign-flipped, or, as the owner of
 a chunk, its broadcast of that chunk's aggregate. The group harness is the synchronizer tests' (`run_group`).
 `serve_lies` turns a member's state server into one that lies about the state it serves.
 """
@@ -12,14 +12,14 @@ from __future__ import annotations
 import math
 
 from shoal.kernels.codec import dtype_name
-from shoal.node.experiments.poison import broadcast, contribution, poisoner
+from shoal.bench.poison import broadcast, contribution, poisoner
 from shoal.node.train.trainer import Trainer
 from shoal.protocol.manifest import CocktailSpec, DilocoSpec
 from shoal.protocol.wire import pack, unpack
 from shoal.swarm.net.framing import read_frame, write_frame
 from shoal.swarm.state.snapshot import raw_bytes, state_hash
 from shoal.swarm.state.transfer import STATE_PROTOCOL, part_hash
-from tests.test_sync_groups import corpus, flat, run_group, run_manifest
+from tests.swarm.test_sync_groups import corpus, flat, run_group, run_manifest
 
 __all__ = ["ATTACK_METHODS", "attack_manifest", "broadcast", "contribution", "corpus", "flat", "heldout_drop", "honest_agree",
            "poisoner", "run_group", "serve_lies"]

@@ -19,7 +19,7 @@ from shoal.swarm.net.rpc import RpcError
 from shoal.swarm.run.broker import AdmissionError
 from shoal.swarm.run.client import RunClient
 from tests.adversarial.attacker import BCFG, CCFG, Attacker, signed_manifest, start
-from tests.swarm_helpers import HW
+from tests.helpers.swarm import HW
 
 pytestmark = pytest.mark.slow
 

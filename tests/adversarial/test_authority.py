@@ -12,7 +12,7 @@ from shoal.swarm.net.rpc import RpcError
 from shoal.swarm.run.authority import RunAuthority
 from shoal.swarm.run.client import RunClient, fetch_table
 from tests.adversarial.attacker import BCFG, CCFG, Attacker, signed_manifest, start, table_of
-from tests.swarm_helpers import HW, wait_for
+from tests.helpers.swarm import HW, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import trio
 from shoal.swarm.net.rpc import call
 from shoal.swarm.run.collective import Collective
 from tests.adversarial.attacker import node_with, rss_bytes, table_of
-from tests.test_run_swarm import active, done, make_swarm, write_run
+from tests.swarm.test_run_swarm import active, done, make_swarm, write_run
 
 pytestmark = pytest.mark.slow
 

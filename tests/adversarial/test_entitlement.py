@@ -14,7 +14,7 @@ from shoal.protocol.envelope import open_envelope
 from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.state.transfer import StateTransferConfig, StateTransferError, pull_state
 from tests.adversarial.attacker import node_with, table_of
-from tests.test_run_swarm import active, done, make_swarm, write_run
+from tests.swarm.test_run_swarm import active, done, make_swarm, write_run
 
 pytestmark = pytest.mark.slow
 

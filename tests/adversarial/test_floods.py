@@ -20,7 +20,7 @@ from shoal.swarm.net.dht_records import announcement_key
 from shoal.swarm.net.identity import peer_id_of
 from shoal.swarm.net.rpc import call
 from tests.adversarial.attacker import dht_flood, node_with, rss_bytes
-from tests.swarm_helpers import HW
+from tests.helpers.swarm import HW
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shoal.node.run.config import RunConfig
 from shoal.node.run.preflight import UntrustedData, data_source
 from shoal.protocol import manifest as mf
-from tests.swarm_helpers import running_node, wait_for
-from tests.test_run_runtime import node_config
+from tests.helpers.swarm import running_node, wait_for
+from tests.swarm.test_run_runtime import node_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -14,7 +14,7 @@ from shoal.swarm.state.agreed import pull_agreed
 from shoal.swarm.state.snapshot import Snapshot, StateTransferError
 from shoal.swarm.state.transfer import StateServer, StateTransferConfig, part_hash
 from tests.adversarial.poisoner import serve_lies
-from tests.swarm_helpers import bare_host
+from tests.helpers.swarm import bare_host
 
 CFG = StateTransferConfig(timeout_s=5.0)
 REV = 7

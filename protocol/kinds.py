@@ -1,0 +1,10 @@
+"""Every signed record kind a peer may gossip or put in the DHT, by its KIND: the one table that gossip, the DHT
+validator, membership and the dashboard's pipe open envelopes with."""
+
+from __future__ import annotations
+
+from shoal.protocol.assignment import RUN_RECORD_TYPES
+from shoal.protocol.records import NODE_RECORD_TYPES
+from shoal.protocol.schema import WireRecord
+
+RECORD_TYPES: dict[str, type[WireRecord]] = {**NODE_RECORD_TYPES, **RUN_RECORD_TYPES}

@@ -1,0 +1,162 @@
+"""What a lane link is made of: its config and spec, its errors, its byte counters, and the tensor frames it carries."""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.kernels.codec import CastCodec, Encoded, NoCompression, tensor_from_buffer
+from shoal.kernels.quant import NonFiniteError
+from shoal.protocol.errors import FieldError, ProtocolError
+from shoal.protocol.frames import decode_frame, encode_frame, make_header
+from shoal.protocol.lane import AQ, DENSE_KINDS, LaneAborted
+from shoal.protocol.manifest import RunManifest
+from shoal.swarm.lane.aq_codec import AQSpec
+
+LEN = struct.Struct(">I")  # swarm/net/framing.py's length prefix
+MAX_CONTROL_BYTES = 1024
+_CODECS = {"fp32": NoCompression(), "fp16": CastCodec(torch.float16)}
+
+
+class LinkError(LaneAborted):
+    """A link could not carry a step. `cause` is one of the class constants; `peer` the neighbour concerned."""
+
+    DIAL, DEADLINE, VIOLATION, CLOSED, ABORTED, LOCAL = "dial", "deadline", "violation", "closed", "aborted", "local"
+
+    def __init__(self, cause: str, reason: str, peer: str | None = None):
+        super().__init__(f"{cause}: {reason}" + (f" (peer {peer})" if peer else ""), peer)
+        self.cause, self.reason = cause, reason
+
+
+class Violation(ProtocolError):
+    """A well-formed message that this link must not carry (wrong step, lane, shape, micro-batch, credit...)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkConfig:
+    credit_window: int = 4  # data messages a sender may have sent that this receiver has not consumed
+    dial_timeout_s: float = 5.0  # open a stream, say hello, get the first credit (retried while refused)
+    send_timeout_s: float = 30.0  # wait for credit and write one message; also: finish a message once begun
+    recv_timeout_s: float = 60.0  # wait for one message (the pipeline bubble is part of it)
+    abort_timeout_s: float = 2.0  # tell the neighbours a step is given up (best effort)
+    retry_interval_s: float = 0.1  # between dials the peer refused (its end of the link not open yet)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.credit_window <= 1024:
+            raise ValueError("credit_window must be in 1..1024")
+        if min(self.dial_timeout_s, self.send_timeout_s, self.recv_timeout_s, self.abort_timeout_s,
+               self.retry_interval_s) <= 0:
+            raise ValueError("timeouts must be positive")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaneSpec:
+    """What one stage's links must know: its slot, its neighbours, and what may cross (from the manifest)."""
+
+    run_id: str
+    lane: int
+    stage: int
+    num_stages: int
+    replicas: int
+    prev_peer: str | None  # stage - 1 of this lane (None at stage 0)
+    next_peer: str | None  # stage + 1 (None at the last stage)
+    micro_batch: int  # rows of every micro-batch (training and eval)
+    seq_len: int
+    d_model: int
+    micro_batches: int  # M per step
+    eval_batches: int
+    train_samples: int  # sample ids of training micro-batches are below this
+    eval_samples: int  # and of eval micro-batches below this
+    kind: str = "fp32"  # activations and gradients of training micro-batches ("aqsgd": `aq` says how)
+    eval_kind: str = "fp16"
+    aq: AQSpec | None = None
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.stage < self.num_stages and 0 <= self.lane < self.replicas):
+            raise ValueError(f"slot (stage {self.stage}, lane {self.lane}) outside {self.num_stages}x{self.replicas}")
+        if (self.prev_peer is None) != (self.stage == 0) or (self.next_peer is None) != (
+                self.stage == self.num_stages - 1):
+            raise ValueError("a stage has a previous peer unless it is the first, a next peer unless it is the last")
+        if min(self.micro_batch, self.seq_len, self.d_model, self.micro_batches, self.eval_batches,
+               self.train_samples, self.eval_samples) < 1:
+            raise ValueError("shapes, counts and sample ranges must be positive")
+        if self.kind not in (*DENSE_KINDS, AQ) or self.eval_kind not in DENSE_KINDS:
+            raise ValueError(f"kinds must be among {sorted(DENSE_KINDS)} (training also {AQ})")
+        if (self.kind == AQ) != (self.aq is not None):
+            raise ValueError(f"kind {AQ} goes with its settings (aq), and only it")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.micro_batch, self.seq_len, self.d_model
+
+    @classmethod
+    def from_manifest(cls, m: RunManifest, *, stage: int, lane: int, prev_peer: str | None, next_peer: str | None,
+                      train_samples: int, eval_samples: int, kind: str | None = None, eval_kind: str = "fp16",
+                      buffer_dir: str | None = None) -> LaneSpec:
+        """The spec of slot (stage, lane) of a run; the sample counts are the corpus's (node.train.data.Samples).
+        `kind`: the manifest's by default (AQ-SGD, or its wire dtype); `buffer_dir`: where disk buffers go."""
+        b, p = m.batch, m.plan.pipeline
+        if kind is None:
+            kind = AQ if p.compression == AQ else p.wire_dtype
+        aq = None
+        if kind == AQ:
+            aq = AQSpec.from_pipeline(p, buffer_dir or os.path.join(tempfile.gettempdir(), f"shoal-aq-{m.run_id[:16]}"))
+        return cls(run_id=m.run_id, lane=lane, stage=stage, num_stages=m.plan.stages, replicas=m.plan.replicas,
+                   prev_peer=prev_peer, next_peer=next_peer, micro_batch=b.micro_batch_size, seq_len=b.seq_len,
+                   d_model=m.model.d_model, micro_batches=b.batch_size // b.micro_batch_size,
+                   eval_batches=m.eval.batches, train_samples=train_samples, eval_samples=eval_samples, kind=kind,
+                   eval_kind=eval_kind, aq=aq)
+
+
+@dataclass(slots=True)
+class LinkCounters:
+    """Bytes one way on one link, as this end saw them (owned by the event loop)."""
+
+    messages: int = 0  # data messages (activations, gradients, norms)
+    wire_bytes: int = 0  # their bytes: record and tensor frames with their length prefixes
+    payload_bytes: int = 0  # of which tensor payload
+    nacks: int = 0  # AQ-SGD NACK messages (part of the data messages)
+    control_bytes: int = 0  # hello, credits, refusals, aborts (with length prefixes)
+
+
+def encode_tensor_frame(kind: str, x: torch.Tensor) -> tuple[Any, bytes]:
+    """(header, frame bytes) of activations or gradients at a dense kind; non-finite values are never sent."""
+    x = x.detach().to("cpu", torch.float32).contiguous()
+    try:
+        if not bool(torch.isfinite(x).all()):
+            raise NonFiniteError("NaN or Inf")
+        e = _CODECS[kind].encode(x)  # fp16 rejects values it cannot hold
+    except NonFiniteError as err:
+        raise LinkError(LinkError.LOCAL, f"non-finite {kind} values: not sent ({err})") from err
+    mv = e.payload_bytes()
+    header = make_header(e.codec, e.dtype, e.shape, e.bits, e.bucket, e.count, mv)
+    head, body = encode_frame(header, mv)
+    return header, bytes(head) + bytes(body)
+
+
+def decode_tensor_frame(buf: bytes, kind: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A received tensor frame: exactly this kind and shape, finite; float32. Raises ProtocolError."""
+    numel = shape[0] * shape[1] * shape[2]
+    h, payload = decode_frame(buf, max_numel=numel, max_payload=len(buf))
+    codec = _CODECS[kind]
+    if (h.codec, h.dtype, h.shape) != (codec.name, "float32", shape):
+        raise FieldError("tensor", f"{h.codec} {h.dtype} {list(h.shape)}, expected {codec.name} float32 {list(shape)}")
+    x = codec.decode(Encoded(h.codec, h.dtype, h.shape, h.bits, h.bucket, h.count, tensor_from_buffer(payload)))
+    if not bool(torch.isfinite(x).all()):
+        raise FieldError("tensor", "non-finite values")
+    return x.clone() if kind == "fp32" else x  # fp32 views the received bytes; fp16 was already converted
+
+
+async def reset_quietly(stream) -> None:
+    """Reset a stream that may already be gone (or None)."""
+    if stream is None:
+        return
+    try:
+        await stream.reset()
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,264 @@
+"""The broker on real nodes (127.0.0.1, one trio loop): admission, private runs, promotion, leave, failover."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import pytest
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shoal.protocol.assignment import ACTIVE, BACKUP, DRAINING, GONE
+from shoal.protocol.manifest import JoinPolicy, ParallelPlan, RunManifest, SyncSpec
+from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig
+from shoal.swarm.run.context import RunContext
+from shoal.swarm.net.identity import peer_id_of
+from shoal.swarm.net.rpc import RpcServer
+from shoal.swarm.run.client import RunClient, RunClientConfig, fetch_table
+from tests.helpers.swarm import HW, running_node, wait_for
+
+pytestmark = pytest.mark.slow
+
+BCFG = BrokerConfig(heartbeat_s=0.25, fail_after_s=2.0, lease_renew_s=0.5, lease_timeout_s=2.5, republish_s=1.0,
+                    ping_timeout_s=1.0, dht_timeout_s=1.0)
+CCFG = RunClientConfig(poll_s=0.4, rpc_timeout_s=5.0, retry_s=0.3)  # the default timeout: a loaded CI machine
+#: failure by silence out of the way: what these tests check must come from reports and pings
+REPORTS_ONLY = BrokerConfig(heartbeat_s=0.25, fail_after_s=60.0, lease_renew_s=0.5, lease_timeout_s=2.5,
+                            ping_timeout_s=1.0, dht_timeout_s=1.0)
+
+
+def manifest(replicas: int = 2, join: JoinPolicy | None = None) -> RunManifest:
+    return RunManifest.default(plan=ParallelPlan(replicas=replicas, sync=SyncSpec(method="allreduce")),
+                               **({"join": join} if join else {}))
+
+
+@dataclass
+class Member:
+    node: object
+    client: RunClient | None
+    broker: Broker | None
+    scope: trio.CancelScope
+    ctx: RunContext
+
+    def kill(self) -> None:
+        """Stop without a leave notice: the peer just goes silent."""
+        self.scope.cancel()
+
+
+def context(node, m: RunManifest) -> RunContext:
+    rpc = RpcServer(node.sh, node.penalties)  # the test's server replaces the daemon's; keep its methods
+    rpc.register("members", node._rpc_members)
+    rpc.register("announce", node._rpc_announce)
+    return RunContext(sh=node.sh, manifest=m, register=rpc.register, publish=node.publish,
+                      membership=node.membership, penalties=node.penalties)
+
+
+async def _member(m: RunManifest, join, broker: bool, broker_id, secret, admit: bool, bcfg, task_status):
+    with trio.CancelScope() as scope:
+        async with running_node(join) as node:
+            ctx = context(node, m)
+            async with trio.open_nursery() as n:
+                b = None
+                if broker:
+                    b = Broker(ctx, bcfg, secret=secret)
+                    await n.start(b.run)
+                client = None
+                if admit:
+                    client = RunClient(ctx, HW, broker_id=broker_id or node.peer_id, secret=secret, config=CCFG,
+                                       broker_config=bcfg, local_broker=b)
+                    orig = node.gossip.on_record
+                    node.gossip.on_record = lambda s, c=client, o=orig: (o(s), c.on_record(s))
+                    await n.start(client.run)
+                task_status.started(Member(node, client, b, scope, ctx))
+                await trio.sleep_forever()
+
+
+async def start(nursery, m, join=(), *, broker=False, broker_id=None, secret=None, admit=True, bcfg=BCFG) -> Member:
+    return await nursery.start(_member, m, list(join), broker, broker_id, secret, admit, bcfg)
+
+
+async def test_admission_fills_slots_then_the_backup_pool():
+    m = manifest(replicas=2)
+    async with trio.open_nursery() as n:
+        b = await start(n, m, broker=True)
+        addrs, bid = b.node.sh.addrs, b.node.peer_id
+        a = await start(n, m, addrs, broker_id=bid)
+        c = await start(n, m, addrs, broker_id=bid)
+        assert b.client.role() == "active" and b.client.slot_name() == "s0r0" and b.client.is_broker()
+        assert a.client.slot_name() == "s0r1" and a.client.role() == "active"
+        assert c.client.role() == "backup" and c.client.slot() is None and c.client.group() is None
+        t = b.broker.table
+        assert t.backups == (c.node.peer_id,) and t.standby == a.node.peer_id
+        assert {p.peer_id: p.state for p in t.providers} == {bid: ACTIVE, a.node.peer_id: ACTIVE,
+                                                              c.node.peer_id: BACKUP}
+        assert t.epochs == (2,)  # one bump per member that joined stage 0
+        for mem in (a, b, c):  # everyone converges on the same signed table
+            await wait_for(lambda mem=mem: mem.client.table.version == b.broker.table.version, 5, "convergence")
+        g = a.client.group()
+        assert g.members == tuple(sorted([bid, a.node.peer_id])) and g.epoch == 2 and g.me == a.node.peer_id
+        # a joining node can find the broker through any member
+        signed = await fetch_table(c.node.sh, a.node.peer_id, m.run_id)
+        assert signed.record.peer_id == bid
+        # the table and the lease are in the DHT, signed by the broker
+        from shoal.swarm.net.dht_records import lease_key
+        await wait_for(lambda: b.broker.lease_env != b"", 5, "a lease")
+        with trio.fail_after(5):
+            raw = await c.node.sh.dht.get_value(lease_key(bid))
+        assert raw is not None
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("mode", ["no_secret", "wrong_secret", "not_allowlisted"])
+async def test_private_run_refuses_outsiders(mode):
+    if mode == "not_allowlisted":
+        m = manifest(join=JoinPolicy(mode="allowlist", allowlist=(peer_id_of(Ed25519PrivateKey.generate()),)))
+    else:
+        m = manifest(join=JoinPolicy.private())
+    async with trio.open_nursery() as n:
+        b = await start(n, m, broker=True, admit=False, secret="open sesame")
+        outsider = await start(n, m, b.node.sh.addrs, admit=False)
+        client = RunClient(outsider.ctx, HW, broker_id=b.node.peer_id, config=CCFG,
+                           secret={"wrong_secret": "guess", "no_secret": None}.get(mode))
+        with pytest.raises(AdmissionError) as err:
+            await client.admit()
+        expect = {"no_secret": "join secret is required", "wrong_secret": "wrong join secret",
+                  "not_allowlisted": "not on the run's allowlist"}[mode]
+        assert expect in str(err.value)
+        assert not b.broker.providers
+        if mode != "not_allowlisted":  # the right secret gets in
+            ok = await start(n, m, b.node.sh.addrs, broker_id=b.node.peer_id, secret="open sesame")
+            assert ok.client.slot_name() == "s0r0"
+        n.cancel_scope.cancel()
+
+
+async def test_killed_active_node_is_replaced_by_a_backup():
+    m = manifest(replicas=2)
+    async with trio.open_nursery() as n:
+        b = await start(n, m, broker=True)
+        addrs, bid = b.node.sh.addrs, b.node.peer_id
+        a = await start(n, m, addrs, broker_id=bid)
+        c = await start(n, m, addrs, broker_id=bid)
+        epoch0 = b.broker.table.epochs[0]
+        a.kill()
+        t0 = time.monotonic()
+        took = await wait_for(lambda: c.client.slot_name() == "s0r1", 10, "the backup's promotion")
+        t = b.broker.table
+        assert t.provider_state(a.node.peer_id) == GONE and a.node.peer_id not in t.members(0)
+        assert t.epochs[0] == epoch0 + 1 and t.backups == ()
+        assert t.standby == c.node.peer_id
+        await wait_for(lambda: b.client.table.version == t.version, 5, "the broker's client")
+        assert c.client.group().members == tuple(sorted([bid, c.node.peer_id]))
+        assert b.broker.seating.promotions[-1][1:] == ("s0r1", a.node.peer_id, c.node.peer_id)
+        print(f"promotion after kill: {took:.2f} s (fail_after_s={BCFG.fail_after_s})")
+        assert time.monotonic() - t0 < BCFG.fail_after_s + 3
+        n.cancel_scope.cancel()
+
+
+async def test_missing_report_and_graceful_leave_replace_quickly():
+    m = manifest(replicas=2)
+    async with trio.open_nursery() as n:
+        b = await start(n, m, broker=True, bcfg=REPORTS_ONLY)
+        addrs, bid = b.node.sh.addrs, b.node.peer_id
+        a = await start(n, m, addrs, broker_id=bid)
+        c = await start(n, m, addrs, broker_id=bid)
+        d = await start(n, m, addrs, broker_id=bid)
+        # a graceful leave: draining at once, the best backup takes the slot
+        await a.client.leave()
+        assert b.broker.table.provider_state(a.node.peer_id) == DRAINING
+        assert b.broker.table.slot_of(c.node.peer_id) == (0, 1)
+        # a member reported missing that does not answer a ping is failed long before fail_after_s
+        await wait_for(lambda: c.client.slot() == (0, 1), 5, "c sees its slot")
+        epoch = c.client.epoch(0)
+        c.kill()
+        await wait_for(lambda: c.node.peer_id not in b.node.sh.connected_peers(), 5, "c's connections to close")
+        assert await b.client.report_missing([c.node.peer_id], epoch=epoch, stage=0)
+        took = await wait_for(lambda: d.client.slot() == (0, 1), 5, "d promoted")
+        assert took < 5
+        # a stale report (old epoch) and one from a non-member are not acted on
+        assert not await b.client.report_missing([d.node.peer_id], epoch=epoch, stage=0)
+        assert not await a.client.report_missing([d.node.peer_id], epoch=b.broker.epochs[0], stage=0)
+        assert b.broker.table.slot_of(d.node.peer_id) == (0, 1)
+        n.cancel_scope.cancel()
+
+
+async def test_standby_takes_over_when_the_broker_dies():
+    m = manifest(replicas=2)
+    async with trio.open_nursery() as n:
+        b = await start(n, m, broker=True)
+        addrs, bid = b.node.sh.addrs, b.node.peer_id
+        a = await start(n, m, addrs, broker_id=bid)
+        c = await start(n, m, addrs, broker_id=bid)
+        # c must know a's address to follow it; in a swarm gossip connects them, here we make sure
+        await c.node.sh.connect(a.node.sh.addrs[0])
+        for mem in (a, c):
+            await wait_for(lambda mem=mem: mem.client.table.standby == a.node.peer_id, 5, "the standby is known")
+        old = b.broker.table
+        b.kill()
+        took = await wait_for(lambda: a.client.is_broker(), 15, "the standby's takeover")
+        t = a.client.local_broker.table
+        assert t.peer_id == a.node.peer_id and t.lease_epoch == old.lease_epoch + 1 and t.version > old.version
+        # c takes the dead broker's slot (in the takeover's table or the next one, as the new broker's first pass)
+        await wait_for(lambda: a.client.local_broker.table.slot_of(c.node.peer_id) == (0, 0), 5, "c in s0r0")
+        t = a.client.local_broker.table
+        assert t.provider_state(bid) == GONE and t.lease_epoch == old.lease_epoch + 1
+        assert t.standby == c.node.peer_id
+        follow = await wait_for(lambda: c.client.table.peer_id == a.node.peer_id and c.client.slot() == (0, 0),
+                                10, "c follows the new broker")
+        print(f"broker takeover: {took:.2f} s after the kill (lease_timeout_s={BCFG.lease_timeout_s}); "
+              f"c followed {follow:.2f} s later")
+        assert took < BCFG.lease_timeout_s + 5
+        # the new broker keeps working: a newcomer is admitted by it
+        e = await start(n, m, a.node.sh.addrs, broker_id=a.node.peer_id)
+        assert e.client.role() == "backup" and e.client.table.peer_id == a.node.peer_id
+        n.cancel_scope.cancel()
+
+
+async def test_a_majority_of_offence_reports_evicts_and_a_live_missing_member_reforms_the_group():
+    m = manifest(replicas=3)
+    async with trio.open_nursery() as n:
+        b = await start(n, m, broker=True, bcfg=REPORTS_ONLY)
+        addrs, bid = b.node.sh.addrs, b.node.peer_id
+        a = await start(n, m, addrs, broker_id=bid)
+        c = await start(n, m, addrs, broker_id=bid)
+        d = await start(n, m, addrs, broker_id=bid)  # the backup
+        for mem in (a, c):
+            await wait_for(lambda mem=mem: mem.client.table.version == b.broker.table.version, 5, "convergence")
+        # a member that missed a round but answers its ping: same members, next epoch (everyone's skips reset)
+        epoch = b.broker.epochs[0]
+        members = b.broker.table.members(0)
+        assert await a.client.report_missing([c.node.peer_id], epoch=epoch, stage=0)
+        assert b.broker.epochs[0] == epoch + 1 and b.broker.table.members(0) == members
+        assert b.broker.reforms == 1 and b.broker.table.switch_step(0) >= 0
+        assert not await c.client.report_missing([a.node.peer_id], epoch=epoch, stage=0)  # stale: already re-formed
+        assert b.broker.reforms == 1
+        # one member's offence report is not enough (it could be the liar); most of the others' is
+        epoch += 1
+        assert await a.client.report_missing([], epoch=epoch, offenders=[c.node.peer_id], stage=0)
+        assert b.broker.table.slot_of(c.node.peer_id) is not None
+        assert await b.client.report_missing([], epoch=epoch, offenders=[c.node.peer_id], stage=0)
+        t = b.broker.table
+        assert t.provider_state(c.node.peer_id) == GONE and t.slot_of(d.node.peer_id) is not None
+        assert b.node.penalties.is_banned(c.node.peer_id)  # and it cannot come straight back
+        n.cancel_scope.cancel()
+
+
+async def test_a_member_that_keeps_missing_rounds_is_moved_to_the_backup_pool():
+    cfg = replace(REPORTS_ONLY, straggler_misses=3, straggler_window_s=60.0, demote_hold_s=60.0)
+    m = manifest(replicas=2)
+    async with trio.open_nursery() as n:
+        b = await start(n, m, broker=True, bcfg=cfg)
+        addrs, bid = b.node.sh.addrs, b.node.peer_id
+        slow = await start(n, m, addrs, broker_id=bid)
+        spare = await start(n, m, addrs, broker_id=bid)  # the backup
+        for _ in range(2):  # it answers its ping: the first misses re-form the group around it
+            assert await b.client.report_missing([slow.node.peer_id], epoch=b.broker.epochs[0], stage=0)
+            assert b.broker.table.slot_of(slow.node.peer_id) is not None
+        assert b.broker.reforms == 2
+        assert await b.client.report_missing([slow.node.peer_id], epoch=b.broker.epochs[0], stage=0)
+        t = b.broker.table
+        assert t.slot_of(slow.node.peer_id) is None and t.provider_state(slow.node.peer_id) == BACKUP
+        assert t.slot_of(spare.node.peer_id) == (0, 1) and b.broker.reforms == 2
+        b.broker.mark_failed(spare.node.peer_id, "test: the slot frees again")  # held: not promoted straight back
+        assert b.broker.table.slot_of(slow.node.peer_id) is None
+        n.cancel_scope.cancel()

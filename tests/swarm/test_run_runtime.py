@@ -1,0 +1,199 @@
+"""A node's run runtime on real in-process nodes (127.0.0.1, one trio loop, a real broker): a replica whose state
+hash leaves the majority re-fetches the majority's state, a node that joins a running run enters at an agreed
+step with exactly the group's state, and a member sending poisoned updates is evicted for the backup."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shoal.node.run.config import RunConfig
+from shoal.protocol.assignment import GONE
+from shoal.protocol import manifest as mf
+from shoal.swarm.net.identity import peer_id_of
+from shoal.swarm.run.broker import BrokerConfig
+from shoal.swarm.run.client import RunClientConfig
+from tests.helpers.faults import poison
+from tests.helpers.swarm import FAST, running_node, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.own_process, pytest.mark.usefixtures("one_torch_thread")]
+
+
+def manifest(sync: str, replicas: int = 3) -> mf.RunManifest:
+    return mf.RunManifest(
+        seed=3, model=mf.ModelSpec(size="custom", n_layers=1, d_model=32, n_heads=4),
+        batch=mf.BatchSpec(batch_size=4, micro_batch_size=4, seq_len=32),
+        optim=mf.OptimSpec(lr=3e-3, warmup_steps=2, total_steps=1000), eval=mf.EvalSpec(every_steps=0, batches=2),
+        plan=mf.ParallelPlan(replicas=replicas,
+                             sync=mf.SyncSpec(method=sync, cocktail=mf.CocktailSpec(warmup_steps=0))))
+
+
+def node_config(m: mf.RunManifest, steps: int, **run):
+    b = BrokerConfig(heartbeat_s=0.5, fail_after_s=8.0, lease_renew_s=1.0, lease_timeout_s=8.0, republish_s=1.0,
+                     ping_timeout_s=1.0, dht_timeout_s=1.0)
+    rc = RunConfig(manifest=m, threads=1, max_steps=steps, round_timeout_s=5.0, switch_lead_s=0.5, broker=b,
+                   client=replace(RunClientConfig(), poll_s=0.5), **run)
+    return replace(FAST, run=rc)
+
+
+def hashes(nodes) -> set[str]:
+    return {n.runtime.sync.state_hash() for n in nodes}
+
+
+def finished(nodes) -> bool:
+    return all(n.runtime is not None and n.runtime.finished.is_set() for n in nodes)
+
+
+def pace_until_entered(nodes, backup, steps: int, step_s: float = 0.05, margin_s: float = 75.0) -> None:
+    """A step takes step_s, as a real model's would; from step 10 on (the tests' faults come at steps 5-10) the
+    steps left are spread over `margin_s` of wall time until the promoted backup has entered, so that the run
+    outlasts the failure detection (fail_after_s 8 s), the pull and the swap however loaded the machine is (a slot
+    that could not be entered before the end is counted as done, and the test would then see nothing of the
+    backup). Once the backup has entered, steps take step_s again. The margin is wall time, not a count of steps:
+    a step count gave ~27 s, which a loaded CI machine once used up before the backup entered."""
+    since: list[float] = []
+
+    def pace(t) -> None:
+        if backup.runtime.entries or t.step_count < 10:
+            time.sleep(step_s)
+            return
+        now = time.monotonic()
+        if not since:
+            since.append(now)
+        left_s = since[0] + margin_s - now
+        time.sleep(max(0.3, left_s / max(1, steps - t.step_count)))
+
+    for x in nodes:
+        x.runtime.trainer.before_step_hooks.append(pace)
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "cocktail"])
+async def test_a_replica_off_the_majority_hash_refetches_and_rejoins_it(sync):
+    steps = 60
+    cfg = node_config(manifest(sync), steps)
+    async with running_node((), cfg) as first:
+        addrs = first.sh.addrs
+        async with running_node(addrs, cfg) as second, running_node(addrs, cfg) as victim:
+            nodes = [first, second, victim]
+            await wait_for(lambda: victim.runtime.trainer is not None and victim.runtime.trainer.step_count >= 5,
+                           60, "training to get going")
+            corrupted = []
+
+            def corrupt(trainer) -> None:  # trainer thread, before a step, with no round in flight
+                if corrupted:
+                    return
+                sync_ = victim.runtime.sync
+                sync_.close(trainer.model)
+                with torch.no_grad():
+                    if sync == "cocktail":
+                        sync_.g[:256] += 0.01  # the synchronized copy itself (what cocktail's hash covers)
+                    else:
+                        next(trainer.model.parameters()).add_(1e-3)
+                corrupted.append(trainer.step_count)
+
+            victim.runtime.trainer.before_step_hooks.append(corrupt)
+            await wait_for(lambda: corrupted, 30, "the corruption")
+            await wait_for(lambda: victim.runtime.refetches >= 1, 60, "the victim to re-fetch")
+            await wait_for(lambda: finished(nodes), 120, "the run to finish")
+            assert len(hashes(nodes)) == 1
+            assert first.runtime.refetches == second.runtime.refetches == 0
+            assert all(n.runtime.trainer.step_count == steps for n in nodes)
+
+
+async def test_a_refetch_whose_source_is_gone_is_given_up_and_voted_again():
+    """The peer a hash vote named dies before the re-fetch: the pull gives up as soon as that peer is not live
+    (instead of trying it for the whole state-pull timeout, then failing the node), and the replica votes again."""
+    steps = 20
+    cfg = node_config(manifest("allreduce", replicas=1), steps)
+    async with running_node((), cfg) as node:
+        await wait_for(lambda: finished([node]), 60, "a one-replica run")
+        rt = node.runtime
+        gone = peer_id_of(Ed25519PrivateKey.generate())  # never live: as a peer that died after the vote
+        rt._refetch = (steps, gone)
+        with trio.fail_after(10):
+            await rt._refetch_now(steps)
+        assert rt._refetch is None and rt.refetches == 0
+
+
+async def test_a_late_joiner_enters_at_an_agreed_step_with_the_groups_state():
+    steps = 50
+    m = manifest("cocktail")
+    cfg = node_config(m, steps, start_wait_s=1.0)  # two nodes start the run without waiting for the third slot
+    async with running_node((), cfg) as first:
+        async with running_node(first.sh.addrs, cfg) as second:
+            await wait_for(lambda: all(n.runtime.trainer is not None and n.runtime.trainer.step_count >= 10
+                                       for n in (first, second)), 60, "two replicas to train")
+            async with running_node(first.sh.addrs, cfg) as late:
+                await wait_for(lambda: finished([first, second, late]), 120, "the run to finish with three")
+                table = late.runtime.schedule.latest
+                assert len(table.members(0)) == 3 and table.switch_step(0) > 10  # entered mid-run, not at step 0
+                assert len(hashes([first, second, late])) == 1
+                assert late.runtime.trainer.step_count == steps
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "cocktail"])
+async def test_a_poisoning_member_is_evicted_and_the_backup_takes_its_slot(sync):
+    """NaN updates from one member: the others reject and report them, the broker evicts it on most members'
+    word and bans it, the backup is promoted with the group's state, and the run ends bit-identical."""
+    steps = 100
+    cfg = node_config(manifest(sync), steps)
+    async with running_node((), cfg) as first:
+        addrs = first.sh.addrs
+        async with running_node(addrs, cfg) as second, running_node(addrs, cfg) as bad, \
+                running_node(addrs, cfg) as backup:
+            await wait_for(lambda: all(n.runtime.trainer is not None for n in (first, second, bad)), 60, "trainers")
+            pace_until_entered((first, second, bad), backup, steps)
+            await wait_for(lambda: all(n.runtime.trainer.step_count >= 5 for n in (first, second, bad)), 60,
+                           "three replicas to train")
+            assert backup.runtime.client.role() == "backup"
+            bad.runtime.sync.fault = poison("nan")
+            broker = first.runtime.broker
+            await wait_for(lambda: broker.table.provider_state(bad.peer_id) == GONE, 60, "the eviction")
+            assert first.penalties.is_banned(bad.peer_id)
+            assert broker.table.slot_of(backup.peer_id) is not None
+            group = [first, second, backup]
+            await wait_for(lambda: finished(group), 120, "the run to finish without the poisoner")
+            assert len(hashes(group)) == 1
+            assert all(n.runtime.trainer.step_count == steps for n in group)
+
+
+async def _node(cfg, join, *, task_status=trio.TASK_STATUS_IGNORED):
+    """A node that can be killed (its scope cancelled: no leave notice, its host closes)."""
+    with trio.CancelScope() as scope:
+        async with running_node(join, cfg) as node:
+            task_status.started((node, scope))
+            await trio.sleep_forever()
+
+
+@pytest.mark.parametrize("sync", ["cocktail", "diloco"])
+async def test_a_warm_backup_takes_a_dead_members_slot_with_a_short_catch_up(sync):
+    """The backup keeps a warm copy; promoted, it pulls only what the group keeps bit-identical (cocktail's g,
+    DiLoCo's theta and outer momentum) at the exact revision, takes the rest from the copy, and the run ends with
+    every replica's synchronized state equal."""
+    steps = 80
+    m = manifest(sync)
+    if sync == "diloco":
+        m = replace(m, plan=replace(m.plan, sync=replace(m.plan.sync, diloco=mf.DilocoSpec(inner_steps=4))))
+    cfg = node_config(m, steps, backup_refresh_s=1.0)
+    async with trio.open_nursery() as n:
+        first, _ = await n.start(_node, cfg, ())
+        addrs = first.sh.addrs
+        second, _ = await n.start(_node, cfg, addrs)
+        victim, kill = await n.start(_node, cfg, addrs)
+        backup, _ = await n.start(_node, cfg, addrs)
+        await wait_for(lambda: all(x.runtime.trainer is not None for x in (first, second, victim)), 60, "trainers")
+        pace_until_entered((first, second, victim), backup, steps)
+        await wait_for(lambda: backup.runtime.warm is not None and victim.runtime.trainer.step_count >= 10, 60,
+                       "a warm copy and training under way")
+        kill.cancel()
+        group = [first, second, backup]
+        await wait_for(lambda: finished(group), 150, "the run to finish with the backup")
+        entry = backup.runtime.entries[-1]
+        assert entry["step"] > 10 and entry["bytes_pulled"] < entry["state_bytes"] / 2.4, entry
+        assert len(hashes(group)) == 1
+        n.cancel_scope.cancel()

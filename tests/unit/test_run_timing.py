@@ -1,0 +1,465 @@
+"""Timeouts, leases, stragglers and round deadlines in virtual time: the broker, the run client and the
+synchronizers take a clock, so these tests assert exact times without sleeping (an injected fake clock for the
+decisions, trio's MockClock with autojump for the broker's own loops)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shoal.node.sync.allreduce import AllReduceSync
+from shoal.node.sync.base import SyncConfig
+from shoal.node.train.control import StepControl
+from shoal.protocol.assignment import ACTIVE, BACKUP, GONE, AdmitRequest, BrokerLease
+from shoal.protocol.envelope import open_envelope, seal
+from shoal.protocol.assignment import RUN_RECORD_TYPES
+from shoal.protocol.manifest import ModelSpec, ParallelPlan, RunManifest, SyncSpec
+from shoal.swarm.net.identity import peer_id_of
+from shoal.swarm.net.penalty import Penalties
+from shoal.swarm.net.pulse import Pulse, PulseConfig
+from shoal.swarm.net.rpc import RpcError
+from shoal.swarm.run.broker import Broker, BrokerConfig, NotBroker
+from shoal.swarm.run.context import RunContext
+from shoal.swarm.run.client import RunClient, RunClientConfig
+from shoal.swarm.run.group import Group
+from tests.helpers.swarm import HW
+
+CFG = BrokerConfig(heartbeat_s=1.0, suspect_after_beats=3, fail_after_s=10.0, lease_renew_s=1.0,
+                   lease_timeout_s=6.0, straggler_misses=3, straggler_window_s=100.0, demote_hold_s=50.0)
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+def signer():
+    key = Ed25519PrivateKey.generate()
+    return SimpleNamespace(key=key, peer_id=peer_id_of(key))
+
+
+def context(clock, replicas: int = 2, *, me=None, pulse=None, wall=lambda: 1.7e9) -> RunContext:
+    m = RunManifest.default(plan=ParallelPlan(replicas=replicas, sync=SyncSpec(method="allreduce")))
+
+    async def publish(env: bytes) -> None:
+        pass
+
+    return RunContext(sh=me or signer(), manifest=m, register=lambda name, handler: None, publish=publish,
+                      clock=clock, wall=wall, pulse=pulse)
+
+
+async def admitted(broker: Broker, n: int) -> list[str]:
+    peers = [signer().peer_id for _ in range(n)]
+    for p in peers:
+        assert (await broker.admit(p, AdmitRequest(run_id=broker.ctx.run_id, hardware=HW))).admitted
+    return peers
+
+
+async def test_a_silent_member_is_suspect_after_three_beats_and_failed_after_fail_after_s():
+    clock = FakeClock()
+    b = Broker(context(clock), CFG)
+    a, c, backup = await admitted(b, 3)
+    assert b.table.slot_of(a) == (0, 0) and b.table.backup_stage(backup) == 0
+
+    def check_at(dt: float) -> None:  # the others keep beating; `a` is silent
+        clock.advance(dt)
+        b.renew_lease()  # (its lease loop renews every second)
+        b.touch(c), b.touch(backup)
+        b.check_liveness()
+
+    check_at(3.0)  # exactly three beats: not yet suspect
+    assert not b.providers[a].suspect
+    check_at(0.01)
+    assert b.providers[a].suspect and b.providers[a].state == ACTIVE
+    check_at(10.0 - 3.01)  # exactly fail_after_s of silence: still in its slot
+    assert b.providers[a].state == ACTIVE
+    check_at(0.01)
+    assert b.providers[a].state == GONE and b.table.slot_of(backup) == (0, 0)
+    assert b.seating.promotions[-1][1:] == ("s0r0", a, backup)
+
+
+async def test_a_straggler_moves_to_the_pool_on_its_third_miss_within_the_window_and_is_held_there():
+    clock = FakeClock()
+    b = Broker(context(clock), CFG)
+    slow, other, backup = await admitted(b, 3)
+    epoch = b.epochs[0]
+    b.missed_round(slow, 0, "missed")
+    clock.advance(100.01)  # the first miss leaves the window
+    b.renew_lease()
+    b.missed_round(slow, 0, "missed")
+    b.missed_round(slow, 0, "missed")
+    assert b.providers[slow].state == ACTIVE and b.reforms == 3 and b.epochs[0] == epoch + 3
+    b.missed_round(slow, 0, "missed")  # three within 100 s, and a backup of stage 0 can take its slot
+    assert b.providers[slow].state == BACKUP and b.table.slot_of(backup) == (0, 0)
+    assert b.providers[slow].hold_until == pytest.approx(clock() + 50.0)
+    b.mark_failed(backup, "gone")  # its slot needs a backup now: the straggler is held for demote_hold_s
+    assert b.table.slot_of(slow) is None
+
+    def check_at(dt: float) -> None:
+        clock.advance(dt)
+        b.renew_lease()
+        b.touch(slow), b.touch(other)
+        b.check_liveness()
+
+    check_at(49.99)
+    assert b.table.slot_of(slow) is None
+    check_at(0.01)
+    assert b.table.slot_of(slow) == (0, 0)
+
+
+async def test_lanes_fill_busiest_stage_first_and_backups_fill_only_their_stage():
+    clock = FakeClock()
+    ctx = context(clock)
+    ctx.manifest = RunManifest.default(plan=ParallelPlan(stages=2, replicas=1, sync=SyncSpec(method="none")))
+    assert ctx.manifest.stage_params(1) > ctx.manifest.stage_params(0)  # the untied head outweighs the embedding
+    b = Broker(ctx, CFG)
+    s1, s0, b0, b1 = await admitted(b, 4)
+    assert b.table.slot_of(s1) == (1, 0) and b.table.slot_of(s0) == (0, 0)
+    assert (b.table.backup_stage(b0), b.table.backup_stage(b1)) == (0, 1)
+    epochs = b.epochs[:]
+    b.mark_failed(s1, "gone")
+    assert b.table.slot_of(b1) == (1, 0) and b.table.backup_stage(b0) == 0
+    assert all(e > f for e, f in zip(b.epochs, epochs))  # lane completeness: every stage's group changes
+    b.mark_failed(b1, "gone")  # no backup of stage 1 left: the slot stays empty, stage 0's backup stays put
+    assert b.table.slot_of(b0) is None and b.table.members(1) == () and b.table.complete_lanes() == ()
+    clock.advance(60.0)  # then the part-filled lane is dissolved: its member returns to the pool
+    b.renew_lease()  # (its lease loop renews meanwhile)
+    b.touch(s0), b.touch(b0)
+    b.check_liveness()
+    assert b.seating.dissolved == 1 and b.table.slot_of(s0) is None and b.table.backup_stage(s0) == 0
+
+
+async def test_a_lane_with_two_empty_slots_is_dissolved_once():
+    clock = FakeClock()
+    ctx = context(clock)
+    ctx.manifest = RunManifest.default(plan=ParallelPlan(stages=3, replicas=1, sync=SyncSpec(method="none")),
+                                       model=ModelSpec(size="custom", n_layers=3))
+    b = Broker(ctx, CFG)
+    peers = await admitted(b, 3)
+    assert sorted(b.table.slot_of(p) for p in peers) == [(0, 0), (1, 0), (2, 0)]
+    gone = [p for p in peers if b.table.slot_of(p)[0] in (0, 1)]
+    for p in gone:  # both ends of one link, and no backup: two empty slots in lane 0
+        b.mark_failed(p, "gone")
+    survivor = next(p for p in peers if p not in gone)
+    epochs = b.epochs[:]
+    clock.advance(60.0)
+    b.renew_lease()
+    b.touch(survivor)
+    b.check_liveness()
+    assert b.seating.dissolved == 1 and b.table.slot_of(survivor) is None and b.table.backup_stage(survivor) == 2
+    assert b.epochs == [e + 1 for e in epochs]  # one group change for the one lane
+
+
+async def test_the_broker_loop_fails_a_silent_member_at_fail_after_s_in_virtual_time(autojump_clock):
+    ctx = context(trio.current_time)
+    b = Broker(ctx, CFG)
+    async with trio.open_nursery() as n:
+        await n.start(b.run)
+        a, other, backup = await admitted(b, 3)
+        t0 = trio.current_time()
+        while b.providers[a].state != GONE:
+            b.touch(other), b.touch(backup)  # they answer; `a` is silent
+            await trio.sleep(0.25)
+        # checked every heartbeat: failed at the first check past fail_after_s
+        assert 10.0 < trio.current_time() - t0 <= 10.0 + CFG.heartbeat_s + 0.25
+        assert b.table.slot_of(backup) == (0, 0)
+        n.cancel_scope.cancel()
+
+
+async def test_the_standby_sees_the_lease_lapse_exactly_after_lease_timeout_s():
+    clock = FakeClock()
+    broker_ctx = context(clock)
+    b = Broker(broker_ctx, CFG)
+    me = signer()
+    assert (await b.admit(me.peer_id, AdmitRequest(run_id=broker_ctx.run_id, hardware=HW))).admitted
+    await admitted(b, 1)  # the first provider admitted after the broker is its standby: this node
+    client = RunClient(context(clock, me=me), HW, broker_id=broker_ctx.me, broker_config=CFG)
+    assert client.accept_envelope(b.table_env, broker_ctx.me) and client.table.standby == me.peer_id
+    clock.advance(6.0)
+    assert not client.lease_lapsed()
+    lease = BrokerLease(peer_id=broker_ctx.me, run_id=broker_ctx.run_id, lease_epoch=0, time=1.7e9,
+                        expires_at=1.7e9 + 6)
+    client.on_record(open_envelope(seal(lease, broker_ctx.sh.key), RUN_RECORD_TYPES))  # the broker renews
+    clock.advance(6.0)
+    assert not client.lease_lapsed()
+    clock.advance(0.01)
+    assert client.lease_lapsed()
+
+
+def test_round_phases_wait_until_round_start_plus_k_timeouts_on_the_synchronizer_clock():
+    clock = FakeClock()
+    waits = []
+
+    def exchange(tag, sends, expect, timeout_s):
+        waits.append(round(timeout_s, 6))
+        clock.advance(timeout_s if len(waits) == 1 else 1.0)  # the first phase runs to its deadline
+        return {p: b for p, b in sends.items() if p == "me"}  # the other member is silent
+
+    me, other = "me", "other"
+    sync = AllReduceSync(exchange=exchange, penalties=Penalties(), config=SyncConfig(round_timeout_s=8.0),
+                         clock=clock)
+    model = torch.nn.Linear(4, 1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    control = StepControl(step=0, group=Group(run_id="r" * 64, epoch=0, members=(me, other), me=me))
+    sync.before_optimizer_step(model, None, control)
+    # phase 1 waits one timeout; phase 2 waits until round start + 2 timeouts, i.e. what phase 1 left of it
+    assert waits == [8.0, 8.0]
+    assert control.missing == {other}  # nothing came from the other member
+
+
+# -- freezes, leases and restarts (issue 18) ----------------------------------------------------------------------
+def tick(clock: FakeClock, pulse: Pulse, seconds: float) -> None:
+    """The event loop running for `seconds`: the pulse ticks every 0.25 s."""
+    for _ in range(round(seconds / 0.25)):
+        clock.advance(0.25)
+        pulse.check()
+
+
+def test_the_pulse_tells_a_freeze_from_a_running_loop_and_restarts_silence_at_the_resume():
+    clock = FakeClock()
+    pulse = Pulse(clock, PulseConfig(tick_s=0.25, freeze_after_s=2.0))
+    heard = clock()
+    tick(clock, pulse, 5.0)
+    assert pulse.silent_s(heard) == 5.0 and not pulse.freezes
+    clock.advance(2.0)  # exactly the threshold: a slow loop, not a freeze
+    assert pulse.check() == 0.0
+    clock.advance(30.0)  # SIGSTOP: nothing ran for 30 s
+    assert pulse.silent_s(heard) == 0.0  # noticed by whoever reads first, before any ticker runs
+    assert pulse.freezes == [(clock(), 30.0)]
+    tick(clock, pulse, 1.5)
+    assert pulse.silent_s(heard) == 1.5
+
+
+async def test_a_broker_frozen_past_its_lease_stands_down_before_it_acts():
+    clock = FakeClock()
+    b = Broker(context(clock, pulse=Pulse(clock)), CFG)
+    a, c, backup = await admitted(b, 3)
+    b.renew_lease()
+    version, states = b.table.version, {p.peer_id: p.state for p in b.providers.values()}
+    clock.advance(CFG.lease_timeout_s + 0.01)  # frozen: no renewal and no word from anyone for longer than the lease
+    b.check_liveness()  # whichever of its tasks wakes first
+    assert b.deposed and b.table.version == version  # no rebuild, nothing published
+    assert {p.peer_id: p.state for p in b.providers.values()} == states  # nobody marked failed
+    assert not b.mark_failed(a, "silent") and b.table.version == version
+    with pytest.raises(NotBroker):
+        await b.admit(signer().peer_id, AdmitRequest(run_id=b.ctx.run_id, hardware=HW))
+    assert (await b.handle("run.table", c, None))["lease"] is None  # an answer is not a renewal
+
+
+async def test_a_broker_frozen_within_its_lease_fails_nobody_for_its_own_silence():
+    clock = FakeClock()
+    pulse = Pulse(clock)
+    cfg = BrokerConfig(heartbeat_s=1.0, fail_after_s=4.0, lease_renew_s=1.0, lease_timeout_s=6.0)
+    b = Broker(context(clock, pulse=pulse), cfg)
+    a, c, backup = await admitted(b, 3)
+    b.renew_lease()
+    clock.advance(5.0)  # frozen for longer than fail_after_s, within the lease
+    b.check_liveness()
+    assert not b.deposed and all(p.state != GONE for p in b.providers.values())
+    b.renew_lease()
+
+    def run_for(seconds: float) -> None:
+        tick(clock, pulse, seconds)
+        b.renew_lease()
+        b.touch(c), b.touch(backup)  # `a` stays silent
+        b.check_liveness()
+
+    run_for(4.0)  # silence counts from the resume: exactly fail_after_s, not yet failed
+    assert b.providers[a].state == ACTIVE
+    run_for(0.25)
+    assert b.providers[a].state == GONE and b.table.slot_of(backup) is not None
+
+
+async def test_the_broker_loops_stop_at_once_after_a_freeze_past_the_lease(autojump_clock):
+    sent: list[bytes] = []
+    ctx = context(trio.current_time, pulse=Pulse(trio.current_time))
+
+    async def publish(env: bytes) -> None:
+        sent.append(env)
+
+    ctx.publish = publish
+    b = Broker(ctx, CFG)
+    async with trio.open_nursery() as n:
+        await n.start(ctx.pulse.run)
+        await n.start(b.run)
+        peers = await admitted(b, 3)
+        for _ in range(40):  # ten healthy seconds
+            for p in peers:
+                b.touch(p)
+            await trio.sleep(0.25)
+        assert not b.deposed and any(isinstance(open_envelope(e, RUN_RECORD_TYPES).record, BrokerLease) for e in sent)
+        version, before = b.table.version, len(sent)
+        autojump_clock.jump(CFG.lease_timeout_s + 4)  # SIGSTOP: the clock moves on while no task runs
+        await trio.sleep(3 * CFG.heartbeat_s)  # every loop wakes, in whatever order
+        assert b.deposed and b.table.version == version
+        assert all(p.state != GONE for p in b.providers.values())
+        assert not [e for e in sent[before:] if isinstance(open_envelope(e, RUN_RECORD_TYPES).record, BrokerLease)]
+        n.cancel_scope.cancel()
+
+
+async def standby_client(clock, pulse=None) -> tuple[Broker, RunClient, SimpleNamespace]:
+    b = Broker(context(clock), CFG)
+    me = signer()
+    assert (await b.admit(me.peer_id, AdmitRequest(run_id=b.ctx.run_id, hardware=HW))).admitted
+    await admitted(b, 1)
+    client = RunClient(context(clock, me=me, pulse=pulse), HW, broker_id=b.ctx.me, broker_config=CFG)
+    assert client.accept_envelope(b.table_env, b.ctx.me) and client.table.standby == me.peer_id
+    return b, client, me
+
+
+def lease_env(b: Broker, issued: float) -> bytes:
+    return seal(BrokerLease(peer_id=b.ctx.me, run_id=b.ctx.run_id, lease_epoch=b.lease_epoch, time=issued,
+                            expires_at=issued + 6), b.ctx.sh.key)
+
+
+async def test_a_standby_that_was_frozen_waits_a_full_lease_before_taking_over():
+    clock = FakeClock()
+    pulse = Pulse(clock)
+    _, client, _ = await standby_client(clock, pulse)
+    clock.advance(30.0)  # the standby itself was frozen
+    assert not client.lease_lapsed()
+    tick(clock, pulse, CFG.lease_timeout_s)
+    assert not client.lease_lapsed()
+    tick(clock, pulse, 0.25)
+    assert client.lease_lapsed()
+
+
+async def test_only_a_renewal_of_the_lease_is_evidence_that_the_broker_lives():
+    clock = FakeClock()
+    b, client, _ = await standby_client(clock)
+    first = lease_env(b, 1.7e9)
+    client.accept_envelope(first, b.ctx.me)
+    clock.advance(6.01)
+    assert client.lease_lapsed()
+    client.accept_envelope(first, b.ctx.me)  # the same lease again (a broker that stood down still serves it)
+    assert client.lease_lapsed()
+    client.accept_envelope(lease_env(b, 1.7e9 + 3), b.ctx.me)  # a renewal
+    assert not client.lease_lapsed()
+
+
+async def test_a_later_table_of_the_old_broker_cannot_make_a_node_reject_the_standbys_takeover():
+    clock = FakeClock()
+    b, client, me = await standby_client(clock)
+    standby_table = b.table  # names `me` as standby
+    late = signer().peer_id
+    assert (await b.admit(late, AdmitRequest(run_id=b.ctx.run_id, hardware=HW))).admitted
+    b.standby = late  # the old broker's post-freeze table names another standby
+    b._rebuild()
+    assert client.accept_envelope(b.table_env, b.ctx.me) and client.table.standby == late
+    takeover = Broker.from_table(context(clock, me=me), CFG, standby_table)
+    assert not client.accept_envelope(takeover.table_env, me.peer_id)  # not before the lease lapsed here
+    clock.advance(CFG.lease_timeout_s + 0.1)
+    assert client.accept_envelope(takeover.table_env, me.peer_id)  # `me` was the standby of this lease epoch
+    assert client.broker_id == me.peer_id and client.table.lease_epoch == 1
+    stranger = Broker.from_table(context(clock), CFG, standby_table)  # never named standby: not trusted
+    assert not client.accept_envelope(stranger.table_env, stranger.ctx.me)
+
+
+class ScriptedStandby(RunClient):
+    """A run client whose look at the standby is scripted (the network part, tested on real nodes elsewhere):
+    the standby's takeover table shows up `takeover_after_s` virtual seconds after the start, or never."""
+
+    takeover_env: bytes | None = None
+    takeover_after_s: float = float("inf")
+    started = 0.0
+
+    async def _follow_standby(self) -> None:
+        if self.takeover_env is not None and trio.current_time() - self.started >= self.takeover_after_s:
+            self.accept_envelope(self.takeover_env, self.table.standby)
+
+
+async def orphan(standby: bool = True) -> tuple[ScriptedStandby, Broker, list[SimpleNamespace]]:
+    """A node restarted with the broker's identity: the table it fetched names it broker, and it holds no lease.
+    Also: its previous life's broker, and the other providers (signers: the standby can sign its takeover)."""
+    me = signer()
+    old = Broker(context(trio.current_time, me=me), CFG)  # its previous life
+    others = [signer() for _ in range(3 if standby else 0)]
+    for o in [me, *others]:  # the broker's node holds a slot too
+        assert (await old.admit(o.peer_id, AdmitRequest(run_id=old.ctx.run_id, hardware=HW))).admitted
+    assert (old.table.standby is not None) == standby
+    client = ScriptedStandby(context(trio.current_time, me=me), HW, broker_id=me.peer_id, broker_config=CFG,
+                             config=RunClientConfig(poll_s=3.0, rpc_timeout_s=5.0, retry_s=1.0))
+    assert client.accept_envelope(old.table_env, me.peer_id) and client.orphaned()
+    client.started = trio.current_time()
+    return client, old, others
+
+
+async def test_a_restarted_broker_takes_its_lease_back_only_after_a_takeover_could_have_happened(autojump_clock):
+    client, old, _ = await orphan()
+    assert client.takeover_s() == CFG.lease_timeout_s + 3.0 + 5.0 + CFG.dht_timeout_s
+    async with trio.open_nursery() as n:
+        client._nursery = n
+        await client._settle_lease()
+        took = trio.current_time() - client.started
+        assert client.takeover_s() <= took < client.takeover_s() + 1.0  # a last look at the standby, then back
+        assert client.is_broker() and client.table.peer_id == client.me
+        assert client.table.lease_epoch == old.lease_epoch + 1  # legitimately: the next epoch, after the settle
+        assert client.provider_state() == GONE  # its old slot is given up: it is admitted again, with state
+        n.cancel_scope.cancel()
+
+
+async def test_a_restarted_broker_follows_the_standby_that_took_over(autojump_clock):
+    client, old, others = await orphan()
+    standby = next(o for o in others if o.peer_id == old.table.standby)
+    client.takeover_env = Broker.from_table(context(trio.current_time, me=standby), CFG, old.table).table_env
+    client.takeover_after_s = 7.0
+    async with trio.open_nursery() as n:
+        client._nursery = n
+        await client._settle_lease()
+        assert trio.current_time() - client.started == 7.0  # polled every retry_s: seen at once
+        assert not client.is_broker() and client.broker_id == standby.peer_id and not client.orphaned()
+        n.cancel_scope.cancel()
+
+
+async def test_with_no_standby_named_a_restarted_broker_takes_its_lease_back_at_once(autojump_clock):
+    client, old, _ = await orphan(standby=False)
+    async with trio.open_nursery() as n:
+        client._nursery = n
+        await client._settle_lease()
+        assert trio.current_time() == client.started and client.is_broker()
+        n.cancel_scope.cancel()
+
+
+async def test_admission_retries_last_at_least_as_long_as_a_takeover_can_take(autojump_clock):
+    slow = BrokerConfig(heartbeat_s=5.0, fail_after_s=60.0, lease_renew_s=3.0, lease_timeout_s=60.0)
+    me = signer()
+    client = RunClient(context(trio.current_time, me=me), HW, broker_id=signer().peer_id, broker_config=slow,
+                       config=RunClientConfig(admit_timeout_s=40.0, retry_s=1.0))
+    assert client.takeover_s() > 40.0
+
+    async def unreachable() -> None:
+        raise RpcError("no route")
+
+    client.admit = unreachable
+    t0 = trio.current_time()
+    with pytest.raises(RpcError, match="no answer"):
+        await client._admit_until_deadline()
+    assert client.takeover_s() - 1.0 <= trio.current_time() - t0 <= client.takeover_s()
+
+
+async def test_a_provider_that_restarts_in_its_slot_enters_again_ahead_and_a_backup_keeps_its_place():
+    clock = FakeClock()
+    progress = {"step": 0}
+    ctx = context(clock)
+    ctx.switch_step = lambda stage: progress["step"]
+    b = Broker(ctx, CFG)
+    a, c, first, second = await admitted(b, 4)
+    assert b.table.backups == (first, second) and b.table.switch_step(0) == 0
+    progress["step"] = 120  # the run trains on; then `a` restarts with its identity and asks again
+    epoch, reforms = b.epochs[0], b.reforms
+    resp = await b.admit(a, AdmitRequest(run_id=ctx.run_id, hardware=HW))
+    assert resp.slot == "s0r0" and b.epochs[0] == epoch + 1 and b.reforms == reforms + 1
+    assert b.table.switch_step(0) == 120  # it enters there, with the group's state
+    await b.admit(first, AdmitRequest(run_id=ctx.run_id, hardware=HW))  # a backup restarts
+    assert b.table.backups == (first, second) and b.epochs[0] == epoch + 1
