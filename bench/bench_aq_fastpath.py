@@ -49,7 +49,8 @@ def timed(fn, reps: int, cuda: bool) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=1024)

@@ -37,7 +37,8 @@ def children(pid: int) -> list[int]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=10)
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--out", type=Path, default=Path("bench/results"))

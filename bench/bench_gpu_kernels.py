@@ -39,7 +39,8 @@ def timed(fn, repeats: int) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", type=int, default=1 << 26, help="float32 values in the input (default 64M)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")

@@ -87,7 +87,7 @@ def shoal(m: RunManifest, corpus, warmup: int, steps: int, options: ExecOptions)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="small,base")
     p.add_argument("--steps", type=int, default=30, help="timed steps per loop")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")

@@ -138,7 +138,8 @@ def training_run(home: Path, nat: bool, steps: int, first: int) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--relay-trials", type=int, default=5)
     p.add_argument("--punch-tries", type=int, default=20)
     p.add_argument("--bare-punch-tries", type=int, default=5)

@@ -86,7 +86,8 @@ def summary(vals: list[float]) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fail-after", type=float, default=8.0)
     p.add_argument("--round-timeout", type=float, default=10.0)
     p.add_argument("--backup-refresh", type=float, default=5.0, help="how often the backup refreshes its warm copy")

@@ -105,7 +105,8 @@ async def dht_numbers(n_nodes: int, trials: int) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--idle", type=float, default=20.0, help="seconds idle before reading RSS")
     p.add_argument("--dht-nodes", type=int, default=20)

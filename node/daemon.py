@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from shoal.node.failure import describe
 from shoal.node.version import shoal_version
 from shoal.protocol import PROTOCOL_VERSION
 from shoal.protocol.envelope import Signed, seal
@@ -71,8 +72,8 @@ class NodeConfig:
             raise ValueError("remember_peers_s and recall_timeout_s must be positive")
         if self.status_gossip_s is not None and not self.status_interval_s <= self.status_gossip_s <= 600:
             raise ValueError("status_gossip_s must be within [status_interval_s, 600]")
-        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        if self.device not in ("auto", "cpu", "mps") and not self.device.startswith("cuda"):
+            raise ValueError(f"--device must be auto, cpu, cuda, cuda:N or mps, not {self.device!r}")
 
 
 class Node:
@@ -420,7 +421,7 @@ class Node:
                         periodic.cancel_scope.cancel()  # no status may follow the leave notice
                 except BaseException as e:  # refused, failed or interrupted: the swarm need not wait for silence
                     with trio.CancelScope(shield=True):
-                        await self.publish_leave(f"{type(e).__name__}", wait_s=1.0)
+                        await self.publish_leave(describe(e), wait_s=1.0)
                     raise
                 await self.leave(nursery)
 

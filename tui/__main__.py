@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     from shoal.tui.app import DashApp
     from shoal.tui.model import ViewConfig
 
-    p = argparse.ArgumentParser(prog="python -m shoal.tui",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m shoal.tui",
                                 description="The shoal dashboard's UI process (started by `shoal dash`).")
     p.add_argument("--records-fd", type=int, required=True, help="file descriptor to read records from")
     p.add_argument("--source", default="")

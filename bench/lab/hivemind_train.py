@@ -41,7 +41,7 @@ def write_status(path: Path, doc: dict) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--manifest", required=True, type=Path)
     ap.add_argument("--index", type=int, required=True)
     ap.add_argument("--nodes", type=int, required=True)

@@ -143,7 +143,7 @@ async def main_async(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="natcheck", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="natcheck", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=("reach", "flood"))
     p.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0")

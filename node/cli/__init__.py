@@ -27,12 +27,32 @@ COMMANDS: dict[str, str] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """Every parser of the tree (sub-commands inherit the class): no abbreviated options (`--step` is not
+    `--steps`: a typo is an error, not another flag), and an unknown argument is reported by the sub-command that
+    was given it, with that sub-command's usage (argparse leaves it to the top level, whose usage says nothing of
+    the sub-command's options)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras and self.prog != ROOT_PROG:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+
+ROOT_PROG = "shoal"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shoal.node.cli.errors import exit_codes_text
     from shoal.node.version import shoal_version
 
-    parser = argparse.ArgumentParser(
-        prog="shoal",
+    parser = Parser(
+        prog=ROOT_PROG,
         description=(
             "shoal: train large models together on volunteers' GPUs over slow home links.\n\n"
             "Start here:  shoal swarm up            (a whole local swarm on this machine)\n"
@@ -57,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         mod.add_arguments(p)
         p.set_defaults(_main=mod.main)
         _verbose_everywhere(p, depth=1)
+        _name_every_level(p)
     return parser
 
 
@@ -74,6 +95,15 @@ def _verbose_everywhere(parser: argparse.ArgumentParser, depth: int) -> None:
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():
                 _verbose_everywhere(child, depth + 1)
+
+
+def _name_every_level(parser: argparse.ArgumentParser) -> None:
+    """`args._prog`: the deepest sub-command given ("shoal run create"), the prefix of its error lines."""
+    parser.set_defaults(_prog=parser.prog)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _name_every_level(child)
 
 
 def verbosity(args: argparse.Namespace) -> int:
@@ -141,24 +171,28 @@ def _main(argv: list[str] | None) -> int:
         from shoal.node.cli.node import shoal_home
 
         args.log_file_handler.lazy_path = shoal_home() / "logs" / f"{args.command}.log"
-    prog = f"shoal {args.command}"
+    prog = getattr(args, "_prog", f"shoal {args.command}")
     try:
         return int(args._main(args) or 0)
     except BaseException as e:  # noqa: BLE001 - the one place that turns errors into exit statuses
         if isinstance(e, SystemExit):
             raise
+        from shoal.node.failure import describe, is_interruption
+
         err = classify(e)
         if err is None:
             if verbose:
                 raise
             path = args.log_file_handler.path or args.log_file_handler.lazy_path
             where = f"; log: {path}" if path else ""
-            err = CliError(f"unexpected error: {type(e).__name__}: {e}", Exit.FAILED,
+            err = CliError(f"unexpected error: {describe(e, limit=1000)}", Exit.FAILED,
                            hint=f"run again with -v for the traceback and report it{where}")
         elif verbose and err.code is not Exit.INTERRUPTED:
             import traceback
 
             traceback.print_exception(e, file=sys.stderr)
+        if not verbose and not is_interruption(e):  # the whole tree, side effects included, for a bug report
+            logging.getLogger("shoal.cli").info("%s failed", prog, exc_info=e)
         logging.getLogger("shoal.cli").info("%s (exit %d)", err.message, err.code)
         print(err.line(prog), file=sys.stderr, flush=True)
         if err.code is Exit.INTERRUPTED:

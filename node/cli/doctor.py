@@ -44,6 +44,7 @@ def collect(args: argparse.Namespace) -> list:
 
     import trio
 
+    from shoal.node.cli.errors import CliError
     from shoal.node.cli.joinfile import expand_join
     from shoal.node.cli.node import shoal_home
     from shoal.node.doctor import checks as c
@@ -54,9 +55,9 @@ def collect(args: argparse.Namespace) -> list:
     if not args.join:
         return out
     try:
-        join = expand_join(args.join, args.join_wait)
-    except (ValueError, OSError) as e:
-        return out + [c.Check(name="join", verdict="fail", summary=str(e), fix="give --join MULTIADDR")]
+        join = expand_join(args.join, args.join_wait, check=False)  # each address is its own check line
+    except CliError as e:
+        return out + [c.Check(name="join", verdict="fail", summary=e.message, fix=e.hint)]
     if any(x.name == "libp2p" and x.verdict == "fail" for x in out):
         return out + [c.Check(name="join", verdict="fail", summary="not checked: libp2p does not import",
                               fix="fix libp2p first (above)")]

@@ -39,10 +39,14 @@ HINTS: dict[Exit, str] = {
 }
 
 #: exception classes (module.qualname, anywhere in the exception's MRO) that are expected errors, by exit status;
-#: named rather than imported so that classifying an error never imports libp2p or torch
+#: named rather than imported so that classifying an error never imports libp2p or torch. An error raised anywhere
+#: in a node's task tree (the runtime, the trainer's thread, a nursery's child) is found inside the exception groups
+#: it reaches the top in (node/failure.py): to make a new failure expected, name its class here (and its hint below
+#: when the exit status's hint does not fit it).
 EXPECTED: dict[str, Exit] = {
     "shoal.swarm.net.host.JoinError": Exit.JOIN_UNREACHABLE,
     "shoal.node.run.preflight.UnknownRun": Exit.UNKNOWN_RUN,
+    "shoal.node.run.preflight.UntrustedData": Exit.USAGE,
     "shoal.swarm.run.broker.AdmissionError": Exit.NOT_ADMITTED,  # SECRET when it is about the secret
     "shoal.swarm.net.identity.IdentityError": Exit.IDENTITY_UNUSABLE,
     "shoal.node.identity_lock.IdentityInUse": Exit.IDENTITY_IN_USE,
@@ -50,6 +54,11 @@ EXPECTED: dict[str, Exit] = {
     "shoal.node.train.device.DeviceUnavailable": Exit.NO_DEVICE,
     "shoal.node.run.preflight.DoesNotFit": Exit.DOES_NOT_FIT,
     "shoal.swarm.net.listen.AddressInUse": Exit.ADDRESS_IN_USE,
+}
+
+#: hints for expected errors whose exit status's hint (HINTS) says too little, by class as in EXPECTED
+CLASS_HINTS: dict[str, str] = {
+    "shoal.node.run.preflight.UntrustedData": "give this node its copy of the run's data with --data PATH",
 }
 
 
@@ -70,39 +79,37 @@ def _names(exc: BaseException) -> set[str]:
     return {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__}
 
 
-def leaves(exc: BaseException) -> list[BaseException]:
-    """The exceptions inside (nested) exception groups, in order; `exc` itself when it is not a group."""
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for e in exc.exceptions for leaf in leaves(e)]
-    return [exc]
-
-
 def _expected(e: BaseException) -> CliError | None:
     if isinstance(e, CliError):
         return e
     if isinstance(e, KeyboardInterrupt):
         return CliError("interrupted", Exit.INTERRUPTED, hint="")
-    code = next((EXPECTED[n] for n in _names(e) if n in EXPECTED), None)
+    names = _names(e)
+    name = next((n for n in names if n in EXPECTED), None)
+    if name is None:
+        return None
+    code = EXPECTED[name]
     if code is Exit.NOT_ADMITTED and "secret" in str(e):
         code = Exit.SECRET
-    return CliError(str(e) or type(e).__name__, code) if code is not None else None
+    return CliError(str(e) or type(e).__name__, code, hint=next((CLASS_HINTS[n] for n in names if n in CLASS_HINTS),
+                                                                 None))
+
+
+def is_expected(e: BaseException) -> bool:
+    return _expected(e) is not None
 
 
 def classify(exc: BaseException) -> CliError | None:
-    """The expected error `exc` stands for, looking inside exception groups, or None for a bug.
+    """The expected error `exc` stands for, looking inside exception groups (node/failure.py), or None for a bug.
 
-    Cancellations beside an expected error are its side effects and do not count; an interruption counts only when
-    nothing else was expected."""
-    found: list[CliError] = []
-    for e in leaves(exc):
-        if type(e).__name__ == "Cancelled" and type(e).__module__.startswith("trio"):
-            continue
-        err = _expected(e)
-        if err is None:
-            return None
-        found.append(err)
-    real = [f for f in found if f.code is not Exit.INTERRUPTED]
-    return (real or found or [None])[0]
+    Cancellations are side effects; an expected error wins over anything beside it (the errors its failure caused
+    in the tasks around it), and an interruption over unexpected ones (a task torn down mid-way by Ctrl+C)."""
+    from shoal.node.failure import cause, leaves
+
+    found = _expected(cause(exc, prefer=lambda e: is_expected(e) and not isinstance(e, KeyboardInterrupt)))
+    if found is None and any(isinstance(e, KeyboardInterrupt) for e in leaves(exc)):
+        return _expected(KeyboardInterrupt())
+    return found
 
 
 def exit_codes_text() -> str:

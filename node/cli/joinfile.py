@@ -1,4 +1,5 @@
-"""Join addresses handed between processes through a file: `shoal node --address-file` writes, `--join @FILE` reads."""
+"""Join addresses as typed (checked before anything else runs) or handed between processes through a file:
+`shoal node --address-file` writes, `--join @FILE` reads."""
 
 from __future__ import annotations
 
@@ -37,9 +38,23 @@ def read_join_file(path: Path, wait_s: float, poll_s: float = 0.2) -> list[str]:
         time.sleep(poll_s)
 
 
-def expand_join(values: list[str], wait_s: float) -> list[str]:
-    """--join values with every @FILE replaced by the addresses in that file."""
+JOIN_HINT = "copy the whole address a node prints once it is up (ready; others join with: …)"
+
+
+def expand_join(values: list[str], wait_s: float, *, check: bool = True) -> list[str]:
+    """--join values with every @FILE replaced by the addresses in that file, each checked (`check_join_address`;
+    not with `check=False`: a caller that reports each one); CliError (exit 2, with a hint) for a bad address or an
+    unreadable file."""
+    from shoal.node.cli.errors import CliError
+    from shoal.swarm.net.addresses import check_join_address
+
     out: list[str] = []
     for v in values:
-        out += read_join_file(Path(v[1:]), wait_s) if v.startswith("@") else [v]
-    return out
+        try:
+            out += read_join_file(Path(v[1:]), wait_s) if v.startswith("@") else [v]
+        except (ValueError, OSError) as e:
+            raise CliError(str(e), hint="give the file another node writes with --address-file") from None
+    try:
+        return [check_join_address(a) for a in out] if check else out
+    except ValueError as e:
+        raise CliError(str(e), hint=JOIN_HINT) from None

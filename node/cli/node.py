@@ -110,16 +110,17 @@ def _say(text: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from shoal.node.cli.datasource import typed_data
     from shoal.node.cli.errors import CliError, Exit
     from shoal.node.cli.joinfile import expand_join
 
     if args.parent is not None and os.getppid() != args.parent:
         raise CliError(f"the process that started this node (pid {args.parent}) is gone", Exit.INTERRUPTED, hint="")
     home = shoal_home()
-    try:
-        join = expand_join(args.join, args.join_wait)
-    except (ValueError, OSError) as e:
-        raise CliError(str(e)) from None
+    join = expand_join(args.join, args.join_wait)  # typed input is checked before anything runs
+    if args.data is not None:
+        args.data = typed_data(args.data)
+    check_device(args.device)
     lock, key = identity(args, home)
     from shoal.protocol.display import short_id
     from shoal.swarm.net.identity import peer_id_of
@@ -199,6 +200,13 @@ def identity(args: argparse.Namespace, home: Path):
     except OSError as e:
         lock.release()
         raise CliError(f"identity {lock.key_path}: cannot read it: {e.strerror or e}", Exit.IDENTITY_UNUSABLE) from None
+
+
+def check_device(flag: str) -> None:
+    """A named device (cuda, cuda:N, mps) must be on this machine before anything else runs (DeviceUnavailable:
+    exit 9); `auto` and `cpu` always are, and need no torch import here."""
+    if flag not in ("auto", "cpu"):
+        resolve_training_device(flag)
 
 
 def resolve_training_device(flag: str) -> tuple[str, int]:

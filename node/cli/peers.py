@@ -32,11 +32,7 @@ def resolve_join(args: argparse.Namespace, prog: str) -> list[str] | None:
     from shoal.node.cli.node import shoal_home
     from shoal.swarm.net.observer import find_local_swarm
 
-    try:
-        join = expand_join(args.join, args.join_wait)
-    except (ValueError, OSError) as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return None
+    join = expand_join(args.join, args.join_wait)  # a bad address: one line with a hint, exit 2
     if getattr(args, "local", False):
         join += find_local_swarm(shoal_home())
         if not join:

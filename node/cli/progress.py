@@ -9,6 +9,7 @@ from typing import Any
 
 import trio
 
+from shoal.node.failure import one_line
 from shoal.protocol.display import nbytes, short_id, si
 
 POLL_S = 0.25  # start-up progress is checked this often
@@ -105,8 +106,8 @@ async def print_progress(node: Any, every_s: float, say: Callable[[str], None], 
             say(text)
         last_text = text
         for _, ev in node.events[events_seen:]:
-            say(f"peer {short_id(ev.peer_id)} {EVENT_WORDS.get(ev.kind, ev.kind)}"
-                + (f" ({ev.detail})" if ev.detail and ev.kind != "join" else ""))
+            say(f"peer {short_id(ev.peer_id)} {EVENT_WORDS.get(ev.kind, ev.kind)}"  # a leave reason is the peer's
+                + (f" ({one_line(ev.detail)})" if ev.detail and ev.kind != "join" else ""))  # text: one line
         events_seen = len(node.events)
         now = trio.current_time()
         if node.state == "ready" and text is None and every_s > 0 and now >= next_line:

@@ -242,6 +242,9 @@ def main(args: argparse.Namespace) -> int:
             console.print(f"kept {args.output}\nrun id  {manifest.run_id}\nowner   {manifest.owner}")
             return 0
 
+        from shoal.node.cli.datasource import typed_data
+
+        args.data = typed_data(args.data)  # before anything is signed: a path that exists, stored absolute
         try:
             manifest = build_manifest(args)
         except (ProtocolError, ValueError) as e:

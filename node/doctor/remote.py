@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.node.doctor.checks import CLOCK_FIX, Check
 from shoal.protocol.records import Announcement
+from shoal.swarm.net.addresses import check_join_address
 from shoal.swarm.net.host import HostConfig, SwarmHost, open_host
 from shoal.swarm.net.membership import verified_members
 from shoal.swarm.net.reachability import LAN, PUBLIC, UNKNOWN, UNREACHABLE
@@ -26,11 +27,13 @@ IDENTIFY_WAIT_S = 2.0
 
 def _parse(addr: str) -> tuple[str, int, str]:
     """(ip, port, peer id) of a /ip4/…/tcp/…/p2p/… address; ValueError otherwise."""
+    check_join_address(addr)
     try:
         ma = multiaddr.Multiaddr(addr)
         return ma.value_for_protocol("ip4"), int(ma.value_for_protocol("tcp")), ma.value_for_protocol("p2p")
     except Exception as e:  # noqa: BLE001 - the multiaddr library raises several kinds
-        raise ValueError(f"{addr!r} is not /ip4/ADDR/tcp/PORT/p2p/PEER_ID ({e})") from None
+        raise ValueError(f"{addr}: doctor dials addresses of the form /ip4/IP/tcp/PORT/p2p/PEER_ID only "
+                         f"({str(e).split(' (string:')[0]})") from None
 
 
 def _causes(e: BaseException) -> str:

@@ -50,8 +50,8 @@ def data_source(manifest: RunManifest, config: RunConfig) -> str:
     if config.data is not None:
         return config.data
     if from_network:
-        raise UntrustedData(f"run {manifest.run_id[:16]}… reads its data from a local path ({src!r}); this node "
-                            f"reads its own files only when told which: shoal node --data PATH")
+        raise UntrustedData(f"run {manifest.run_id[:16]}… reads its data from a local path ({src!r}); a node that "
+                            f"joins a run by id reads only the files it is told to: shoal node --data PATH")
     return src
 
 

@@ -95,6 +95,7 @@ def hardware_profile(device: str, cache_dir: Path | None, *, timeout_s: float = 
 if __name__ == "__main__":
     import argparse
 
-    p = argparse.ArgumentParser(description="Measure this machine's compute device and print JSON.")
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description="Measure this machine's compute device and print JSON.")
     p.add_argument("--device", default="auto")
     print(json.dumps(measure(p.parse_args().device)))

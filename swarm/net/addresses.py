@@ -1,4 +1,5 @@
-"""This machine's IP addresses, their scope (loopback, private, public), and wildcard listen addresses made dialable."""
+"""This machine's IP addresses, their scope (loopback, private, public), wildcard listen addresses made dialable, and
+join addresses checked as typed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import struct
 log = logging.getLogger(__name__)
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 SCOPES = ("loopback", "link-local", "private", "shared", "public")
+JOIN_FORM = "/ip4/IP/tcp/PORT/p2p/PEER_ID"
 
 
 def scope(ip: str) -> str:
@@ -82,3 +84,18 @@ def expand_wildcard(addrs: list[str], local: list[str] | None = None, limit: int
             out.append(a)
     out.sort(key=lambda a: a.startswith("/ip4/127."))  # stable: keeps each group's order
     return list(dict.fromkeys(out))[:limit]
+
+
+def check_join_address(addr: str) -> str:
+    """`addr` if it is a multiaddr that names a peer id, else ValueError saying what is wrong, in words (never the
+    multiaddr library's repr of a protocol)."""
+    import multiaddr
+
+    try:
+        ma = multiaddr.Multiaddr(addr)
+    except Exception as e:  # noqa: BLE001 - the multiaddr library raises several kinds
+        why = str(e).split(" (string:")[0].split(": ", 1)[-1]
+        raise ValueError(f"--join {addr}: not an address of the form {JOIN_FORM} ({why})") from None
+    if "p2p" not in [p.name for p in ma.protocols()]:
+        raise ValueError(f"--join {addr}: the address lacks the node's peer id (…/p2p/12D3KooW…)")
+    return addr

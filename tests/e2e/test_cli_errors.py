@@ -70,8 +70,11 @@ def swarm(tmp_path_factory):
     Both print to files; the second one's first status line is timed from its start."""
     d = tmp_path_factory.mktemp("errors")
     (d / "secret.txt").write_text(SECRET)
+    (d / "corpus").mkdir()  # the run reads a local folder: a node that joins by id needs its own --data
+    (d / "corpus" / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
     made = shoal(d / "owner-home", "run", "create", "--replicas", "2", "--steps", "1", "--join-secret-file",
-                 str(d / "secret.txt"), "--identity", str(d / "owner.key"), "-o", str(d / "private.toml"))
+                 str(d / "secret.txt"), "--identity", str(d / "owner.key"), "-o", str(d / "private.toml"),
+                 "--data", str(d / "corpus"))
     assert made.returncode == 0, made.stderr
     run_id = made.stdout.split("run id")[1].split()[0]
     procs = []
@@ -122,8 +125,68 @@ def test_unknown_run_id(swarm):
 @pytest.mark.parametrize("secret", [None, "wrong"])
 def test_missing_or_wrong_secret(swarm, secret):
     r = shoal(swarm["home"], "node", "--join", swarm["owner"], "--run", swarm["run_id"],
-              *(("--secret", secret) if secret else ()))
+              *(("--secret", secret, "--data", str(swarm["dir"] / "corpus")) if secret else ()))
     assert_one_line(r, Exit.SECRET, "this run is private", "wrong join secret" if secret else "required", "--secret")
+
+
+def test_a_run_that_reads_a_local_folder_joined_without_data(swarm):
+    """The manifest from the network names a path: the node refuses to read it on the owner's word. The refusal is
+    raised deep in the node's task tree (inside two nurseries), and still reaches the terminal as its own line,
+    hint and exit status; the run's owner sees why the peer left, not an exception group's name."""
+    owner_out = swarm["dir"] / "owner.out"
+    before = len(owner_out.read_text())
+    r = shoal(swarm["home"], "node", "--listen", "/ip4/127.0.0.1/tcp/0", "--join", swarm["owner"], "--run",
+              swarm["run_id"], "--secret", SECRET)
+    line = assert_one_line(r, Exit.USAGE, "reads its data from a local path", "hint: give this node its copy of the "
+                           "run's data with --data PATH")
+    assert "ExceptionGroup" not in line and "unexpected" not in line
+    left = wait_for(lambda: re.search(r"peer \w+ left \((.*)\)", owner_out.read_text()[before:]), 30,
+                    "the owner's line about the peer that left")
+    assert left.group(1).startswith("UntrustedData: run "), left.group(0)
+
+
+def test_typed_input_is_checked_before_anything_runs(tmp_path):
+    """A malformed --join, a --data that is not there and a device this machine lacks are refused before the node
+    makes an identity or probes the hardware: one line, a hint, exit 2 (9 for the device)."""
+    home = tmp_path / "home"
+    for join, needle in [("/ip4/127.0.0.1/tcp/4001", "lacks the node's peer id (…/p2p/12D3KooW…)"),
+                         ("127.0.0.1:4001", "not an address of the form /ip4/IP/tcp/PORT/p2p/PEER_ID"),
+                         ("/ip4/127.0.0.1/tcp/4001/p2p", "not an address of the form")]:
+        line = assert_one_line(shoal(home, "node", "--join", join), Exit.USAGE, f"--join {join}: ", needle,
+                               "hint: copy the whole address a node prints")
+        assert "Protocol(" not in line
+        assert_one_line(shoal(home, "peers", "--join", join), Exit.USAGE, needle)
+    assert_one_line(shoal(home, "node", "--data", str(tmp_path / "nope"), "--run", "f" * 64),
+                    Exit.USAGE, "--data", "no such file or folder")
+    assert_one_line(shoal(home, "node", "--device", "cuda", CUDA_VISIBLE_DEVICES=""), Exit.NO_DEVICE,
+                    "--device cuda: CUDA is not available")
+    made = list(home.rglob("*.key")) + list(home.rglob("hardware-*.json"))
+    assert not made, made  # no identity made, no hardware probed
+
+
+def test_run_create_checks_data_where_it_is_typed(tmp_path):
+    r = shoal(tmp_path, "run", "create", "--data", str(tmp_path / "nope"), "-o", str(tmp_path / "a.toml"))
+    assert_one_line(r, Exit.USAGE, "shoal run create: --data", "no such file or folder", "hint: --data takes")
+    assert not (tmp_path / "a.toml").exists()  # nothing signed
+    (tmp_path / "empty").mkdir()
+    r = shoal(tmp_path, "run", "create", "--data", str(tmp_path / "empty"), "-o", str(tmp_path / "a.toml"))
+    assert_one_line(r, Exit.USAGE, "holds no .txt or .jsonl file")
+    (tmp_path / "mydata").mkdir()
+    (tmp_path / "mydata" / "doc.txt").write_text("text")
+    r = subprocess.run([*SHOAL, "run", "create", "--data", "./mydata", "-o", "b.toml"], capture_output=True,
+                       text=True, timeout=120, env=env_for(tmp_path / "home"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f'source = "{tmp_path / "mydata"}"' in (tmp_path / "b.toml").read_text()  # absolute, as every node reads it
+
+
+@pytest.mark.parametrize("argv, prog, unknown", [(["node", "--jion", "x"], "shoal node", "--jion x"),
+                                               (["swarm", "up", "--step", "3"], "shoal swarm up", "--step 3"),
+                                               (["run", "create", "--replica", "3", "-o", "x.toml"],
+                                                "shoal run create", "--replica 3")])
+def test_a_flag_typo_shows_the_sub_commands_usage_and_abbreviations_are_refused(tmp_path, argv, prog, unknown):
+    r = shoal(tmp_path, *argv)
+    assert r.returncode == 2 and r.stderr.startswith(f"usage: {prog} "), r.stderr
+    assert f"{prog}: error: unrecognized arguments: {unknown}" in r.stderr, r.stderr
 
 
 def test_the_run_owner_without_the_secret(swarm, tmp_path):

@@ -18,7 +18,7 @@ import torch
 from shoal.node.cli.errors import EXPECTED, CliError, Exit, classify
 from shoal.node.identity_lock import IdentityInUse, default_identity, lock_identity
 from shoal.node.run.config import RunConfig
-from shoal.node.run.preflight import DoesNotFit, preflight
+from shoal.node.run.preflight import DoesNotFit, UntrustedData, preflight
 from shoal.node.train import device as devmod
 from shoal.node.train.device import DeviceUnavailable, resolve_device
 from shoal.node.train.memory import stage_memory
@@ -120,10 +120,30 @@ def test_expected_errors_are_found_inside_exception_groups():
     group = BaseExceptionGroup("nursery", [ExceptionGroup("inner", [secret]), trio.Cancelled._create()])
     assert classify(group).code is Exit.SECRET
     assert classify(AdmissionError("not on the allowlist")).code is Exit.NOT_ADMITTED
-    assert classify(ExceptionGroup("x", [KeyError("bug"), secret])) is None  # a bug beside it: a bug
+    # an error the expected one caused in a task beside it (a stream closed under it) does not hide it; the whole
+    # tree goes to the log file, and -v prints it
+    assert classify(ExceptionGroup("x", [trio.ClosedResourceError("closed"), secret])).code is Exit.SECRET
+    assert classify(ExceptionGroup("x", [KeyError("bug")])) is None
     assert classify(KeyboardInterrupt()).code is Exit.INTERRUPTED
+    assert classify(BaseExceptionGroup("x", [KeyError("torn down"), KeyboardInterrupt()])).code is Exit.INTERRUPTED
+    untrusted = classify(ExceptionGroup("outer", [ExceptionGroup("inner", [UntrustedData("a local path")])]))
+    assert untrusted.code is Exit.USAGE and "--data PATH" in untrusted.hint
     line = CliError("two\nlines", Exit.ADDRESS_IN_USE).line("shoal node")
     assert "\n" not in line and line.startswith("shoal node: two lines; hint: ")
+
+
+def test_the_error_that_matters_names_a_failure_and_its_leave_reason():
+    import trio
+
+    from shoal.node.failure import cause, describe
+
+    bug = ValueError("bad\x1b[2Jvalue\nhere")
+    tree = BaseExceptionGroup("nursery", [trio.Cancelled._create(), ExceptionGroup("inner", [bug])])
+    assert cause(tree) is bug
+    assert describe(tree) == "ValueError: bad [2Jvalue here"  # one line, no escape a terminal acts on
+    assert describe(BaseExceptionGroup("x", [trio.Cancelled._create()])) == "interrupted"
+    assert describe(KeyboardInterrupt()) == "interrupted"
+    assert len(describe(RuntimeError("x" * 500))) == 200
 
 
 def test_every_expected_error_class_exists_and_every_status_is_distinct():
