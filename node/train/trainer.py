@@ -30,7 +30,7 @@ from shoal.node.train.control import StepControl, StepResult, StepStage
 from shoal.node.train.data import Corpus, Samples, ShardedSampler, heldout_batches, load_corpus
 from shoal.node.train.device import resolve_device
 from shoal.node.train.lane import Boundary, SoloLane
-from shoal.node.train.model import GPTConfig, GPTStage, build_stage, lm_loss
+from shoal.node.train.stages import build_stage_model, lm_loss
 from shoal.protocol.lane import EVAL, TRAIN, LaneAborted
 from shoal.protocol.manifest import OptimSpec, RunManifest
 
@@ -145,6 +145,7 @@ class Trainer:
         synchronizer: Synchronizer | None = None,
         corpus: Corpus | None = None,
         options: ExecOptions = ExecOptions(),
+        weights: Path | None = None,
     ):
         plan, b = manifest.plan, manifest.batch
         if not 0 <= stage < plan.stages or not 0 <= replica < plan.replicas:
@@ -165,8 +166,8 @@ class Trainer:
                                       seed=manifest.seed, replica=replica, replicas=plan.replicas)
         self.eval_ids = heldout_batches(self.heldout_samples, b.micro_batch_size, manifest.eval.batches)
         self.micro_batches = b.batch_size // b.micro_batch_size
-        self.model_config = GPTConfig.from_spec(manifest.model, b.seq_len)
-        self.model: GPTStage = build_stage(self.model_config, stage, plan.stages, seed=manifest.seed).to(self.device)
+        # the built-in GPT or a Hugging Face model (node/train/stages.py); `weights`: the run's initial weights file
+        self.model = build_stage_model(manifest, stage, weights=weights).to(self.device)
         cuda = self.device.type == "cuda"
         self.fused = manifest.optim.optimizer == "adamw" and (options.fused == "on" or (options.fused == "auto" and cuda))
         self.optimizer = build_optimizer(self.model, manifest.optim, fused=self.fused)
