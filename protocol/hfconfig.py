@@ -142,4 +142,4 @@ class HFShape:
         return n
 
     def describe(self) -> str:
-        return f"{self.model_type} ({self.layers} layers, d {self.d_model})"
+        return f"{self.model_type} {self.layers}x{self.d_model}"

@@ -134,7 +134,7 @@ class ModelSpec(WireRecord):
         return self.hf.shape.ffn if self.hf is not None else self.mlp_ratio * self.d_model
 
     def describe(self) -> str:
-        """How people read the model's name: "tiny GPT", "llama (4 layers, d 256)"."""
+        """How people read the model's name: "tiny GPT", "llama 4x256" (layers x width)."""
         return self.hf.shape.describe() if self.hf is not None else f"{self.size} GPT"
 
     @classmethod
@@ -449,6 +449,16 @@ class RunManifest(WireRecord):
         per_layer = in_flight * b.seq_len * (10 * m.d_model + 2 * m.ffn_dim) * 4
         logits = in_flight * b.seq_len * m.vocab_size * 8 if stage == self.plan.stages - 1 else 0
         return 16 * self.stage_params(stage) + (last - first) * per_layer + logits
+
+    def blobs(self) -> list[tuple[str, int | None]]:
+        """The files this run names by sha256, with their sizes where the manifest fixes them: the model's initial
+        weights, the tokenizer.json."""
+        out: list[tuple[str, int | None]] = []
+        if self.model.hf is not None and self.model.hf.weights:
+            out.append((self.model.hf.weights, self.model.hf.weights_bytes))
+        if self.data.tokenizer != "bytes":
+            out.append((self.data.tokenizer, None))
+        return out
 
     # -- encodings
 

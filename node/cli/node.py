@@ -310,7 +310,7 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
     manifest comes from the swarm (checked when it arrives)."""
     from shoal.node.cli.errors import CliError
     from shoal.node.run.config import RunConfig
-    from shoal.node.run.preflight import preflight
+    from shoal.node.run.preflight import check_inputs, preflight
     from shoal.protocol.errors import ProtocolError
     from shoal.protocol.manifest import RunManifest
     from shoal.swarm.run.broker import BrokerConfig
@@ -334,9 +334,10 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
                            round_timeout_s=args.round_timeout,
                            broker=BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after),
                            backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time,
-                           aq_buffer_dir=str(shoal_home() / "aq"))
+                           aq_buffer_dir=str(shoal_home() / "aq"), blob_dir=str(shoal_home() / "blobs"))
     except ValueError as e:
         raise CliError(str(e)) from None
     if manifest is not None:
         preflight(manifest, config)
+        check_inputs(manifest, config.data or manifest.data.source)  # packages, the Hub: before the node starts
     return config

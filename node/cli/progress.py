@@ -60,7 +60,7 @@ def describe_run(m: Any, device: str, free_bytes: int | None) -> str:
 
     need = stage_need(m, device)
     free = f", {nbytes(free_bytes)} free" if free_bytes is not None else ""
-    return (f"run {m.run_id[:8]}…: {m.model.size} GPT ({need.params / 1e6:.1f}M params), {m.plan.replicas} replicas "
+    return (f"run {m.run_id[:8]}…: {m.model.describe()} ({need.params / 1e6:.1f}M params), {m.plan.replicas} replicas "
             f"with {m.plan.sync.method}; training on {device}: needs ~{nbytes(need.total_bytes)}{free}")
 
 

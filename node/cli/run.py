@@ -27,13 +27,28 @@ run's broker, and others join with the run id.
   shoal run create --stages 2 --replicas 2 --size small -o run.toml      # a pipeline of 2 stages x 2 lanes
   shoal run create --replicas 2 --join-secret-file secret.txt -o run.toml   # a private run
   shoal run create --data hf:roneneldan/TinyStories -o run.toml             # a Hugging Face dataset
+  shoal run create --model hf:~/models/qwen2-0.5b --stages 2 -o run.toml    # fine-tune a Hugging Face model
+  shoal run create --arch llama --layers 4 --d-model 256 --heads 4 \
+      --tokenizer tok.json --data corpus.parquet -o run.toml                 # a Llama from scratch
+
+--model hf:PATH: a Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3,
+GPT-2 families): a folder with config.json (and model*.safetensors weights to
+fine-tune from, and tokenizer.json, used unless --tokenizer says otherwise),
+or a config.json alone (trained from the run's seed). --arch FAMILY builds a
+config from --layers/--d-model/--heads (--kv-heads, --ffn). The manifest
+records the config and the sha256 of the weights and the tokenizer; the files
+are kept under $SHOAL_HOME/blobs/ and nodes fetch them from peers by hash
+(never from a path). Needs pip install 'shoal[hf]'.
 
 --data: 'stdlib' (the Python standard library's own source, on every machine),
 a .txt file, a .jsonl file (one document per line: a string or {"text": ...}),
 a folder of them, or hf:NAME (a Hugging Face dataset's "train" split, "text"
 column; needs `pip install datasets` and the network). Every node reads the
 source itself, so a file or folder must be at the same path on every machine.
-Text is tokenized as bytes.
+Text is tokenized as bytes, or with --tokenizer (a tokenizer.json).
+A .parquet file's text column is --text-field (default "text"); an hf: dataset
+takes --data-config and --data-split too, and is streamed: each node reads only
+the tokens the run can consume.
 """
 
 
@@ -49,7 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Ed25519 key file that signs (created if missing; default: $SHOAL_HOME/identity.key)")
     m = c.add_argument_group("model and data")
     m.add_argument("--size", choices=("tiny", "small", "base"), default="tiny",
-                   help="model preset (default: %(default)s)")
+                   help="built-in GPT preset (default: %(default)s)")
+    m.add_argument("--model", metavar="hf:PATH",
+                   help="a Hugging Face causal LM: a folder (config.json, *.safetensors, tokenizer.json) or a "
+                        "config.json")
+    m.add_argument("--arch", choices=("llama", "mistral", "qwen2", "qwen3", "gpt2"),
+                   help="a Hugging Face architecture from scratch, sized by --layers/--d-model/--heads")
+    m.add_argument("--kv-heads", type=int, metavar="N", help="--arch: key/value heads (default: --heads)")
+    m.add_argument("--ffn", type=int, metavar="N", help="--arch: MLP width (default: the family's usual)")
+    m.add_argument("--tokenizer", metavar="PATH",
+                   help="a tokenizer.json (or a folder holding one); default: bytes, or the --model folder's")
     m.add_argument("--layers", type=int, metavar="N", help="override the preset's layer count")
     m.add_argument("--d-model", type=int, metavar="N", help="override the preset's width")
     m.add_argument("--heads", type=int, metavar="N", help="override the preset's head count")
@@ -57,7 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="position encoding (default: %(default)s)")
     m.add_argument("--data", default="stdlib", metavar="SOURCE",
                    help="'stdlib', a .txt/.jsonl file or a folder of them, or hf:NAME (default: %(default)s)")
-    m.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence (default: the preset's)")
+    m.add_argument("--seq-len", type=int, metavar="N",
+                   help="tokens per sequence (default: the preset's; 512 for a Hugging Face model, at most its "
+                        "positions)")
+    m.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the column (jsonl key) that holds the text (default: %(default)s)")
+    m.add_argument("--data-config", default="", metavar="NAME", help="hf: dataset configuration (subset)")
+    m.add_argument("--data-split", default="train", metavar="NAME", help="hf: dataset split (default: %(default)s)")
     o = c.add_argument_group("optimization")
     o.add_argument("--batch", type=int, default=16, metavar="N",
                    help="sequences per optimizer step per replica (default: %(default)s)")
@@ -163,11 +193,9 @@ def build_manifest(args: argparse.Namespace):
     from shoal.protocol import manifest as mf
 
     tie = {"auto": None, "tied": True, "untied": False}[args.tie_embeddings]
-    model = mf.ModelSpec.preset(args.size, positions=args.positions, tie_embeddings=tie)
-    overrides = {k: v for k, v in (("n_layers", args.layers), ("d_model", args.d_model), ("n_heads", args.heads)) if v}
-    if overrides:
-        model = mf.ModelSpec(**{**model.to_wire(), **overrides, "size": "custom"})
-    seq = args.seq_len or mf.MODEL_PRESETS[args.size][3]
+    from shoal.node.cli.hfmodel import model_and_tokenizer
+
+    model, tokenizer, seq = model_and_tokenizer(args, tie)
     sync_method = args.sync or ("none" if args.replicas == 1 else "cocktail")
     if args.micro_batch and args.micro_batches:
         raise ValueError("give --micro-batch (their size) or --micro-batches (their count), not both")
@@ -187,7 +215,8 @@ def build_manifest(args: argparse.Namespace):
         created_at=int(time.time()),
         seed=args.seed,
         model=model,
-        data=mf.DataSpec(source=args.data, train_subset=args.train_subset),
+        data=mf.DataSpec(source=args.data, train_subset=args.train_subset, tokenizer=tokenizer,
+                         hf_config=args.data_config, hf_split=args.data_split, text_field=args.text_field),
         plan=mf.ParallelPlan(
             stages=args.stages,
             replicas=args.replicas,
@@ -245,8 +274,19 @@ def main(args: argparse.Namespace) -> int:
         from shoal.node.cli.datasource import typed_data
 
         args.data = typed_data(args.data)  # before anything is signed: a path that exists, stored absolute
+        from shoal.node.train.datacheck import DataUnavailable
+        from shoal.node.train.hf import MissingPackage
+
         try:
             manifest = build_manifest(args)
+            if manifest.data.source.startswith("hf:"):  # the owner learns now that nodes could not read it
+                from shoal.node.train.datacheck import check_source
+
+                d = manifest.data
+                check_source(d.source, hf_config=d.hf_config, hf_split=d.hf_split, text_field=d.text_field)
+        except (DataUnavailable, MissingPackage) as e:
+            print(f"shoal run create: {e}", file=sys.stderr)
+            return 12
         except (ProtocolError, ValueError) as e:
             print(f"shoal run create: invalid manifest: {e}", file=sys.stderr)
             return 2
@@ -260,7 +300,12 @@ def main(args: argparse.Namespace) -> int:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(manifest.to_toml())
         os.replace(tmp, args.output)
-        console.print(f"wrote {args.output}\nrun id  {manifest.run_id}\nowner   {manifest.owner}")
+        params = sum(manifest.stage_params(s) for s in range(manifest.plan.stages))
+        console.print(f"wrote {args.output}\nrun id  {manifest.run_id}\nowner   {manifest.owner}\n"
+                      f"model   {manifest.model.describe()}, {params / 1e6:.2f}M parameters")
+        for digest, size in manifest.blobs():
+            console.print(f"file    {digest[:16]}… ({'weights' if size else 'tokenizer'}), served to the run's nodes "
+                          f"from {shoal_home() / 'blobs'}")
         return 0
     try:
         manifest = read_manifest(args.path)

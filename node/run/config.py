@@ -32,6 +32,8 @@ class RunConfig:
     snapshot_every_steps: int = 50  # besides the steps joiners need, a fresh snapshot for backups this often
     min_step_s: float = 0.0  # pace: every step takes at least this long (a slower model, emulated for tests/benches)
     aq_buffer_dir: str | None = None  # AQ-SGD disk buffers (manifest buffer = "disk"); None: the temp directory
+    blob_dir: str | None = None  # files the run names by hash (weights, tokenizer); None: a folder in the temp directory
+    blob_pull_attempt_s: float = 600.0  # how long one peer may take to send one such file
     broker: BrokerConfig = field(default_factory=BrokerConfig)  # when this node hosts (or takes over) the broker
     client: RunClientConfig = field(default_factory=RunClientConfig)
 

@@ -22,7 +22,7 @@ import trio
 
 from shoal.node.run.config import RunConfig
 from shoal.node.run.lanes import StageLinks
-from shoal.node.run.preflight import UnknownRun, data_source, preflight
+from shoal.node.run.preflight import UnknownRun, check_inputs, data_source, preflight
 from shoal.node.run.pulls import StatePulls
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Throughput
@@ -45,6 +45,7 @@ from shoal.swarm.run.group import Group
 from shoal.swarm.lane.hub import open_link_hub
 from shoal.swarm.lane.spec import LinkConfig
 from shoal.swarm.run.schedule import GroupSchedule
+from shoal.swarm.state.blobs import BlobServer, BlobStore, pull_blob
 from shoal.swarm.state.snapshot import Snapshot
 from shoal.swarm.state.transfer import StateServer, StateTransferError
 
@@ -204,6 +205,33 @@ class RunRuntime:
         await trio.to_thread.run_sync(load)
         self.at_step = self.trainer.step_count
 
+    def _blob_root(self):
+        import tempfile
+        from pathlib import Path
+
+        return Path(self.config.blob_dir) if self.config.blob_dir else Path(tempfile.gettempdir()) / "shoal-blobs"
+
+    async def _fetch_blobs(self) -> dict[str, Any]:
+        """The files the run names by hash (weights, tokenizer): from the local store, else from peers (the owner,
+        the broker, the table's members, then any live peer of the run), each checked against its hash."""
+        got: dict[str, Any] = {}
+        for digest, size in self.manifest.blobs():
+            if self.blobs.path(digest) is None:
+                t = self.client.table if self.client is not None else None
+                members = [t.peer_id, *(s.peer_id for s in t.slots), *t.backups] if t is not None else []
+                live = [e.peer_id for e in self.node.membership.live_peers() if e.status_record is not None
+                        and e.status_record.run_id == self.manifest.run_id]
+                peers = list(dict.fromkeys(p for p in [self.manifest.owner, *members, *live]
+                                           if p and p != self.node.peer_id))
+                what = "weights" if size else "tokenizer"
+                log.info("fetching the run's %s (%s…) from %d peers", what, digest[:12], len(peers))
+                t0 = self.clock()
+                await pull_blob(self.node.sh, self.blobs, digest, size, peers, penalties=self.node.penalties,
+                                attempt_s=self.config.blob_pull_attempt_s, max_bytes=size or (64 << 20))
+                log.info("fetched the run's %s in %.1f s", what, self.clock() - t0)
+            got[digest] = self.blobs.path(digest)
+        return got
+
     # -- entering a group ----------------------------------------------------------------------------------
     async def _build_trainer(self, stage: int, replica: int) -> None:
         from shoal.node.sync.base import SyncConfig
@@ -211,11 +239,14 @@ class RunRuntime:
         from shoal.node.train.trainer import Trainer
 
         exchange = self.collective.blocking(self._token)
+        files = await self._fetch_blobs()
+        tokenizer = files.get(self.manifest.data.tokenizer)
+        weights = files.get(self.manifest.model.hf.weights) if self.manifest.model.hf is not None else None
 
         def build():
             import torch
 
-            from shoal.node.train.data import load_corpus
+            from shoal.node.train.data import load_run_corpus
             from shoal.node.train.lane import Unconnected
 
             if self.config.threads:
@@ -223,9 +254,9 @@ class RunRuntime:
             sync = make_synchronizer(self.manifest, exchange=exchange, penalties=self.node.penalties,
                                      config=SyncConfig(round_timeout_s=self.config.round_timeout_s))
             boundary = Unconnected() if self.manifest.plan.stages > 1 else None  # links open before each step
-            corpus = load_corpus(self.data_source, self.manifest.data.heldout_every)
+            corpus = load_run_corpus(self.manifest, self.data_source, tokenizer)
             trainer = Trainer(self.manifest, device=self.config.device, stage=stage, replica=replica,
-                              boundary=boundary, synchronizer=sync, corpus=corpus)
+                              boundary=boundary, synchronizer=sync, corpus=corpus, weights=weights)
             return trainer, sync
 
         self.trainer, self.sync = await trio.to_thread.run_sync(build)
@@ -567,6 +598,7 @@ class RunRuntime:
         if self.manifest.join.mode == "secret" and not self.config.secret:  # to prove it, or as broker to check it
             raise AdmissionError("this run is private: a join secret is required")
         self.data_source = data_source(self.manifest, self.config)  # never a path a network manifest chose
+        await trio.to_thread.run_sync(check_inputs, self.manifest, self.data_source)  # packages, the Hub, files
         self.schedule = GroupSchedule(node.peer_id)
         self.hashes = HashVotes(node.peer_id, self.node_call)
         sync = self.manifest.plan.sync
@@ -582,6 +614,9 @@ class RunRuntime:
         StateServer(node.sh, lambda: self.snapshots.latest, penalties=node.penalties, by_revision=self.snapshots.at,
                     allow=self.entitled.member)  # model state for the run's members and backups only
         node.rpc.register("run.snapshot_at", self._rpc_snapshot_at)
+        self.blobs = BlobStore(self._blob_root())  # the run's weights and tokenizer, for peers that need them
+        BlobServer(node.sh, self.blobs, named=lambda: [h for h, _ in self.manifest.blobs()], penalties=node.penalties,
+                   allow=None if self.manifest.join.mode == "open" else self.entitled.member)
         node.rpc.register("run.hash_at", self.hashes.rpc_hash_at)
         plan = self.manifest.plan
         links = open_link_hub(node.sh, node.penalties, LinkConfig(), allow=self.entitled.member,

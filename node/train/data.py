@@ -18,11 +18,13 @@ import torch
 
 from shoal.node.train.datacheck import INSTALL_HINT, DataUnavailable, require_datasets
 from shoal.node.train.tokens import load_tokenizer
+from shoal.protocol.manifest import RunManifest
 
 log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 64 * 1024  # the held-out split picks whole blocks of the corpus
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
+PROGRESS_TOKENS = 10_000_000  # a log line every this many tokens while a corpus is read
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
@@ -134,12 +136,17 @@ def load_corpus(source: str = "stdlib", heldout_every: int = 20, *, tokenizer: P
     docs, what = source_documents(source, hf)
     tok = load_tokenizer(tokenizer)
     parts, n, n_docs = [], 0, 0
+    next_log = PROGRESS_TOKENS
     for ids in tok.encode(docs):
         parts.append(ids)
         n += len(ids)
         n_docs += 1
         if max_tokens and n >= max_tokens:
             break
+        if n >= next_log:
+            log.info("corpus %s: %d documents, %.1fM tokens so far%s", what, n_docs, n / 1e6,
+                     f" of {max_tokens / 1e6:.1f}M" if max_tokens else "")
+            next_log += PROGRESS_TOKENS
     if not n_docs:
         raise ValueError(f"data source {source!r} holds no documents")
     tokens = np.concatenate(parts) if len(parts) > 1 else parts[0]
@@ -162,6 +169,23 @@ def load_corpus(source: str = "stdlib", heldout_every: int = 20, *, tokenizer: P
     size = f"{len(tokens) / 1e6:.1f}M tokens" if tok.name != "bytes" else f"{len(tokens) / 1e6:.1f} MB"
     log.info("corpus %s: %d documents, %s, %d train / %d held-out tokens", what, n_docs, size, len(train), len(heldout))
     return Corpus(train=train, heldout=heldout, fingerprint=fp, description=f"{what}, {n_docs} documents, {size}")
+
+
+def tokens_needed(manifest: RunManifest) -> int:
+    """The tokens a run can consume: every replica's samples over its steps, the held-out share on top, and a
+    block per held-out period of margin. A streamed source is read this far and no further."""
+    b, n = manifest.batch, manifest.data.heldout_every
+    train = manifest.optim.total_steps * b.batch_size * manifest.plan.replicas * b.seq_len + b.seq_len + 1
+    return train * n // (n - 1) + n * BLOCK_TOKENS
+
+
+def load_run_corpus(manifest: RunManifest, source: str, tokenizer: Path | None = None) -> Corpus:
+    """The run's corpus from `source` (the manifest's, or the volunteer's own --data): its tokenizer, its hf:
+    dataset part, and for a streamed source (hf:) only the tokens the run can consume."""
+    d = manifest.data
+    return load_corpus(source, d.heldout_every, tokenizer=tokenizer,
+                       max_tokens=tokens_needed(manifest) if source.startswith("hf:") else 0,
+                       hf=HFSource(config=d.hf_config, split=d.hf_split, text_field=d.text_field))
 
 
 class Samples:

@@ -38,9 +38,11 @@ def stage_layers(manifest: RunManifest, stage: int) -> tuple[int, int]:
     return even_split(manifest.model.n_layers, manifest.plan.stages)[stage]
 
 
-def build_stage_model(manifest: RunManifest, stage: int, *, weights: Path | None = None) -> torch.nn.Module:
+def build_stage_model(manifest: RunManifest, stage: int, *, weights: Path | None = None,
+                      initial: bool = True) -> torch.nn.Module:
     """Stage `stage` of the run's model on the CPU: initialized from the run's seed, or, for a model with initial
-    weights, loaded from `weights` (the file whose sha256 the manifest names, already checked against it)."""
+    weights, loaded from `weights` (the file whose sha256 the manifest names, already checked against it).
+    `initial=False`: a trained state is loaded next, so the initial weights are not needed."""
     m, stages = manifest.model, manifest.plan.stages
     if m.hf is None:
         return build_stage(GPTConfig.from_spec(m, manifest.batch.seq_len), stage, stages, seed=manifest.seed)
@@ -48,7 +50,7 @@ def build_stage_model(manifest: RunManifest, stage: int, *, weights: Path | None
 
     first, last = stage_layers(manifest, stage)
     model = HFStage(m.hf, first, last, stage == 0, stage == stages - 1, tied=m.tied(stages), seed=manifest.seed)
-    if m.hf.weights:
+    if m.hf.weights and initial:
         if weights is None:
             raise ValueError(f"the run starts from weights {m.hf.weights[:16]}…, and none were given")
         model.load_weights(weights)

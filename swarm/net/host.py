@@ -116,6 +116,8 @@ class SwarmHost:
         self.config = config
         self.peer_id: str = peer_id_of(key)
         self.join_errors: dict[str, str] = {}  # --join address -> why bootstrap could not reach it
+        #: control-plane payload bytes [sent, received]: RPC requests and answers, gossiped records (on the loop)
+        self.control_bytes = [0, 0]
         self.nat: NatTraversal | None = None  # set by open_host when config.nat is given
 
     @property

@@ -63,7 +63,9 @@ class RpcServer:
             return
         try:
             with trio.fail_after(self.request_timeout_s):
-                req = unpack(await read_frame(stream, MAX_REQUEST_BYTES), max_bytes=MAX_REQUEST_BYTES)
+                raw = await read_frame(stream, MAX_REQUEST_BYTES)
+                self.sh.control_bytes[1] += len(raw)
+                req = unpack(raw, max_bytes=MAX_REQUEST_BYTES)
                 if not isinstance(req, dict) or not isinstance(req.get("m"), str):
                     raise BadRequest("request must be a map with a method name 'm'")
                 handler = self.handlers.get(req["m"])
@@ -78,7 +80,9 @@ class RpcServer:
                 except Exception as e:  # the handler's own failure (a ProtocolError too): never the caller's fault
                     log.warning("rpc %s from %s failed: %s: %s", req["m"], peer, type(e).__name__, e)
                     resp = {"ok": False, "e": f"{type(e).__name__}: {e}"[:300]}
-                await write_frame(stream, pack(resp))
+                out = pack(resp)
+                self.sh.control_bytes[0] += len(out)
+                await write_frame(stream, out)
                 await stream.close()
         except ProtocolError as e:
             self.penalties.penalize(peer, f"bad rpc request: {e}")
@@ -106,8 +110,12 @@ async def call(sh: SwarmHost, peer_id: str, method: str, body: Any = None, *, ti
         with trio.fail_after(timeout_s):
             stream = await sh.open_stream(peer_id, RPC_PROTOCOL)
             try:
-                await write_frame(stream, pack({"m": method, "b": body}))
-                resp = unpack(await read_frame(stream, max_response_bytes), max_bytes=max_response_bytes)
+                req = pack({"m": method, "b": body})
+                sh.control_bytes[0] += len(req)
+                await write_frame(stream, req)
+                raw = await read_frame(stream, max_response_bytes)
+                sh.control_bytes[1] += len(raw)
+                resp = unpack(raw, max_bytes=max_response_bytes)
             finally:
                 await close_quietly(stream)
     except trio.TooSlowError:
