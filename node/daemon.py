@@ -63,6 +63,8 @@ class NodeConfig:
     # the recent-peers file (None: none kept): dialed at start, so a restarted node finds its swarm without --join
     peers_file: Path | None = None
     remember_peers_s: float = 2.0  # the live peers are checked this often; the file is rewritten when they changed
+    metrics_listen: tuple[str, int] | None = None  # serve Prometheus metrics here (node/metrics.py); None: off
+    metrics_file: Path | None = None  # append a JSON line of the same figures every status interval (rotated)
     recall_timeout_s: float = 5.0  # dialing one remembered peer gives up after this long
 
     def __post_init__(self) -> None:
@@ -99,6 +101,8 @@ class Node:
         self.rpc: RpcServer | None = None
         self._last_fields: dict[str, Any] = {}
         self.runtime: RunRuntime | None = None
+        self.metrics = None  # the Prometheus endpoint (node/metrics.py), when config.metrics_listen
+        self.metrics_file = None
         self.extra_ingest: list = []  # more consumers of verified records (the run client)
         self._remembered: dict[str, list[str]] = {}
         self._gossip_due = True  # publish the status at the next interval even if unchanged
@@ -201,6 +205,22 @@ class Node:
         return status_gossip_s(c.status_interval_s, c.membership.gone_after_s,
                                c.run.broker.fail_after_s if c.run is not None else None)
 
+    def _take_metrics(self) -> None:
+        """One sample of the node's figures for the metrics endpoint and file (on the loop, which owns them)."""
+        if self.metrics is None and self.metrics_file is None:
+            return
+        from shoal.node.metrics import sample_node
+
+        try:
+            sample = sample_node(self)
+        except Exception:  # noqa: BLE001 - a bug in reporting must not stop the node
+            log.exception("metrics sample failed")
+            return
+        if self.metrics is not None:
+            self.metrics.update(sample)
+        if self.metrics_file is not None:
+            self.metrics_file.append(sample)
+
     async def _status_loop(self) -> None:
         published_at, published = -math.inf, None
         while True:
@@ -214,6 +234,7 @@ class Node:
             for ev in self.membership.sweep():
                 self._event(ev)
             self.write_status_file()
+            self._take_metrics()
             await trio.sleep(self.config.status_interval_s)
 
     async def _announce_loop(self) -> None:
@@ -355,6 +376,23 @@ class Node:
             await trio.sleep(self.config.remember_peers_s)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        c = self.config
+        if c.metrics_file is not None:
+            from shoal.node.metrics import MetricsFile
+
+            self.metrics_file = MetricsFile(c.metrics_file)
+        if c.metrics_listen is not None:  # bound before anything else, so a taken port fails at once
+            from shoal.node.metrics import MetricsEndpoint
+
+            self.metrics = MetricsEndpoint(*c.metrics_listen)
+        try:
+            await self._run(task_status=task_status)
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+                self.metrics = None
+
+    async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         join = list(self.config.host.join)
         if any(a.rstrip("/").endswith(f"/p2p/{self.peer_id}") for a in join):
             raise TwinDetected(f"the --join address is this node's own peer id ({self.peer_id}): another node runs "

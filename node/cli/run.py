@@ -42,8 +42,8 @@ are kept under $SHOAL_HOME/blobs/ and nodes fetch them from peers by hash
 
 --data: 'stdlib' (the Python standard library's own source, on every machine),
 a .txt file, a .jsonl file (one document per line: a string or {"text": ...}),
-a folder of them, or hf:NAME (a Hugging Face dataset's "train" split, "text"
-column; needs `pip install datasets` and the network). Every node reads the
+a .parquet file, a folder of them, or hf:NAME (a Hugging Face dataset's "train"
+split, "text" column; needs pip install 'shoal[hf]' and the network). Every node reads the
 source itself, so a file or folder must be at the same path on every machine.
 Text is tokenized as bytes, or with --tokenizer (a tokenizer.json).
 A .parquet file's text column is --text-field (default "text"); an hf: dataset
