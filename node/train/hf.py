@@ -14,7 +14,6 @@ Needs the optional `transformers` and `safetensors` packages (`pip install 'shoa
 
 from __future__ import annotations
 
-import copy
 import math
 import zlib
 from pathlib import Path
@@ -194,24 +193,3 @@ def init_hf_weights(stage: HFStage, shape: HFShape, config, seed: int) -> None:
             stage.embedding.weight[pad].zero_()
             if stage.has_head and not stage.tied:
                 stage.lm_head.weight[pad].zero_()
-
-
-def whole_state(stage_states: list[dict[str, torch.Tensor]], spec: HFModelSpec, *, tied: bool) -> dict[str, torch.Tensor]:
-    """The whole model's state from its stages' (in order), as the library names it; a split model's own head is
-    kept (its config is written untied)."""
-    out: dict[str, torch.Tensor] = {}
-    for st in stage_states:
-        for k, v in st.items():
-            if k.startswith("rotary_emb.") or ".rotary_emb." in k:
-                continue
-            if k in out:
-                raise ValueError(f"two stages hold {k}")
-            out[k] = v
-    return out
-
-
-def copy_config_dict(spec: HFModelSpec, *, tied: bool) -> dict:
-    """The config.json to export: the run's config, tied or untied as the run trained it."""
-    d = copy.deepcopy(parse_config(spec.config))
-    d["tie_word_embeddings"] = tied
-    return d

@@ -18,7 +18,7 @@ import torch
 from shoal.node.train.checkpoint import load_latest
 from shoal.node.train.data import load_corpus
 from shoal.node.train.datacheck import DataUnavailable, check_source
-from shoal.node.train.export import ExportError, write_model
+from shoal.node.train.export_hf import ExportError, export
 from shoal.node.train.lane import LocalLane
 from shoal.node.train.stages import build_stage_model
 from shoal.node.train.tokens import load_tokenizer
@@ -157,10 +157,11 @@ def test_export_loads_in_transformers_with_equal_logits(files, tmp_path, family,
     for s, t in enumerate(trainers):
         t.save(tmp_path / f"s{s}")
     states = [load_latest(tmp_path / f"s{s}")[1] for s in range(stages)]
-    with pytest.raises(ExportError, match="no checkpoint of stage"):
-        write_model(m, states[:1] if stages > 1 else [], tmp_path / "bad")
-    files_written = write_model(m, states, tmp_path / "out", tokenizer=tok)
-    assert files_written == ["config.json", "model.safetensors", "tokenizer.json"]
+    models = [st["model"] for st in states]
+    with pytest.raises(ExportError, match="stages given" if stages > 1 else "not the run's stage"):
+        export(m, models[:1] if stages > 1 else [{}], tmp_path / "bad", step=4)
+    files_written = export(m, models, tmp_path / "out", step=4, tokenizer=tok)
+    assert [f.name for f in files_written] == ["config.json", "model.safetensors", "tokenizer.json"]
     ref = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert ref.config.tie_word_embeddings == m.model.tied(stages)
     x = torch.randint(0, v, (2, 32))
