@@ -21,7 +21,7 @@ from shoal.node.train.datacheck import DataUnavailable, check_source
 from shoal.node.train.export_hf import ExportError, export
 from shoal.node.train.lane import LocalLane
 from shoal.node.train.stages import build_stage_model
-from shoal.node.train.tokens import load_tokenizer
+from shoal.node.train.tokens import load_tokenizer, tokenizer_hash
 from shoal.node.train.trainer import Trainer
 from shoal.protocol.manifest import RunManifest
 from tests.helpers.hf_fixtures import hf_model_folder, sample_text, write_bpe, write_jsonl, write_parquet
@@ -125,6 +125,10 @@ def test_run_create_takes_a_model_folder_and_an_arch(files, tmp_path, monkeypatc
     a = RunManifest.from_toml((tmp_path / "arch.toml").read_text())
     sh = a.model.hf.shape
     assert (sh.layers, sh.d_model, sh.kv_heads, sh.vocab, a.model.hf.weights) == (4, 64, 2, v, "")
+    code, err = shoal_here("run", "create", "--tokenizer", str(tok), "-o", str(tmp_path / "gpt.toml"), capsys=capsys)
+    assert code == 0, err  # the built-in GPT with a tokenizer: its vocabulary is the tokenizer's
+    g = RunManifest.from_toml((tmp_path / "gpt.toml").read_text())
+    assert (g.model.size, g.model.vocab_size, g.data.tokenizer) == ("tiny", v, tokenizer_hash(tok))
     code, err = shoal_here("run", "create", "--arch", "llama", "--layers", "4", "-o", str(tmp_path / "x.toml"),
                            capsys=capsys)
     assert code == 2 and "needs --layers, --d-model and --heads" in err
