@@ -76,9 +76,22 @@ def check_hf_dataset(name: str, config: str = "", split: str = "train", text_fie
     if info.splits and split not in info.splits:
         raise DataUnavailable(f"data source {what}: no split {split!r} (splits: {', '.join(info.splits)}); "
                               f"--data-split NAME")
-    if info.features is not None and text_field not in info.features:
-        raise DataUnavailable(f"data source {what}: no column {text_field!r} (columns: "
-                              f"{', '.join(info.features)}); --text-field NAME")
+    columns = list(info.features) if info.features is not None else None
+    if columns is None:  # the metadata does not say: read the first row of the stream
+        try:
+            row = next(iter(datasets.load_dataset(name, config or None, split=split, streaming=True)), None)
+        except Exception as e:  # noqa: BLE001 - a bad split is a ValueError, the rest is the library's
+            first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            if "split" in first.lower():
+                raise DataUnavailable(f"data source {what}: no split {split!r} ({first}); --data-split NAME") from None
+            raise DataUnavailable(f"data source {what}: cannot read its first row ({type(e).__name__}: {first}); "
+                                  f"{LOCAL_FIX}") from None
+        if row is None:
+            raise DataUnavailable(f"data source {what}: split {split!r} holds no rows")
+        columns = list(row)
+    if text_field not in columns:
+        raise DataUnavailable(f"data source {what}: no column {text_field!r} (columns: {', '.join(columns)}); "
+                              f"--text-field NAME")
     return what
 
 

@@ -179,3 +179,23 @@ def test_export_loads_in_transformers_with_equal_logits(files, tmp_path, family,
     from transformers import PreTrainedTokenizerFast
 
     assert PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "out" / "tokenizer.json")).vocab_size == v
+
+
+def test_an_hf_dataset_streams_through_datasets_as_far_as_the_run_needs(files, tmp_path, monkeypatch):
+    """A dataset folder `datasets` reads like a Hub dataset (offline: nothing to reach), streamed: the same tokens as
+    the parquet file read directly, cut at the run's need."""
+    d, text, tok, _, _ = files
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    write_parquet(folder / "train.parquet", text, docs=100)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check_source(f"hf:{folder}")
+    with pytest.raises(DataUnavailable, match="no split 'validation'"):
+        check_source(f"hf:{folder}", hf_split="validation")
+    with pytest.raises(DataUnavailable, match="no column 'body'"):
+        check_source(f"hf:{folder}", text_field="body")
+    streamed = load_corpus(f"hf:{folder}", 10, tokenizer=tok, max_tokens=6000)
+    direct = load_corpus(str(folder / "train.parquet"), 10, tokenizer=tok)
+    assert len(streamed.train) + len(streamed.heldout) == 6000
+    assert np.array_equal(np.concatenate([streamed.train, streamed.heldout]),
+                          np.concatenate([direct.train, direct.heldout])[:6000])
