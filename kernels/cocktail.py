@@ -75,15 +75,19 @@ class CocktailCompressor:
         """s = mean_i C^(delta_i) + e[mask]; s_hat = C(s); e[mask] = s - s_hat. Returns s_hat to broadcast."""
         return self.server_aggregate_values([self.decompress(p) for p in payloads], server_error, step)
 
-    def server_aggregate_values(self, values: list[torch.Tensor], server_error: torch.Tensor, step: int) -> Encoded:
-        """`server_aggregate` on already decoded C^(delta_i) (dense over the mask; the caller may have clipped them)."""
+    def server_aggregate_values(self, values: list[torch.Tensor], server_error: torch.Tensor, step: int,
+                                weights: list[float] | None = None) -> Encoded:
+        """`server_aggregate` on already decoded C^(delta_i) (dense over the mask; the caller may have clipped them);
+        `weights`: each worker's share of the mean (summing to 1; None: equal)."""
         if not values:
             raise ValueError("no payloads to aggregate")
+        if weights is not None and len(weights) != len(values):
+            raise ValueError("one weight per payload")
         m = self.mask(step)
         s = m.gather(server_error).float()
-        inv = 1.0 / len(values)
-        for v in values:  # one loop per worker, not per element
-            s.add_(v.to(s.device), alpha=inv)
+        alphas = weights if weights is not None else [1.0 / len(values)] * len(values)
+        for v, a in zip(values, alphas):  # one loop per worker, not per element
+            s.add_(v.to(s.device), alpha=a)
         e = self.compress(s)
         m.copy_(server_error, (s - self.decompress(e)).to(server_error.dtype))
         return e

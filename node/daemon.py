@@ -29,6 +29,7 @@ from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.pulse import Pulse, steady_clock
 from shoal.swarm.net.recent_peers import MAX_PEERS, load_recent_peers, save_recent_peers
 from shoal.swarm.net.rpc import RpcError, RpcServer, call
+from shoal.swarm.run.directory import RunDirectory
 
 if TYPE_CHECKING:
     from shoal.node.run.config import RunConfig
@@ -89,6 +90,7 @@ class Node:
         self.membership: Membership | None = None
         self.pulse = Pulse(steady_clock)  # one clock for the membership, the run's timeouts and freeze detection
         self.penalties = Penalties()
+        self.directory = RunDirectory(on_bad=self.penalties.penalize)  # the runs the swarm advertises
         self.gossip: RecordGossip | None = None
         self.state = "starting"
         self.phase = "starting"  # what start-up is doing now, for the command line's progress
@@ -100,6 +102,7 @@ class Node:
         self.events: list[tuple[float, Event]] = []
         self.rpc: RpcServer | None = None
         self._last_fields: dict[str, Any] = {}
+        self.last_status: StatusRecord | None = None  # the newest status record this node made of itself
         self.runtime: RunRuntime | None = None
         self.metrics = None  # the Prometheus endpoint (node/metrics.py), when config.metrics_listen
         self.metrics_file = None
@@ -119,6 +122,7 @@ class Node:
         assert self.membership is not None
         for ev in self.membership.observe(signed, age_s=age_s):
             self._event(ev)
+        self.directory.observe(signed)
         for consumer in self.extra_ingest:
             try:
                 consumer(signed)
@@ -160,8 +164,10 @@ class Node:
                 log.exception("run status unavailable")
                 fields["error"] = "run status unavailable (see the node's log)"
         self._last_fields = fields
-        return StatusRecord(peer_id=self.peer_id, seq=self._seq, time=time.time(),
-                            peers_seen=len(self.membership.live_peers()) if self.membership else 0, **fields)
+        self.last_status = StatusRecord(peer_id=self.peer_id, seq=self._seq, time=time.time(),
+                                        peers_seen=len(self.membership.live_peers()) if self.membership else 0,
+                                        **fields)
+        return self.last_status
 
     def members_snapshot(self) -> list[list[Any]]:
         """[announcement envelope, status envelope, age in seconds] for every live peer, this one included."""
@@ -314,6 +320,8 @@ class Node:
             # the state hashes of the last steps (step -> hash): replicas compare over a window, not one sampled step
             held = self.runtime.hashes.hashes if self.runtime.hashes is not None else {}
             doc["recent_hashes"] = {str(k): v for k, v in sorted(held.items())[-16:]}
+            # and the sequences this lane computed at each (its share of the global batch)
+            doc["recent_samples"] = {str(k): v for k, v in sorted(self.runtime.step_samples.items())[-16:]}
             doc["warm_revision"] = self.runtime.warm.revision if self.runtime.warm is not None else None
             doc["links"] = self.runtime.link_counters()
             # AQ-SGD link ends' digests by step, over the last steps: the two ends compare at a step both hold
@@ -420,6 +428,7 @@ class Node:
             rpc.register("members", self._rpc_members)
             rpc.register("announce", self._rpc_announce)
             rpc.register("time", self._rpc_time)
+            rpc.register("runs", self.directory.rpc_runs)
             self._announcement = self._seal_announcement()
             self._last_status = seal(self.status_record(), self.key)
             async with trio.open_nursery() as nursery:

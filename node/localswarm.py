@@ -22,7 +22,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 RUN_FIELDS = ("run_id", "slot", "warm_stage", "step", "loss", "eval_loss", "tokens_per_s", "bytes_sent", "bytes_recv",
               "compression_ratio", "link_bytes_sent", "link_bytes_recv", "state_hash", "refetches", "entries",
-              "warm_revision", "lane_links", "error")
+              "warm_revision", "lane_links", "error", "samples_per_s", "samples_done", "tokens_done")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -37,10 +37,16 @@ class LocalSwarmConfig:
     start_timeout_s: float = 60.0
     extra_node_args: tuple[str, ...] = ()
     swarm_file: Path | None = None  # where to keep the record `shoal swarm down|status` read (None: none)
+    # where node 0 listens (None: 127.0.0.1, this machine only); the others listen on the same interface, any port
+    listen: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 64:
             raise ValueError("--nodes must be between 1 and 64")
+        if self.listen is not None:
+            parts = self.listen.strip("/").split("/")
+            if len(parts) != 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp" or not parts[3].isdigit():
+                raise ValueError(f"--listen {self.listen}: expected /ip4/ADDRESS/tcp/PORT (e.g. /ip4/0.0.0.0/tcp/4001)")
 
 
 def process_start_time(pid: int) -> int | None:
@@ -168,7 +174,13 @@ class LocalSwarm:
         return []
 
     def listen_addr(self, index: int) -> str:
-        return "/ip4/127.0.0.1/tcp/0"
+        """Node 0 at `listen` (its port too), the others on its interface at any free port; 127.0.0.1 without it."""
+        if self.config.listen is None:
+            return "/ip4/127.0.0.1/tcp/0"
+        if index == 0:
+            return self.config.listen
+        proto, host = self.config.listen.strip("/").split("/")[:2]
+        return f"/{proto}/{host}/tcp/0"
 
     def start_node(self, index: int, join: list[str]) -> NodeProcess:
         wd = self.config.workdir

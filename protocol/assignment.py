@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from shoal.protocol.errors import FieldError
+from shoal.protocol.manifest import MAX_LANES
 from shoal.protocol.records import PEER_ID, TIME_S, HardwareProfile
 from shoal.protocol.schema import Bool, Bytes, Choice, Int, Nested, Optional, Seq, Str, WireRecord, spec
 
 RUN_ID = Str(80, allow_empty=False)
 MAX_STAGES = 64
-MAX_REPLICAS = 256
+MAX_REPLICAS = MAX_LANES
 MAX_PROVIDERS = 384  # keeps a full table (~75 bytes per provider) well under the gossip and DHT record limits
 
 # algorithms.md §4: REGISTERED -> BENCHMARKED -> BACKUP -> ACTIVE(stage) -> DRAINING -> GONE
@@ -70,6 +71,15 @@ class SlotEntry(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LaneShare(WireRecord):
+    """One lane's part of the global batch: the sequences each of its stages computes per step (protocol/split.py).
+    Per-lane facts live here, apart from the slots, so that they can move with the lane when the table is split up."""
+
+    replica: int = spec(Int(0, MAX_REPLICAS - 1))
+    samples: int = spec(Int(1, 1 << 24))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ProviderEntry(WireRecord):
     peer_id: str = spec(PEER_ID)
     state: str = spec(Choice(PROVIDER_STATES))
@@ -104,6 +114,8 @@ class AssignmentTable(WireRecord):
     # the owner's sealed BrokerDelegation naming this table's broker and standby (a signed run's broker that is
     # not its owner carries it; see swarm/run/authority.py)
     delegation: bytes | None = spec(Optional(Bytes(4096)), default=None, omit_if_default=True)
+    # the global batch split over the complete lanes, in force from this table's switch steps (empty: even)
+    shares: tuple[LaneShare, ...] = spec(Seq(Nested(LaneShare), MAX_REPLICAS), default=(), omit_if_default=True)
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)
@@ -131,6 +143,9 @@ class AssignmentTable(WireRecord):
             raise FieldError("standby", "the broker cannot be its own standby")
         if len({p.peer_id for p in self.providers}) != len(self.providers):
             raise FieldError("providers", "peer listed twice")
+        if len({x.replica for x in self.shares}) != len(self.shares) or any(
+                x.replica >= self.replicas for x in self.shares):
+            raise FieldError("shares", "a lane listed twice or outside the plan")
 
     # -- queries -------------------------------------------------------------------------------------------
     def slot_of(self, peer_id: str) -> tuple[int, int] | None:
@@ -161,6 +176,10 @@ class AssignmentTable(WireRecord):
         member)."""
         lanes = set(self.complete_lanes())
         return tuple(sorted(s.peer_id for s in self.slots if s.stage == stage and s.replica in lanes))
+
+    def lane_shares(self) -> dict[int, int]:
+        """Sequences per step of each lane the table gives a share (by lane index)."""
+        return {x.replica: x.samples for x in self.shares}
 
     def backup_stage(self, peer_id: str) -> int | None:
         """The stage `peer_id` keeps warm as a backup, or None when it is not a backup."""

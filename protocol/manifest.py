@@ -36,6 +36,7 @@ AQ_BITS = (2, 3, 4, 8)  # Q_b widths of activation deltas (algorithms.md §0)
 AQ_DIRECT_BITS = AQ_BITS + (16,)  # first visits and gradients: Q_b, or 16 = fp16 in full
 AQ_BUFFERS = ("memory", "disk")
 JOIN_MODES = ("open", "secret", "allowlist")
+MAX_LANES = 256  # replicas (lanes) of a run at most: the assignment table's bound
 
 
 def even_split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -247,17 +248,41 @@ class PipelineSpec(WireRecord):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelPlan(WireRecord):
-    """S pipeline stages x D data-parallel replicas per stage."""
+    """S pipeline stages x D data-parallel replicas (lanes) per stage. D is elastic between `min_replicas` and
+    `max_replicas`: the run starts when `replicas` lanes are filled (or after a wait, with at least the minimum),
+    seats newcomers as new lanes while below the maximum (once every stage keeps `backups` warm backups), shrinks
+    when lanes leave, and waits while below the minimum. Left at 0, the minimum is 1 and the maximum is `replicas`
+    (a fixed count: newcomers wait in the backup pool)."""
 
     stages: int = spec(Int(1, 1024), default=1)
-    replicas: int = spec(Int(1, 65536), default=1)
+    replicas: int = spec(Int(1, MAX_LANES), default=1)  # lanes the run starts with
     sync: SyncSpec = _nested(SyncSpec)
     pipeline: PipelineSpec = _nested(PipelineSpec)
+    min_replicas: int = spec(Int(0, MAX_LANES), default=0, omit_if_default=True)  # 0: 1
+    max_replicas: int = spec(Int(0, MAX_LANES), default=0, omit_if_default=True)  # 0: `replicas`
+    backups: int = spec(Int(0, 1024), default=0, omit_if_default=True)  # warm backups per stage before new lanes
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)
-        if self.replicas > 1 and self.sync.method == "none":
+        if self.lanes_max > 1 and self.sync.method == "none":
             raise FieldError("sync.method", "D > 1 replicas need a synchronizer other than 'none'")
+        if not self.lanes_min <= self.replicas <= self.lanes_max:
+            raise FieldError("replicas", f"need min_replicas {self.lanes_min} <= replicas {self.replicas} <= "
+                                         f"max_replicas {self.lanes_max}")
+
+    @property
+    def lanes_min(self) -> int:
+        """Below this many complete lanes the run waits."""
+        return self.min_replicas or 1
+
+    @property
+    def lanes_max(self) -> int:
+        """The most lanes the run seats (lane indices are 0 .. lanes_max - 1)."""
+        return self.max_replicas or self.replicas
+
+    @property
+    def elastic(self) -> bool:
+        return self.lanes_max > self.replicas
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -282,11 +307,15 @@ class OptimSpec(WireRecord):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BatchSpec(WireRecord):
-    """Sequences per optimizer step per replica, split into micro-batches; tokens per sequence."""
+    """The global batch: sequences per optimizer step for the whole run, split across its lanes in proportion to
+    their measured speed (0: `batch_size` per starting replica). `batch_size`: a lane's nominal batch (a pipeline
+    lane keeps at most this many sequences in flight: a bigger share runs in several waves); micro-batches of
+    `micro_batch_size`; tokens per sequence."""
 
     batch_size: int = spec(Int(1, 1 << 20), default=16)
     micro_batch_size: int = spec(Int(1, 1 << 20), default=16)
     seq_len: int = spec(Int(2, 1 << 20), default=MODEL_PRESETS["tiny"][3])
+    global_batch: int = spec(Int(0, 1 << 24), default=0, omit_if_default=True)
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)
@@ -388,6 +417,13 @@ class RunManifest(WireRecord):
                                                   f"({sh.sliding_window}); shoal trains full causal attention")
         elif self.data.tokenizer == "bytes" and self.model.vocab_size < 256:
             raise FieldError("model.vocab_size", "byte tokens need a vocabulary of 256")
+        g = self.batch_granule
+        if self.global_batch % g:
+            raise FieldError("batch.global_batch", f"{self.global_batch} sequences do not split into micro-batches "
+                                                   f"of {g} (a pipeline lane takes whole micro-batches)")
+        if self.plan.lanes_max > self.global_batch // g:
+            raise FieldError("plan.max_replicas", f"{self.plan.lanes_max} lanes cannot each take a share of a global "
+                                                  f"batch of {self.global_batch} (in units of {g})")
         if self.owner:
             try:
                 public_key_from_peer_id(self.owner)
@@ -422,6 +458,17 @@ class RunManifest(WireRecord):
     @property
     def seq_len(self) -> int:
         return self.batch.seq_len
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step, for the whole run (whatever its lanes now)."""
+        return self.batch.global_batch or self.batch.batch_size * self.plan.replicas
+
+    @property
+    def batch_granule(self) -> int:
+        """The unit a lane's share comes in: one sequence, or one micro-batch for a pipeline lane (its stages pass
+        whole micro-batches along)."""
+        return self.batch.micro_batch_size if self.plan.stages > 1 else 1
 
     def stage_params(self, stage: int) -> int:
         """Parameters of stage `stage` of this run's plan (the built-in GPT: blocks of 4+2*mlp_ratio d^2 weights and

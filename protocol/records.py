@@ -13,7 +13,8 @@ MULTIADDR = Str(256, allow_empty=False)
 TIME_S = Float(0.0, 1e11)  # unix seconds
 DEVICE_KINDS = frozenset({"cpu", "cuda", "mps", "xpu"})
 ROLES = frozenset({"idle", "active", "backup", "broker", "observer"})
-STATES = frozenset({"starting", "ready", "joining", "training", "syncing", "done", "draining", "leaving"})
+# waiting: the run has fewer lanes than its minimum and does not train until more join
+STATES = frozenset({"starting", "ready", "joining", "training", "syncing", "waiting", "done", "draining", "leaving"})
 # how others reach a node: dialable from anywhere; dialable only from its own network (a LAN, this machine);
 # only through a relay (behind a NAT); not at all (behind a NAT, no relay yet); not known (nobody dialed it back)
 REACHABILITY = ("public", "lan", "relayed", "unreachable", "unknown")
@@ -108,6 +109,12 @@ class StatusRecord(WireRecord):
     state_hash: str | None = spec(Optional(Str(80)), default=None)
     peers_seen: int = spec(Int(0, 1 << 20), default=0)
     error: str | None = spec(Optional(Str(200)), default=None)  # the most recent error, for the dashboard
+    # this node's own compute speed, sequences per second (its share of a step over the step's compute time, recent
+    # median): the broker splits the global batch by it (within bounds: protocol/split.py)
+    samples_per_s: float = spec(Float(0.0, 1e9), default=0.0, omit_if_default=True)
+    # what it computed that went into applied steps, since it started: sequences and their tokens
+    samples_done: int = spec(Int(0, 2**62), default=0, omit_if_default=True)
+    tokens_done: int = spec(Int(0, 2**62), default=0, omit_if_default=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

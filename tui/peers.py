@@ -61,6 +61,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("step", "step", lambda p, now: str(_status(p, "step", 0)), lambda p, now: _status(p, "step", 0), True),
     Column("tps", "tok/s", lambda p, now: fmt.si(_status(p, "tokens_per_s", 0.0), digits=2),
            lambda p, now: _status(p, "tokens_per_s", 0.0), True),
+    Column("done", "tok done", lambda p, now: fmt.si(_status(p, "tokens_done", 0), digits=2),
+           lambda p, now: _status(p, "tokens_done", 0), True),  # its contribution: tokens of applied steps
     Column("up", "up/s", lambda p, now: fmt.si(_status(p, "up_bytes_per_s", 0.0), digits=2),
            lambda p, now: _status(p, "up_bytes_per_s", 0.0), True),
     Column("down", "dn/s", lambda p, now: fmt.si(_status(p, "down_bytes_per_s", 0.0), digits=2),
@@ -93,6 +95,10 @@ def peer_detail(p: PeerView, now: float) -> Table:
     s = p.status
     if s is not None:
         t.add_row("Run", f"{s.run_id or '-'}  slot {s.slot or '-'}  step {s.step}")
+        if s.samples_done or s.samples_per_s:
+            t.add_row("Contributed", f"{fmt.si(s.samples_done, digits=3)} sequences · "
+                      f"{fmt.si(s.tokens_done, digits=3)} tokens into applied steps · computes "
+                      f"{s.samples_per_s:.3g} seq/s")
         t.add_row("Traffic", f"up {fmt.rate(s.up_bytes_per_s)} · down {fmt.rate(s.down_bytes_per_s)} · "
                   f"sent {fmt.nbytes(s.bytes_sent)} · recv {fmt.nbytes(s.bytes_recv)}")
         ratio = "-" if s.compression_ratio is None else f"{s.compression_ratio:.1f}x"

@@ -17,6 +17,7 @@ import threading
 COMMANDS: dict[str, str] = {
     "node": "shoal.node.cli.node",
     "peers": "shoal.node.cli.peers",
+    "runs": "shoal.node.cli.runs",
     "swarm": "shoal.node.cli.swarm",
     "run": "shoal.node.cli.run",
     "train": "shoal.node.cli.train",
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
             "shoal: train large models together on volunteers' GPUs over slow home links.\n\n"
             "Start here:  shoal swarm up            (a whole local swarm on this machine)\n"
             "Join one:    shoal node --join ADDR    (ADDR is printed by the node you join)\n"
-            "Look at one: shoal peers --join ADDR"
+            "Look at one: shoal peers --join ADDR    (shoal runs --join ADDR: the runs it trains)"
         ),
         epilog=exit_codes_text() + "\n\nstate and logs live under $SHOAL_HOME (default: ~/.shoal)",
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -27,8 +27,8 @@ class Exit(IntEnum):
 HINTS: dict[Exit, str] = {
     Exit.JOIN_UNREACHABLE: "check that the node at that address runs and that its port is reachable from here "
                            "(shoal doctor --join ADDR)",
-    Exit.UNKNOWN_RUN: "check the run id (shoal peers --join ADDR shows which runs the swarm trains) or pass the "
-                      "run's manifest file",
+    Exit.UNKNOWN_RUN: "shoal runs --join ADDR lists the runs the swarm advertises (name, id); or pass the run's "
+                      "manifest file",
     Exit.SECRET: "pass the run's join secret with --secret or SHOAL_JOIN_SECRET (the run owner's node too)",
     Exit.NOT_ADMITTED: "ask the run's owner to admit this node's peer id",
     Exit.IDENTITY_UNUSABLE: "point --identity at a good key file, or move this one away to start with a new "
@@ -48,6 +48,7 @@ EXPECTED: dict[str, Exit] = {
     "shoal.swarm.net.host.JoinError": Exit.JOIN_UNREACHABLE,
     "shoal.node.run.preflight.UnknownRun": Exit.UNKNOWN_RUN,
     "shoal.node.run.preflight.UntrustedData": Exit.USAGE,
+    "shoal.node.run.resolve.AmbiguousRun": Exit.USAGE,
     "shoal.swarm.run.broker.AdmissionError": Exit.NOT_ADMITTED,  # SECRET when it is about the secret
     "shoal.swarm.net.identity.IdentityError": Exit.IDENTITY_UNUSABLE,
     "shoal.node.identity_lock.IdentityInUse": Exit.IDENTITY_IN_USE,
@@ -131,7 +132,7 @@ _COMMENTS: dict[Exit, str] = {
     Exit.FAILED: "an unexpected error (a bug): run again with -v for the traceback",
     Exit.USAGE: "bad arguments or a bad input file",
     Exit.JOIN_UNREACHABLE: "no --join address answered",
-    Exit.UNKNOWN_RUN: "no peer of the swarm knows the run id",
+    Exit.UNKNOWN_RUN: "no run of the swarm has the --run name or id (prefix)",
     Exit.SECRET: "the run is private: join secret missing or wrong",
     Exit.NOT_ADMITTED: "the run's broker refused this node (allowlist)",
     Exit.IDENTITY_UNUSABLE: "the identity file is corrupt or unreadable",

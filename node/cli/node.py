@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from shoal.node import defaults
+from shoal.swarm.run.batchsplit import SplitConfig as SplitDefaults
 
 HELP = "run a node: join a swarm (or start one) and stay until Ctrl+C"
 DESCRIPTION = """\
@@ -14,8 +15,9 @@ Run a shoal node. Without --join it starts a new swarm and prints the address
 others use to join it; with --join it joins an existing swarm.
 
   shoal node                                   # first node of a new swarm
-  shoal node --join /ip4/192.0.2.7/tcp/4001/p2p/12D3KooW...
-  shoal node --join ADDR --run RUN_ID          # train in a run the swarm trains
+  shoal node --join /ip4/192.0.2.7/tcp/4001/p2p/12D3KooW...   # join it and train in its open run
+  shoal node --join ADDR --run NAME            # the run of that name (or an id prefix: shoal runs --join ADDR)
+  shoal node --join ADDR --no-train            # only join the swarm (a relay, a bootstrap)
 
 The node keeps its identity (its peer id) in --identity (created on first run;
 a second node on this machine gets identity-2.key, … unless given its own).
@@ -80,10 +82,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not try to upgrade relayed connections to direct ones (DCUtR)")
     n.add_argument("--no-nat", action="store_true",
                    help="no reachability checks, relays or hole punching at all (a plain host)")
-    t = p.add_argument_group("training (with --run)")
-    t.add_argument("--run", default=None, metavar="RUN.toml|RUN_ID",
+    t = p.add_argument_group("training")
+    t.add_argument("--run", default=None, metavar="RUN.toml|NAME|ID",
                    help="train in this run: a manifest file (the first node with it hosts the broker) or, with "
-                        "--join, the run id of a run the swarm already trains")
+                        "--join, the name, id or a unique id prefix of a run the swarm advertises (shoal runs "
+                        "--join ADDR lists them). Default with --join: the swarm's open run, when it has exactly one "
+                        "(the node waits while it has none)")
+    t.add_argument("--no-train", action="store_true",
+                   help="with --join and no --run: only join the swarm, never train")
     t.add_argument("--secret", default=None, help="the run's join secret, for a private run "
                                                   "(or set SHOAL_JOIN_SECRET)")
     t.add_argument("--steps", type=int, default=None, metavar="N", help="stop training after N steps")
@@ -99,6 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--dissolve-after", type=float, default=defaults.DISSOLVE_AFTER_S, metavar="SECONDS",
                    help="a pipeline lane whose empty slot no backup can fill for this long is dissolved and its "
                         "nodes return to the backup pool (default: %(default)g; the broker's setting)")
+    t.add_argument("--split-every", type=float, default=SplitDefaults().every_s, metavar="SECONDS",
+                   help="the global batch's split across replicas is re-measured this often: a faster or slower "
+                        "replica gets a bigger or smaller share after at most this long (default: %(default)g; the "
+                        "broker's setting)")
     t.add_argument("--backup-refresh", type=float, default=defaults.BACKUP_REFRESH_S, metavar="SECONDS",
                    help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
                         "the group's synchronized state (default: %(default)g; raise it for big models)")
@@ -144,7 +154,9 @@ def main(args: argparse.Namespace) -> int:
     _say("probing hardware…")
     device, free = args.device, None
     run = None
-    if args.run is not None:
+    if args.run is not None and args.no_train:
+        raise CliError("--run and --no-train do not go together")
+    if args.run is not None or (join and not args.no_train):
         device, free = resolve_training_device(args.device)
         run = run_config(args, join, device, free)
     from shoal.node.train.hardware import hardware_profile
@@ -185,7 +197,8 @@ def main(args: argparse.Namespace) -> int:
     if metrics_listen is not None:
         _say(f"metrics: http://{metrics_listen[0]}:{metrics_listen[1]}/metrics (Prometheus)")
     if run is None:
-        _say(f"device: {hardware.device_kind} ({hardware.device_name}); no run to train (--run)")
+        _say(f"device: {hardware.device_kind} ({hardware.device_name}); no run to train"
+             + (" (--no-train)" if args.no_train else " (--run RUN.toml starts one)"))
     elif run.manifest is not None:
         from shoal.node.cli.progress import describe_run
 
@@ -328,26 +341,31 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
     from shoal.node.run.preflight import check_inputs, preflight
     from shoal.protocol.errors import ProtocolError
     from shoal.protocol.manifest import RunManifest
+    from shoal.swarm.run.batchsplit import SplitConfig
     from shoal.swarm.run.broker import BrokerConfig
 
-    path = Path(args.run)
-    manifest, run_id = None, None
-    if path.exists():
-        try:
-            manifest = RunManifest.from_toml(path.read_text())
-            manifest.verify()
-        except (OSError, ProtocolError, ValueError) as e:
-            raise CliError(f"--run {args.run}: not a valid signed manifest: {e}") from None
-    elif not join:
-        raise CliError(f"--run {args.run}: no such manifest file (a run id needs --join)")
-    else:
-        run_id = args.run
+    manifest, select = None, ""  # no --run: the swarm's open run
+    if args.run is not None:
+        path = Path(args.run)
+        if path.exists():
+            try:
+                manifest = RunManifest.from_toml(path.read_text())
+                manifest.verify()
+            except (OSError, ProtocolError, ValueError) as e:
+                raise CliError(f"--run {args.run}: not a valid signed manifest: {e}") from None
+            select = None
+        elif not join or path.suffix == ".toml" or "/" in args.run:
+            raise CliError(f"--run {args.run}: no such manifest file"
+                           + ("" if join else " (a run's name or id needs --join)"))
+        else:
+            select = args.run
     try:
-        config = RunConfig(manifest=manifest, run_id=run_id,
+        config = RunConfig(manifest=manifest, select=select,
                            secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"), device=device,
                            device_free_bytes=free, threads=args.threads, max_steps=args.steps, data=args.data,
                            round_timeout_s=args.round_timeout,
-                           broker=BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after),
+                           broker=BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after,
+                                                              split=SplitConfig(every_s=args.split_every)),
                            backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time,
                            aq_buffer_dir=str(shoal_home() / "aq"), blob_dir=str(shoal_home() / "blobs"))
     except ValueError as e:

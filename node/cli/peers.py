@@ -15,13 +15,17 @@ print every live peer: a table, or JSON with --json.
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_observer_arguments(p, "how long to listen to gossip after the snapshot")
+
+
+def add_observer_arguments(p: argparse.ArgumentParser, wait_help: str) -> None:
+    """What a command that briefly observes a swarm takes: where the swarm is, JSON or a table, how long to listen."""
     from shoal.node.cli.node import add_common_network_arguments
 
     add_common_network_arguments(p)
     p.add_argument("--local", action="store_true", help="find the swarm started by `shoal swarm up` on this machine")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    p.add_argument("--wait", type=float, default=1.5, metavar="SECONDS",
-                   help="how long to listen to gossip after the snapshot (default: 1.5)")
+    p.add_argument("--wait", type=float, default=1.5, metavar="SECONDS", help=f"{wait_help} (default: %(default)g)")
 
 
 def resolve_join(args: argparse.Namespace, prog: str) -> list[str] | None:
@@ -58,6 +62,7 @@ def peer_rows(obs) -> list[dict]:
             "matmul_tflops": ann.hardware.matmul_tflops if ann else None,
             "step": st.step if st else 0,
             "slot": st.slot if st else None,
+            "run_id": st.run_id if st else None,  # the run it trains (shoal runs lists them)
         })
     return rows
 
@@ -110,11 +115,12 @@ def peers_table(rows: list[dict]):
     from shoal.protocol.display import short_id
 
     t = Table(title=f"{len(rows)} live peers", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0), show_edge=False)
-    for col in ("peer", "role", "slot", "state", "step", "device", "TFLOPs", "address"):
-        t.add_column(col, no_wrap=True, overflow="ellipsis", justify="right" if col in ("step", "TFLOPs") else "left")
+    for col in ("peer", "run", "role", "slot", "state", "step", "device", "address"):  # TFLOPs: in --json
+        t.add_column(col, no_wrap=True, overflow="ellipsis", justify="right" if col == "step" else "left")
     for r in rows:
-        t.add_row(short_id(r["peer_id"]), r["role"], r.get("slot") or "-", r["state"], str(r["step"]),
-                  _device(r["device"]), f"{r['matmul_tflops']:.1f}" if r["matmul_tflops"] is not None else "?",
+        t.add_row(short_id(r["peer_id"]), (r.get("run_id") or "-")[:6], r["role"], r.get("slot") or "-", r["state"],
+                  str(r["step"]),
+                  _device(r["device"]),
                   _host_port((r["addrs"] or ["?"])[0]))
     return t
 

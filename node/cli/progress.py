@@ -15,6 +15,8 @@ from shoal.protocol.display import nbytes, short_id, si
 POLL_S = 0.25  # start-up progress is checked this often
 UNCHANGED_EVERY_S = 60.0  # a status line that says nothing new is printed at most this often
 EVENT_WORDS = {"join": "joined", "left": "left", "gone": "is gone", "back": "is back"}
+WAITING_TEXT = ("no run of this swarm takes this node yet: waiting for one (it joins the swarm's open run when there "
+                "is exactly one; --run NAME chooses one, --no-train only joins the swarm)")
 
 
 def _run_members(node: Any, run_id: str | None) -> int:
@@ -41,6 +43,10 @@ def startup_text(node: Any) -> str | None:
     run = f"run {f['run_id'][:8]}…" if f.get("run_id") else "run"
     state, role, slot = f.get("state"), f.get("role"), f.get("slot")
     if rt.manifest is None:
+        if rt.finder.waiting:
+            return None  # up and idle: status lines say it waits (WAITING_TEXT once)
+        if rt.config.select is not None:
+            return "looking for the run to join among the swarm's runs…"
         return "joining the run: fetching its manifest…"
     if state == "joining" and not slot and role in (None, "idle"):
         return f"joining {run}: asking its broker for a place…"
@@ -51,6 +57,9 @@ def startup_text(node: Any) -> str | None:
     if state == "ready" and slot and not f.get("step"):
         have = 1 + _run_members(node, f.get("run_id"))
         return f"{run}: waiting for the group to fill, {have}/{rt.manifest.plan.replicas} replicas"
+    if state == "waiting":
+        return (f"{run}: fewer replicas than the run's minimum of {rt.manifest.plan.lanes_min}: waiting for "
+                f"volunteers")
     return None
 
 
@@ -60,8 +69,11 @@ def describe_run(m: Any, device: str, free_bytes: int | None) -> str:
 
     need = stage_need(m, device)
     free = f", {nbytes(free_bytes)} free" if free_bytes is not None else ""
-    return (f"run {m.run_id[:8]}…: {m.model.describe()} ({need.params / 1e6:.1f}M params), {m.plan.replicas} replicas "
-            f"with {m.plan.sync.method}; training on {device}: needs ~{nbytes(need.total_bytes)}{free}")
+    p = m.plan
+    lanes = f"{p.replicas} to {p.lanes_max} replicas" if p.elastic else f"{p.replicas} replicas"
+    return (f"run {m.run_id[:8]}…: {m.model.describe()} ({need.params / 1e6:.1f}M params), {lanes} with "
+            f"{p.sync.method}, {m.global_batch} sequences a step; training on {device}: needs "
+            f"~{nbytes(need.total_bytes)}{free}")
 
 
 def status_line(node: Any, now: float | None = None) -> str:
@@ -71,7 +83,8 @@ def status_line(node: Any, now: float | None = None) -> str:
     f = run_fields(node)
     role = f.get("role") or node.role
     parts = [time.strftime("%H:%M:%S", time.localtime(now)), f"{role} {f['slot']}" if f.get("slot") else role]
-    if node.runtime is not None:
+    finding = node.runtime is not None and node.runtime.manifest is None
+    if node.runtime is not None and not finding:
         parts.append(str(f.get("state", "joining")))
         if "step" in f:
             total = node.runtime.manifest.optim.total_steps if node.runtime.manifest is not None else None
@@ -81,12 +94,16 @@ def status_line(node: Any, now: float | None = None) -> str:
             parts.append(f"loss {f['loss']:.3f}")
         if f.get("tokens_per_s"):
             parts.append(f"{si(f['tokens_per_s'], digits=2)} tok/s")
+        if f.get("tokens_done"):
+            parts.append(f"contributed {si(f['samples_done'], digits=2)} seq ({si(f['tokens_done'], digits=2)} tok)")
     parts.append(f"{peers} peer{'s' if peers != 1 else ''}")
     if f.get("bytes_sent") is not None:
         ratio = f.get("compression_ratio")
         parts.append(f"sent {nbytes(f['bytes_sent'])}" + (f" ({ratio:.1f}x incl. warm-up)" if ratio else ""))
     if f.get("error"):
         parts.append(f"error: {f['error']}")
+    if finding:
+        parts.append("waiting for a run to join" if node.runtime.finder.waiting else "looking for the run to join")
     return " · ".join(parts)
 
 
@@ -95,15 +112,21 @@ async def print_progress(node: Any, every_s: float, say: Callable[[str], None], 
     """Start-up progress and peers joining or leaving as they happen, then `status_line` every `every_s` (at most
     every UNCHANGED_EVERY_S while it says nothing new). With `device`, the run's description once its manifest
     arrives from the swarm (a run joined by id)."""
-    last_text, described, next_line, events_seen = None, device is None, 0.0, 0
+    last_text, described, next_line, events_seen, said_waiting = None, device is None, 0.0, 0, False
     last_line, last_line_at = "", -UNCHANGED_EVERY_S
     while True:
         if not described and node.runtime is not None and node.runtime.manifest is not None:
-            say(describe_run(node.runtime.manifest, device, free_bytes))
+            rt = node.runtime
+            why = f" ({rt.finder.reason})" if rt.finder.reason else ""
+            say(f"run '{rt.manifest.name}'{why}")
+            say(describe_run(rt.manifest, device, free_bytes))
             described = True
         text = startup_text(node)
         if text is not None and text != last_text:
             say(text)
+        if not said_waiting and node.runtime is not None and node.runtime.finder.waiting:
+            say(WAITING_TEXT)
+            said_waiting = True
         last_text = text
         for _, ev in node.events[events_seen:]:
             say(f"peer {short_id(ev.peer_id)} {EVENT_WORDS.get(ev.kind, ev.kind)}"  # a leave reason is the peer's

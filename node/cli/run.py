@@ -18,10 +18,15 @@ Write a new run manifest, signed with your identity: the model, the data, the
 parallel plan (pipeline stages S x data-parallel replicas D), the
 synchronization and its compression, the optimizer, and who may join. Its
 content hash is the run id; the first node started with the file hosts the
-run's broker, and others join with the run id.
+run's broker, and others join with `shoal node --join ADDR` (the swarm's open
+run) or `--run NAME`. The run is elastic: it starts with --replicas, seats
+volunteers who join later as new replicas up to --max-replicas, and shrinks
+when they leave (down to --min-replicas; below it, it waits). Each step trains
+on --global-batch sequences, split across the replicas by their speed.
 
-  shoal run create -o run.toml                               tiny GPT, stdlib corpus, 1 replica
-  shoal run create --replicas 4 -o run.toml                  4 replicas with CocktailSGD
+  shoal run create -o run.toml                               tiny GPT, stdlib corpus, 1 replica, up to 8
+  shoal run create --replicas 4 -o run.toml                  4 replicas with CocktailSGD, up to 16
+  shoal run create --replicas 2 --max-replicas 64 --global-batch 256 -o run.toml
   shoal run create --size small --replicas 8 --steps 20000 --data ~/corpus/ -o run.toml
   shoal run create --replicas 4 --sync diloco --diloco-h 50 -o run.toml
   shoal run create --stages 2 --replicas 2 --size small -o run.toml      # a pipeline of 2 stages x 2 lanes
@@ -90,7 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--data-split", default="train", metavar="NAME", help="hf: dataset split (default: %(default)s)")
     o = c.add_argument_group("optimization")
     o.add_argument("--batch", type=int, default=16, metavar="N",
-                   help="sequences per optimizer step per replica (default: %(default)s)")
+                   help="a replica's nominal sequences per step: the global batch is this times --replicas unless "
+                        "--global-batch says it (default: %(default)s)")
+    o.add_argument("--global-batch", type=int, default=None, metavar="N",
+                   help="sequences per optimizer step for the whole run, whatever its replicas: split across them "
+                        "by their measured speed (default: --batch x --replicas)")
     o.add_argument("--micro-batch", type=int, metavar="N", help="sequences per micro-batch (default: --batch)")
     o.add_argument("--steps", type=int, default=2000, metavar="N",
                    help="total optimizer steps, the schedule's length (default: %(default)s)")
@@ -112,9 +121,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="pipeline stages S: the model split into S consecutive pieces on different nodes "
                         "(default: %(default)s)")
     p.add_argument("--replicas", type=int, default=1, metavar="D",
-                   help="data-parallel replicas D per stage (default: %(default)s)")
+                   help="data-parallel replicas (lanes) D the run starts with (default: %(default)s)")
+    p.add_argument("--max-replicas", type=int, default=None, metavar="N",
+                   help="volunteers who join later are seated as new replicas up to N (default: 4 x --replicas, at "
+                        "least 8, at most what the global batch can share: every replica takes at least one "
+                        "micro-batch with stages, one sequence without)")
+    p.add_argument("--min-replicas", type=int, default=1, metavar="N",
+                   help="with fewer replicas the run waits for more (default: %(default)s)")
+    p.add_argument("--backups", type=int, default=0, metavar="N",
+                   help="warm backups each stage keeps (for fast replacement) before volunteers form new replicas "
+                        "(default: %(default)s)")
     p.add_argument("--sync", choices=("none", "allreduce", "cocktail", "diloco"),
-                   help="how replicas stay together (default: none for D=1, else cocktail)")
+                   help="how replicas stay together (default: cocktail; none when at most 1 replica)")
     p.add_argument("--cocktail-p", type=float, default=0.1, metavar="P",
                    help="CocktailSGD: share of coordinates kept by the random mask (default: %(default)g)")
     p.add_argument("--cocktail-r", type=float, default=0.2, metavar="R",
@@ -196,13 +214,17 @@ def build_manifest(args: argparse.Namespace):
     from shoal.node.cli.hfmodel import model_and_tokenizer
 
     model, tokenizer, seq = model_and_tokenizer(args, tie)
-    sync_method = args.sync or ("none" if args.replicas == 1 else "cocktail")
     if args.micro_batch and args.micro_batches:
         raise ValueError("give --micro-batch (their size) or --micro-batches (their count), not both")
     micro_batches = args.micro_batches or (4 * args.stages if args.stages > 1 else 1)
     if not args.micro_batch and args.batch % micro_batches:
         raise ValueError(f"--batch {args.batch} does not split into {micro_batches} micro-batches")
     micro_batch = args.micro_batch or args.batch // micro_batches
+    global_batch = args.global_batch or args.batch * args.replicas
+    granule = micro_batch if args.stages > 1 else 1
+    max_replicas = args.max_replicas if args.max_replicas is not None else \
+        max(args.replicas, min(max(4 * args.replicas, 8), global_batch // granule, mf.MAX_LANES))
+    sync_method = args.sync or ("none" if max_replicas == 1 else "cocktail")
     if args.join_secret_file:
         _secret_file(args.join_secret_file)
         join = mf.JoinPolicy.private()
@@ -220,6 +242,9 @@ def build_manifest(args: argparse.Namespace):
         plan=mf.ParallelPlan(
             stages=args.stages,
             replicas=args.replicas,
+            min_replicas=args.min_replicas,
+            max_replicas=max_replicas,
+            backups=args.backups,
             sync=mf.SyncSpec(
                 method=sync_method,
                 cocktail=mf.CocktailSpec(p=args.cocktail_p, r=args.cocktail_r, bits=args.cocktail_bits, warmup_steps=args.cocktail_warmup),
@@ -235,7 +260,7 @@ def build_manifest(args: argparse.Namespace):
             lr=args.lr, warmup_steps=min(args.warmup, args.steps), total_steps=args.steps,
             weight_decay=args.weight_decay, grad_clip=args.grad_clip, optimizer=args.optimizer,
         ),
-        batch=mf.BatchSpec(batch_size=args.batch, micro_batch_size=micro_batch, seq_len=seq),
+        batch=mf.BatchSpec(batch_size=args.batch, micro_batch_size=micro_batch, seq_len=seq, global_batch=global_batch),
         eval=mf.EvalSpec(every_steps=args.eval_every),
         checkpoint=mf.CheckpointSpec(every_steps=args.ckpt_every, keep_last=args.keep),
         join=join,

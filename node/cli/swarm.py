@@ -27,6 +27,7 @@ SIGHUP (a closed terminal); a node whose supervisor is gone leaves by itself.
   shoal swarm up --sync diloco --nodes 3       # another synchronizer (allreduce, cocktail, diloco)
   shoal swarm up --no-train --nodes 5 --duration 30 --json   # membership only
   shoal swarm up --stages 2                    # a pipeline: 2 stages x 2 lanes + a backup per stage (6 nodes)
+  shoal swarm up --listen /ip4/0.0.0.0/tcp/4001   # joinable from other machines (it prints the command)
 
 While it runs, other terminals can look at it:  shoal peers --local  ·  shoal dash --local
 Kill one node's process (kill -9 PID from the table) and watch the backup take its slot.
@@ -63,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--device", default="cpu", metavar="DEVICE",
                     help="device for every node: cpu, cuda, cuda:N, mps or auto (default: %(default)s; the nodes "
                          "share it)")
+    up.add_argument("--listen", default=None, metavar="MULTIADDR",
+                    help="let other machines join: node 0 listens here (e.g. /ip4/0.0.0.0/tcp/4001, a fixed port), "
+                         "the others on the same interface (default: 127.0.0.1, this machine only)")
     up.add_argument("--converge-timeout", type=float, default=90.0, metavar="SECONDS",
                     help="give up if the nodes do not all see each other within this long (default: %(default)g)")
     down = sub.add_parser("down", help="stop the local swarm `shoal swarm up` runs on this machine",
@@ -86,18 +90,29 @@ def layout(args: argparse.Namespace) -> tuple[int, int, int]:
     return nodes, backups, (nodes - backups) // s
 
 
-def write_manifest(args: argparse.Namespace, workdir, replicas: int):
+MAX_LOCAL_LANES = 16  # a local swarm's run seats volunteers (from this machine or, with --listen, others) up to this
+
+
+def write_manifest(args: argparse.Namespace, workdir, replicas: int, backups: int = 0):
     """The local swarm's run: the tiny model (with at least one layer per stage), `replicas` lanes of
-    `args.stages` stages (micro-batches: 4 per stage), signed by node 0's identity."""
+    `args.stages` stages (micro-batches: 4 per stage), a global batch of 16 sequences per starting lane, room for
+    volunteers up to MAX_LOCAL_LANES lanes once each stage keeps `backups` warm backups; signed by node 0's
+    identity."""
     from shoal.protocol import manifest as mf
     from shoal.swarm.net.identity import load_or_create_identity
 
     steps = max(args.steps or 0, 2000)
     model = mf.ModelSpec.preset("tiny", n_layers=max(args.stages, mf.MODEL_PRESETS["tiny"][0]))
-    batch = mf.BatchSpec(batch_size=16, micro_batch_size=16 // (4 * args.stages) if args.stages > 1 else 16)
+    mbs = 16 // (4 * args.stages) if args.stages > 1 else 16
+    batch = mf.BatchSpec(batch_size=16, micro_batch_size=mbs, global_batch=16 * replicas)
+    granule = mbs if args.stages > 1 else 1
     m = mf.RunManifest.default(
         "tiny", name="local swarm", model=model, batch=batch,
-        plan=mf.ParallelPlan(stages=args.stages, replicas=replicas, pipeline=mf.PipelineSpec(compression="aqsgd" if args.stages > 1 else "none"),
+        plan=mf.ParallelPlan(stages=args.stages, replicas=replicas,
+                             max_replicas=replicas if args.sync == "none" else max(
+                                 replicas, min(MAX_LOCAL_LANES, 16 * replicas // granule)),
+                             backups=backups // args.stages,
+                             pipeline=mf.PipelineSpec(compression="aqsgd" if args.stages > 1 else "none"),
                              sync=mf.SyncSpec(method=args.sync, cocktail=mf.CocktailSpec(warmup_steps=10),
                                               diloco=mf.DilocoSpec(inner_steps=20))),
         optim=mf.OptimSpec(total_steps=steps, warmup_steps=min(50, steps)),
@@ -222,7 +237,7 @@ def up(args: argparse.Namespace) -> int:
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         if training:
-            run_file, manifest = write_manifest(args, workdir, replicas=lanes)
+            run_file, manifest = write_manifest(args, workdir, replicas=lanes, backups=backups)
             extra = ("--run", str(run_file), "--threads", "1", "--round-timeout", "10", "--fail-after", "8")
             if args.steps is not None:
                 extra += ("--steps", str(args.steps))
@@ -230,7 +245,7 @@ def up(args: argparse.Namespace) -> int:
             err.print(f"run {manifest.run_id[:8]}…: tiny GPT, {shape} with {args.sync}, {backups} backup(s); nodes' "
                       f"output and logs in {workdir}")
         swarm = LocalSwarm(LocalSwarmConfig(nodes=nodes, workdir=workdir, home=home, device=args.device,
-                                            extra_node_args=extra, swarm_file=local_file), guard)
+                                            extra_node_args=extra, swarm_file=local_file, listen=args.listen), guard)
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from None
     interactive = err.is_terminal and not args.json
@@ -246,8 +261,8 @@ def up(args: argparse.Namespace) -> int:
 
             swarm.start(progress)
             converged_after = swarm.wait_converged(args.converge_timeout, progress)
-        err.print(f"all {nodes} nodes see each other after {time.monotonic() - t0:.1f} s; "
-                  f"bootstrap: {swarm.bootstrap_addrs()[0]}")
+        err.print(f"all {nodes} nodes see each other after {time.monotonic() - t0:.1f} s")
+        err.print(join_command(swarm.bootstrap_addrs()), soft_wrap=True, markup=False)
         end = t0 + args.duration if args.duration is not None else float("inf")
         train_from = time.monotonic()
 
@@ -435,5 +450,15 @@ def status(args: argparse.Namespace) -> int:
     console.print(table(rows, len(rows), title, training))
     console.print(f"workdir {doc.get('workdir')}", soft_wrap=True)
     if doc.get("bootstrap"):
-        console.print(f"join it: shoal node --join {doc['bootstrap'][0]}", soft_wrap=True)
+        console.print(join_command(doc["bootstrap"]), soft_wrap=True, markup=False)
     return 0
+
+
+def join_command(addrs: list[str]) -> str:
+    """The exact command a volunteer types to join the swarm at `addrs` (node 0's): from another machine when one of
+    them is not a loopback address, else from this machine only (and how to open it up)."""
+    remote = [a for a in addrs if not a.startswith(("/ip4/127.", "/ip6/::1/"))]
+    if remote:
+        return f"volunteers join from another machine with: shoal node --join {remote[0]}"
+    return (f"join from this machine with: shoal node --join {addrs[0]}\n(it listens on 127.0.0.1 only: "
+            f"shoal swarm up --listen /ip4/0.0.0.0/tcp/4001 lets other machines join)")

@@ -12,8 +12,11 @@ from shoal.swarm.run.client import RunClientConfig
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
-    manifest: RunManifest | None = None  # None: fetched from the joined peers by `run_id`
+    manifest: RunManifest | None = None  # None: fetched from the joined peers by `run_id`, or found by `select`
     run_id: str | None = None
+    # a run found among the swarm's advertised runs (node/run/resolve.py): its name or an id prefix; "": the one run
+    # of the swarm this node may join
+    select: str | None = None
     secret: str | None = None
     device: str = "cpu"  # a resolved device (cpu, cuda, cuda:N, mps), not auto
     device_free_bytes: int | None = None  # its free memory at start (None: not checked), see run/preflight.py
@@ -38,8 +41,8 @@ class RunConfig:
     client: RunClientConfig = field(default_factory=RunClientConfig)
 
     def __post_init__(self) -> None:
-        if (self.manifest is None) == (self.run_id is None):
-            raise ValueError("give either a manifest or a run id")
+        if sum(x is not None for x in (self.manifest, self.run_id, self.select)) != 1:
+            raise ValueError("give a manifest, a run id or a run to find (select)")
         if self.max_steps is not None and self.max_steps < 0:
             raise ValueError("max_steps must be >= 0")
         if self.switch_lead_s < 0 or self.switch_lead_min_steps < 1:

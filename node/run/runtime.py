@@ -24,11 +24,13 @@ from shoal.node.run.config import RunConfig
 from shoal.node.run.lanes import StageLinks
 from shoal.node.run.preflight import UnknownRun, check_inputs, data_source, preflight
 from shoal.node.run.pulls import StatePulls
+from shoal.node.run.resolve import RunFinder
 from shoal.node.run.snapshots import SnapshotStore
-from shoal.node.run.status import Throughput
+from shoal.node.run.status import Contribution, Throughput
 from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
 from shoal.node.run.votes import MIN_VOTERS, HashVotes
 from shoal.node.sync.interface import Synchronizer
+from shoal.node.train.batch import StepBatch
 from shoal.node.train.control import StepControl, StepResult
 from shoal.protocol.assignment import GONE, AssignmentTable
 from shoal.protocol.envelope import Signed
@@ -55,6 +57,7 @@ READY_POLL_S = 1.0  # a node waiting for a slot (or a backup) re-checks the tabl
 START_POLL_S = 0.5  # a new run's first members re-check whether the group is full this often
 FINAL_POLL_S = 0.5  # the end of a run: the pause between asks for the group's final hashes
 VOTE_EXTRA_STEPS = 2  # after a vote, the next one waits the switch lead plus this many steps
+RECENT_SAMPLES = 64  # steps whose share this node keeps for its status file
 
 
 class RunRuntime:
@@ -75,9 +78,13 @@ class RunRuntime:
         self.schedule: GroupSchedule | None = None
         self.snapshots = SnapshotStore(every_steps=config.snapshot_every_steps)
         self.pulls = StatePulls(node, config, self.snapshots)
+        self.finder = RunFinder(node.sh, node.directory, clock=self.clock,
+                                rpc_timeout_s=config.client.rpc_timeout_s)  # a run to join, by its advert
         self.hashes: HashVotes | None = None
         self.throughput: Throughput | None = None
         self.entries: list[dict[str, Any]] = []  # each time this node entered a group: step, bytes, seconds
+        self.contribution = Contribution()  # what this node computed into applied steps
+        self.step_samples: dict[int, int] = {}  # step -> sequences this lane computed, the last RECENT_SAMPLES
         self.at_step = 0  # optimizer steps the trainer has done (updated between steps, on the loop)
         self.state = "joining"
         self.last: StepResult | None = None
@@ -106,7 +113,7 @@ class RunRuntime:
     def status_fields(self) -> dict[str, Any]:
         c, t, s = self.client, self.trainer, self.sync
         if self.manifest is None:
-            return {"state": "joining"}
+            return {"state": "ready" if self.finder.waiting else "joining"}  # idle while no run takes it
         fields: dict[str, Any] = {"run_id": self.manifest.run_id, "state": self.state}
         if c is not None:
             fields["role"] = "broker" if c.is_broker() else c.role()  # the broker may hold a slot too
@@ -119,6 +126,8 @@ class RunRuntime:
                 fields["loss"] = loss if loss is not None and math.isfinite(loss) else None
                 fields["tokens_per_s"] = round(self.throughput.tokens_per_s(self.last.tokens_per_s), 1)
             fields["eval_loss"] = t.last_eval_loss
+            fields["samples_per_s"] = round(t.speed.rate(), 3)
+        fields.update(self.contribution.fields())
         if self.links is not None:
             fields.update(self.links.status_fields())
         if s is not None:
@@ -177,9 +186,15 @@ class RunRuntime:
         top = max(s for s, _ in steps)
         if top == 0:
             return 0  # nothing trained yet: the change can apply from the start
+        paused = self.schedule.table_at(top, stage) if self.schedule is not None else None
+        if paused is not None and len(paused.complete_lanes()) < self.manifest.plan.lanes_min:
+            return top  # below its minimum the run waits at `top`: the change applies there
         tps = max((r for _, r in steps), default=0.0)
-        per_step = self.manifest.batch.batch_size * self.manifest.batch.seq_len
-        rate = tps / per_step if tps > 0 else 1.0
+        t = self.schedule.table_at(top, stage) if self.schedule is not None else None
+        lanes = max(len(t.complete_lanes()), 1) if t is not None else self.manifest.plan.replicas
+        per_step = self.manifest.global_batch * self.manifest.batch.seq_len / lanes  # a lane's tokens, on average
+        own = self.throughput.steps_per_s() if self.throughput is not None else 0.0
+        rate = max(tps / per_step, own) if tps > 0 or own > 0 else 1.0
         return top + max(self.config.switch_lead_min_steps, math.ceil(self.config.switch_lead_s * rate))
 
     # -- state between nodes -------------------------------------------------------------------------------
@@ -260,7 +275,7 @@ class RunRuntime:
             return trainer, sync
 
         self.trainer, self.sync = await trio.to_thread.run_sync(build)
-        self.throughput = Throughput(self.trainer.tokens_per_step)
+        self.throughput = Throughput()
         self.at_step = self.trainer.step_count
 
     async def _enter(self, step: int, stage: int, replica: int) -> None:
@@ -344,15 +359,21 @@ class RunRuntime:
         """Run step `at_step` with `group`: first the snapshot a joiner or a backup needs (stored before the step
         runs, so it is served while the group waits for the joiner), then the step itself; then act on it."""
         t = self.trainer
+        table = self.schedule.table_at(self.at_step, t.stage)
         if self.links is not None:
-            await self.links.connect(t, self.schedule.table_at(self.at_step, t.stage), self.at_step)
-        control = StepControl(step=self.at_step, group=group)
+            await self.links.connect(t, table, self.at_step)
+        batch = StepBatch.of(self.manifest, t.replica, table.lane_shares() if table is not None else None,
+                             lanes=list(table.complete_lanes()) if table is not None else None)
+        control = StepControl(step=self.at_step, group=group, batch=batch)
         if self.snapshots.wanted(control.step):
             self.snapshots.add(await trio.to_thread.run_sync(self._snapshot, control))
         t0 = self.clock()
         self.last = await trio.to_thread.run_sync(t.step, control)
         self.at_step = t.step_count
-        self.throughput.step_done(self.clock())
+        self.throughput.step_done(self.clock(), self.last.tokens)
+        self.contribution.add(self.last)
+        self.step_samples[control.step] = self.last.samples  # this lane's share of the step (for the status file)
+        self.step_samples.pop(control.step - RECENT_SAMPLES, None)
         self.hashes.record(self.at_step, control.state_hash)
         if control.missing and self._froze_since(t0):
             log.info("step %d: not reporting %d members missing: this process stood still during the step",
@@ -538,6 +559,10 @@ class RunRuntime:
                 self.state = "ready"  # a backup, or waiting for the step at which our slot takes effect
                 await self._wait_for_table(READY_POLL_S)
                 continue
+            if g.size < self.manifest.plan.lanes_min:
+                self.state = "waiting"  # below the run's minimum of lanes: no step until more join
+                await self._wait_for_table(READY_POLL_S)
+                continue
             if self._refetch is not None and step >= self._refetch[0]:
                 await self._refetch_now(step)
             self.state = "training"
@@ -592,7 +617,25 @@ class RunRuntime:
         node = self.node
         self._token = trio.lowlevel.current_trio_token()
         self._start_deadline = self.clock() + self.config.start_wait_s
-        if self.manifest is None:
+        started = False
+
+        def up() -> None:
+            """The node is up: admitted to its run, or (joining the swarm's open run) waiting for one to appear."""
+            nonlocal started
+            if not started:
+                started = True
+                task_status.started(self)
+
+        brokers: list[str] = []  # the broker of a run found by its advert: asked for the table too
+        if self.manifest is None and self.config.run_id is None:
+            found = await self.finder.find(self.config.select or None, lambda: joined or node.sh.connected_peers(),
+                                           me=node.peer_id, has_secret=bool(self.config.secret), on_wait=up)
+            if isinstance(found, str):
+                self.manifest = await self.fetch_manifest(found, joined)
+            else:
+                self.manifest, brokers = found.manifest, [found.advert.peer_id]
+                log.info("joining run %s (%s): %s", found.run_id[:16], found.name, self.finder.reason)
+        elif self.manifest is None:
             self.manifest = await self.fetch_manifest(self.config.run_id, joined)
         preflight(self.manifest, self.config)  # the device's memory (run/preflight.py)
         if self.manifest.join.mode == "secret" and not self.config.secret:  # to prove it, or as broker to check it
@@ -608,7 +651,7 @@ class RunRuntime:
         node.rpc.register("run.manifest", self._rpc_manifest)
         ctx = RunContext(sh=node.sh, manifest=self.manifest, register=node.rpc.register, publish=node.publish,
                          membership=node.membership, penalties=node.penalties, switch_step=self.switch_step,
-                         clock=self.clock, pulse=node.pulse)
+                         clock=self.clock, pulse=node.pulse, own_status=lambda: node.last_status)
         self.collective = Collective(node.sh, node.penalties,  # only members of known groups, under their tags
                                      gate=CollectiveGate(self.manifest.run_id, lambda: self.schedule.tables))
         StateServer(node.sh, lambda: self.snapshots.latest, penalties=node.penalties, by_revision=self.snapshots.at,
@@ -620,7 +663,7 @@ class RunRuntime:
         node.rpc.register("run.hash_at", self.hashes.rpc_hash_at)
         plan = self.manifest.plan
         links = open_link_hub(node.sh, node.penalties, LinkConfig(), allow=self.entitled.member,
-                              plan=(self.manifest.run_id, plan.stages, plan.replicas)) \
+                              plan=(self.manifest.run_id, plan.stages, plan.lanes_max)) \
             if plan.stages > 1 else contextlib.nullcontext()  # a pipeline stage's links to its lane neighbours
         async with links as hub, trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -630,7 +673,8 @@ class RunRuntime:
             patient = bool(node.config.host.join) or self.config.manifest is None or any(
                 e.status_record is not None and e.status_record.run_id == self.manifest.run_id
                 for e in node.membership.live_peers())  # a peer trains this run: never start a second one
-            found = await self._find_table(joined, patient=patient) if joined else None
+            askable = joined + [b for b in brokers if b not in joined and b != node.peer_id]
+            found = await self._find_table(askable, patient=patient) if askable else None
             if found is None and self.manifest.owner not in ("", node.peer_id):
                 raise UnknownRun(f"nobody knows run {self.manifest.run_id[:16]}…, and only its owner "
                                  f"{self.manifest.owner[:16]}… may start its broker")
@@ -647,7 +691,7 @@ class RunRuntime:
             await nursery.start(self.client.run)
             if self.client.table is not None:
                 self._on_table(self.client.table)
-            task_status.started(self)
+            up()
             nursery.start_soon(self.pulls.keep_warm, self.client)
             await self._train()
 

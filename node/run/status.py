@@ -1,4 +1,5 @@
-"""What a training node says about itself in its status record: progress, throughput and link rates."""
+"""What a training node says about itself in its status record: progress, throughput, link rates and what it has
+contributed."""
 
 from __future__ import annotations
 
@@ -13,23 +14,27 @@ class Throughput:
 
     Times come from the caller's clock (monotonic seconds), so tests can drive it."""
 
-    def __init__(self, tokens_per_step: int):
-        self.tokens_per_step = tokens_per_step
-        self._step_done: deque[float] = deque(maxlen=RECENT_STEPS)
+    def __init__(self) -> None:
+        self._step_done: deque[tuple[float, int]] = deque(maxlen=RECENT_STEPS)  # (time, tokens of the step)
         self._sample: tuple[float, int, int] | None = None
         self.up = self.down = 0.0
 
-    def step_done(self, now: float) -> None:
-        self._step_done.append(now)
+    def step_done(self, now: float, tokens: int) -> None:
+        self._step_done.append((now, tokens))
 
     def tokens_per_s(self, fallback: float = 0.0) -> float:
         """Training progress over the last steps: waits for the group, the synchronizer and everything else between
         steps included (what the run really gets; one step's own figure counts compute only). `fallback` (the last
         step's own figure) until two steps are done."""
         t = self._step_done
-        if len(t) >= 2 and t[-1] > t[0]:
-            return self.tokens_per_step * (len(t) - 1) / (t[-1] - t[0])
+        if len(t) >= 2 and t[-1][0] > t[0][0]:
+            return sum(n for _, n in list(t)[1:]) / (t[-1][0] - t[0][0])
         return fallback
+
+    def steps_per_s(self) -> float:
+        """Steps per second over the last steps (0 until two are done)."""
+        t = self._step_done
+        return (len(t) - 1) / (t[-1][0] - t[0][0]) if len(t) >= 2 and t[-1][0] > t[0][0] else 0.0
 
     def rates(self, now: float, sent: int, recv: int) -> tuple[float, float]:
         """Bytes per second sent and received since the previous call (smoothed)."""
@@ -40,3 +45,26 @@ class Throughput:
             self.up = a * (sent - s0) / (now - t0) + (1 - a) * self.up
             self.down = a * (recv - r0) / (now - t0) + (1 - a) * self.down
         return round(self.up, 1), round(self.down, 1)
+
+
+class Contribution:
+    """The sequences and tokens this node computed that went into applied steps (a step given up, or skipped for
+    non-finite gradients, counts nothing). A step's result is read when the status is made (on a GPU it may still be
+    on the device when the step returns), so counting never holds a step back."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.tokens = 0
+        self._pending: list = []  # StepResults not counted yet
+
+    def add(self, result) -> None:
+        self._pending.append(result)
+
+    def fields(self) -> dict[str, int]:
+        """The status record's samples_done and tokens_done (every pending step counted first)."""
+        for r in self._pending:
+            if r.applied:
+                self.samples += r.samples
+                self.tokens += r.tokens
+        self._pending.clear()
+        return {"samples_done": self.samples, "tokens_done": self.tokens}

@@ -256,9 +256,11 @@ class GroupSync(Synchronizer):
                 out[p] = out[p] * (self.config.clip_factor * ref / v)
         return out
 
-    def robust_parts(self, group: Group, parts: dict[str, torch.Tensor], report: RoundReport) -> list[torch.Tensor]:
-        """What goes into the owner's mean of one chunk, in member order: `robust_filter` (norm equalisation, a
-        minority opposed to the coordinate-wise median left out); a member left out too often is an offender."""
+    def robust_parts(self, group: Group, parts: dict[str, torch.Tensor],
+                     report: RoundReport) -> dict[str, torch.Tensor]:
+        """What goes into the owner's mean of one chunk, by member in member order: `robust_filter` (norm
+        equalisation, a minority opposed to the coordinate-wise median left out); a member left out too often is an
+        offender."""
         parts = {m: x for m, x in parts.items() if m not in self._distrusted}
         v = robust_filter(parts, group.members, self.config.robust)
         others = [m for m in v.cosines if m != group.me]
@@ -274,7 +276,7 @@ class GroupSync(Synchronizer):
             why = f"update opposed the members' median in {r.offend_after} of its last {r.window_rounds} rounds"
             report.offenders.setdefault(m, why)
             log.warning("member %s reported: %s", m, why)
-        return [v.kept[m] for m in group.members if m in v.kept]
+        return {m: v.kept[m] for m in group.members if m in v.kept}
 
     def allreduce_mean(self, flat: torch.Tensor, codec: Codec, group: Group, round_: int, phase: str,
                        report: RoundReport) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,10 +298,7 @@ class GroupSync(Synchronizer):
             return lambda buf: decode_values(decode_tensor(buf, codec=codec.name, dtype="float32", numel=n), codec)
 
         parts = self.robust_parts(group, self.accept(group.me, got, dec(b - a), report), report)
-        total = torch.zeros(b - a, device=flat.device)
-        for v in parts:  # in member order: the owner's sum is deterministic
-            total += v
-        mean = codec.encode(total / len(parts))
+        mean = codec.encode(weighted_mean(group, parts))
         # a member not heard (or rejected) in the first phase is not waited for again: a dead member costs one
         # deadline, not two
         heard = set(got) & self.live(group)
@@ -359,6 +358,30 @@ class GroupSync(Synchronizer):
                              report)
                 del chunks[p]
         return chunks
+
+
+def weights_of(group: Group, members) -> list[float] | None:
+    """The aggregation weights of `members` (a group's, in its order): each one's share of the sequences they
+    computed together this step; None when they weigh the same (the plain mean keeps today's bits)."""
+    if group.even:
+        return None
+    w = [group.weight(m) for m in members]
+    return [x / sum(w) for x in w]
+
+
+def weighted_mean(group: Group, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The owner's mean of one chunk: the members' contributions weighted by the sequences each one's lane computed
+    (`Group.weights`: its share of the global batch), in member order so that the sum is deterministic; the plain
+    mean when they weigh the same. The weights are the table's, never what a member says in its message."""
+    w = weights_of(group, parts)
+    total = torch.zeros_like(next(iter(parts.values())))
+    if w is None:
+        for v in parts.values():
+            total += v
+        return total / len(parts)
+    for wi, v in zip(w, parts.values()):
+        total.add_(v, alpha=wi)
+    return total
 
 
 def _rms(x: torch.Tensor) -> float:

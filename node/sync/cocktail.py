@@ -27,7 +27,7 @@ from shoal.kernels.cocktail import CocktailCompressor, CocktailConfig
 from shoal.kernels.topk import topk_count
 from shoal.node.sync.allreduce import wire_codec
 from shoal.node.sync.base import (GroupSync, RoundReport, chunk_bounds, decode_tensor, decode_values, flat_grads,
-                                  flat_params, write_flat_grads, write_flat_params)
+                                  flat_params, weights_of, write_flat_grads, write_flat_params)
 from shoal.node.train.control import StepControl
 from shoal.swarm.run.group import Group
 from shoal.swarm.state.snapshot import hash_tensor
@@ -121,7 +121,9 @@ class CocktailSync(GroupSync):
         # server: aggregate the chunk this replica owns
         comp = comps[group.rank]
         values = self.accept(group.me, got, lambda buf: decode_values(self._decode(buf, comp, "float16"), None), report)
-        s_hat = comp.server_aggregate_values(self.robust_parts(group, values, report), self.e[lo:hi], step)
+        parts = self.robust_parts(group, values, report)
+        s_hat = comp.server_aggregate_values(list(parts.values()), self.e[lo:hi], step,
+                                             weights=weights_of(group, parts))
         # a member not heard (or rejected) in the up phase is not waited for again: a dead member costs one
         # deadline, not two
         heard = set(got) & self.live(group)

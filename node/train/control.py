@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.node.train.batch import StepBatch
+
 
 class StepStage(enum.Enum):
     PLANNED = "planned"  # made by the runtime: the step number and the round's group
@@ -28,16 +30,17 @@ class StepResult:
     """What one step did. On a GPU its loss and gradient norm stay on the device when the step returns (so the next
     step is queued while this one still runs): the first read of `loss`, `grad_norm` or `applied` waits for them."""
 
-    __slots__ = ("step", "lr", "tokens", "seconds", "tokens_per_s", "eval_loss", "wait_s", "aborted", "failed_peer",
-                 "_wanted", "_values", "_resolve")
+    __slots__ = ("step", "lr", "tokens", "samples", "seconds", "tokens_per_s", "eval_loss", "wait_s", "aborted",
+                 "failed_peer", "_wanted", "_values", "_resolve")
 
     def __init__(self, *, step: int, lr: float, tokens: int, seconds: float, tokens_per_s: float,
                  values: tuple[float | None, float] | Callable[[], tuple[float | None, float]], wanted: bool = True,
                  eval_loss: float | None = None, wait_s: float = 0.0, aborted: str | None = None,
-                 failed_peer: str | None = None):
+                 failed_peer: str | None = None, samples: int = 0):
         self.step = step  # the number of optimizer steps done after this one
         self.lr = lr
-        self.tokens = tokens  # tokens the lane trained on this step
+        self.tokens = tokens  # tokens the lane trained on this step (its share of the global batch)
+        self.samples = samples  # sequences of them
         self.seconds = seconds  # the step's wall time in the trainer thread (on a GPU: until its work was queued)
         self.tokens_per_s = tokens_per_s
         self.eval_loss = eval_loss
@@ -79,6 +82,9 @@ class StepControl:
 
     step: int
     group: Any = None
+    # the step's split of the global batch as this lane sees it (node/train/batch.py); None: the run's starting
+    # lanes, evenly
+    batch: StepBatch | None = None
     stage: StepStage = StepStage.PLANNED
     # -- written by the trainer thread
     result: StepResult | None = None

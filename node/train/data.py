@@ -19,6 +19,7 @@ import torch
 from shoal.node.train.datacheck import INSTALL_HINT, DataUnavailable, require_datasets
 from shoal.node.train.tokens import load_tokenizer
 from shoal.protocol.manifest import RunManifest
+from shoal.node.train.batch import GlobalOrder
 
 log = logging.getLogger(__name__)
 
@@ -218,23 +219,11 @@ class ShardedSampler:
             raise ValueError(f"replica {replica} of {replicas}")
         self.num_samples, self.seed, self.replica, self.replicas = num_samples, seed, replica, replicas
         self.position = position
-        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
-
-    def _order(self, epoch: int) -> torch.Tensor:
-        if epoch != self._epoch:
-            g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
-            self._epoch, self._perm = epoch, torch.randperm(self.num_samples, generator=g)
-        return self._perm
+        self._stream = GlobalOrder(num_samples, seed=seed)  # the run's stream (node/train/batch.py)
 
     def ids_at(self, first: int, n: int) -> torch.Tensor:
         """The sample ids at this replica's positions first .. first + n - 1."""
-        g = torch.arange(first, first + n, dtype=torch.long) * self.replicas + self.replica
-        epochs, idx = g // self.num_samples, g % self.num_samples
-        out = torch.empty(n, dtype=torch.long)
-        for epoch in torch.unique(epochs).tolist():  # one or two epochs in a batch
-            sel = epochs == epoch
-            out[sel] = self._order(epoch)[idx[sel]]
-        return out
+        return self._stream.at(torch.arange(first, first + n, dtype=torch.long) * self.replicas + self.replica)
 
     def next_ids(self, n: int) -> torch.Tensor:
         ids = self.ids_at(self.position, n)

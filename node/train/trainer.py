@@ -26,8 +26,9 @@ import torch
 
 from shoal.node.sync.interface import NoSync, Synchronizer
 from shoal.node.train import checkpoint
+from shoal.node.train.batch import GlobalOrder, StepBatch
 from shoal.node.train.control import StepControl, StepResult, StepStage
-from shoal.node.train.data import Corpus, Samples, ShardedSampler, heldout_batches, load_corpus
+from shoal.node.train.data import Corpus, Samples, heldout_batches, load_corpus
 from shoal.node.train.device import resolve_device
 from shoal.node.train.lane import Boundary, SoloLane
 from shoal.node.train.stages import build_stage_model, lm_loss
@@ -37,6 +38,7 @@ from shoal.protocol.manifest import OptimSpec, RunManifest
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 2  # 2: the state names its stage
 READABLE_FORMATS = (1, 2)  # a format-1 checkpoint is of the whole model: stage 0 of one
+SPEED_STEPS = 16  # a lane's compute speed is the median over this many recent steps
 
 
 def lr_at(opt: OptimSpec, step: int) -> float:
@@ -131,6 +133,33 @@ class PinnedRing:
         return out
 
 
+class SpeedMeter:
+    """This stage's own compute speed: sequences per second of its forward and backward passes (waits for lane
+    neighbours left out), the median of the last SPEED_STEPS steps. On a GPU a step's time is read from CUDA events
+    once they have passed (the next step), so measuring never holds the device back."""
+
+    def __init__(self) -> None:
+        self._rates: list[float] = []
+        self._pending: list[tuple[int, float, Any, Any]] = []  # (sequences, waits in s, start event, end event)
+
+    def add(self, samples: int, seconds: float) -> None:
+        if samples > 0 and seconds > 0:
+            self._rates = (self._rates + [samples / seconds])[-SPEED_STEPS:]
+
+    def add_events(self, samples: int, waits_s: float, start, end) -> None:
+        self._pending.append((samples, waits_s, start, end))
+        while self._pending and self._pending[0][3].query():
+            n, w, a, b = self._pending.pop(0)
+            self.add(n, a.elapsed_time(b) / 1000.0 - w)
+
+    def rate(self) -> float:
+        """Sequences per second (0 before the first step)."""
+        if not self._rates:
+            return 0.0
+        s = sorted(self._rates)
+        return s[len(s) // 2]
+
+
 class Trainer:
     """Trains stage `stage` of lane `replica` of a run (stage 0 of a one-stage plan is the whole model)."""
 
@@ -148,8 +177,8 @@ class Trainer:
         weights: Path | None = None,
     ):
         plan, b = manifest.plan, manifest.batch
-        if not 0 <= stage < plan.stages or not 0 <= replica < plan.replicas:
-            raise ValueError(f"slot (stage {stage}, replica {replica}) outside the plan {plan.stages}x{plan.replicas}")
+        if not 0 <= stage < plan.stages or not 0 <= replica < plan.lanes_max:
+            raise ValueError(f"slot (stage {stage}, replica {replica}) outside the plan {plan.stages}x{plan.lanes_max}")
         if boundary is None and plan.stages > 1:
             raise ValueError(f"stage {stage} of a {plan.stages}-stage plan needs its lane's boundary")
         self.manifest, self.stage, self.replica = manifest, stage, replica
@@ -162,10 +191,11 @@ class Trainer:
         self.train_samples = Samples(self.corpus.train, b.seq_len)
         self.heldout_samples = Samples(self.corpus.heldout, b.seq_len)
         subset = manifest.data.train_subset  # the first N samples only (0: all): samples come back every epoch
-        self.sampler = ShardedSampler(min(subset or self.train_samples.num_samples, self.train_samples.num_samples),
-                                      seed=manifest.seed, replica=replica, replicas=plan.replicas)
+        self.order = GlobalOrder(min(subset or self.train_samples.num_samples, self.train_samples.num_samples),
+                                 seed=manifest.seed)
         self.eval_ids = heldout_batches(self.heldout_samples, b.micro_batch_size, manifest.eval.batches)
-        self.micro_batches = b.batch_size // b.micro_batch_size
+        self.wave = max(1, b.batch_size // b.micro_batch_size)  # micro-batches a pipeline stage keeps in flight
+        self.speed = SpeedMeter()
         # the built-in GPT or a Hugging Face model (node/train/stages.py); `weights`: the run's initial weights file
         self.model = build_stage_model(manifest, stage, weights=weights).to(self.device)
         cuda = self.device.type == "cuda"
@@ -190,12 +220,17 @@ class Trainer:
         self.last: StepResult | None = None
         self.last_eval_loss: float | None = None
         self._wait_s = 0.0
-        self._staged: tuple[int, list] | None = None  # (sampler position, micro-batches on the device) next step
+        self._staged: tuple[int, StepBatch, list] | None = None  # (step, split, micro-batches on the device)
         self._pinned = PinnedRing() if self.device.type == "cuda" else None
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens of a nominal step of this lane (its real share is in each StepResult)."""
         return self.manifest.batch.batch_size * self.manifest.batch.seq_len
+
+    def default_batch(self) -> StepBatch:
+        """The split of a step run without one: the run's starting lanes, evenly."""
+        return StepBatch.of(self.manifest, self.replica)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -223,12 +258,12 @@ class Trainer:
         mb = self.manifest.batch.micro_batch_size
         return list(zip(ids.split(mb), x.split(mb), y.split(mb)))
 
-    def _stage_next(self) -> None:
-        """A GPU first stage: load the next step's batch now, while the device still runs this step."""
+    def _stage_next(self, batch: StepBatch) -> None:
+        """A GPU first stage: load the next step's sequences now (if its split stays this one), while the device
+        still runs this step."""
         if self.is_first and self.device.type == "cuda":
-            pos = self.sampler.position
-            self._staged = (pos, self._micro_batches(self.sampler.ids_at(pos, self.manifest.batch.batch_size),
-                                                     self.train_samples))
+            step = self.step_count
+            self._staged = (step, batch, self._micro_batches(self.order.step_ids(step, batch), self.train_samples))
 
     def _forward(self, step: int, micro: int, batch: tuple | None, samples: Samples, phase: str):
         """(input leaf or None, output) of this stage for one micro-batch: the loss at the last stage, else the
@@ -265,33 +300,33 @@ class Trainer:
         if inp is not None:
             self._waiting(self.boundary.send_grad, step, micro, inp.grad)
 
-    def _pass(self, step: int) -> torch.Tensor | None:
-        """The step's M micro-batches through this stage: one stage does each backward right after its forward; a
-        stage of a longer lane does all forwards, then the backwards in order 0..M-1. The summed loss at the last
-        stage."""
-        b, M = self.manifest.batch, self.micro_batches
+    def _pass(self, step: int, batch: StepBatch) -> torch.Tensor | None:
+        """This lane's share of the step through this stage, in micro-batches of `micro_batch_size` (the last one
+        smaller when the share is not a whole number of them): one stage does each backward right after its
+        forward; a stage of a longer lane does the forwards of a wave (at most `wave` micro-batches), then their
+        backwards in order, wave after wave. The loss at the last stage: the share's mean (each micro-batch's mean
+        weighted by its size), summed."""
+        n, mbs = batch.samples, self.manifest.batch.micro_batch_size
+        sizes = [min(mbs, n - i) for i in range(0, n, mbs)]
         batches = None
         if self.is_first:
-            pos = self.sampler.position
             staged, self._staged = self._staged, None
-            batches = staged[1] if staged is not None and staged[0] == pos else \
-                self._micro_batches(self.sampler.ids_at(pos, b.batch_size), self.train_samples)
-            self.sampler.position = pos + b.batch_size
+            batches = staged[2] if staged is not None and staged[:2] == (step, batch) else \
+                self._micro_batches(self.order.step_ids(step, batch), self.train_samples)
         loss_sum = torch.zeros((), device=self.device) if self.is_last else None
-        kept = []
-        for m in range(M):
-            inp, out = self._forward(step, m, batches[m] if batches else None, self.train_samples, TRAIN)
-            if self.is_last:
-                out = out / M
-                loss_sum += out.detach()
-            if self.num_stages == 1:
+        wave = 1 if self.num_stages == 1 else self.wave
+        for first in range(0, len(sizes), wave):
+            kept = []
+            for m in range(first, min(first + wave, len(sizes))):
+                inp, out = self._forward(step, m, batches[m] if batches else None, self.train_samples, TRAIN)
+                if self.is_last:  # n / size is the micro-batch count when all are equal: today's loss / M
+                    out = out / (n // sizes[m]) if n % sizes[m] == 0 else out * (sizes[m] / n)
+                    loss_sum += out.detach()
+                kept.append((m, inp, out))
+            for k in range(len(kept)):
+                m, inp, out = kept[k]
+                kept[k] = None  # frees the micro-batch's graph as soon as it is done
                 self._backward(step, m, inp, out)
-            else:
-                kept.append((inp, out))
-        for m in range(len(kept)):
-            inp, out = kept[m]
-            kept[m] = None  # frees the micro-batch's graph as soon as it is done
-            self._backward(step, m, inp, out)
         return loss_sum
 
     def _clip(self, step: int) -> torch.Tensor:
@@ -336,6 +371,11 @@ class Trainer:
         control = control if control is not None else StepControl(step=self.step_count)
         if control.step != self.step_count:
             raise ValueError(f"asked for step {control.step}, but the trainer is at step {self.step_count}")
+        batch = control.batch if control.batch is not None else self.default_batch()
+        if batch.lane != self.replica or batch.global_batch != self.manifest.global_batch:
+            raise ValueError(f"step {control.step}: a split for lane {batch.lane} of a global batch of "
+                             f"{batch.global_batch}, this trainer is lane {self.replica} of a run of "
+                             f"{self.manifest.global_batch}")
         for hook in self.before_step_hooks:
             hook(self)
         control.advance(StepStage.COMPUTE)
@@ -345,11 +385,23 @@ class Trainer:
         aborted: str | None = None
         failed_peer: str | None = None
         loss_sum = None
+        cuda = self.device.type == "cuda"
+        t_pass = time.perf_counter()
+        started = torch.cuda.Event(enable_timing=True) if cuda else None
+        if started is not None:
+            started.record()
         try:
-            loss_sum = self._pass(step)
+            loss_sum = self._pass(step, batch)
         except LaneAborted as e:
             aborted, failed_peer = str(e), e.peer
             self.optimizer.zero_grad(set_to_none=True)
+        else:
+            if started is not None:
+                ended = torch.cuda.Event(enable_timing=True)
+                ended.record()
+                self.speed.add_events(batch.samples, self._wait_s, started, ended)
+            else:
+                self.speed.add(batch.samples, time.perf_counter() - t_pass - self._wait_s)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         control.advance(StepStage.SYNC)
@@ -383,15 +435,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count = step + 1
         values = self._read_back(step, None if aborted else loss_sum, norm_t)
-        self._stage_next()
+        self._stage_next(batch)
         seconds = time.perf_counter() - t0
         eval_loss = None
         every = self.manifest.eval.every_steps
         if every and self.step_count % every == 0:
             eval_loss = self.evaluate()
+        tokens = batch.samples * self.manifest.batch.seq_len
         result = StepResult(
-            step=self.step_count, lr=lr, tokens=self.tokens_per_step, seconds=seconds,
-            tokens_per_s=self.tokens_per_step / max(seconds, 1e-9), values=values, wanted=wanted,
+            step=self.step_count, lr=lr, tokens=tokens, seconds=seconds, samples=batch.samples,
+            tokens_per_s=tokens / max(seconds, 1e-9), values=values, wanted=wanted,
             eval_loss=eval_loss, wait_s=self._wait_s, aborted=aborted, failed_peer=failed_peer)
         self.last = result
         control.result, control.state_hash = result, self.sync.state_hash()
@@ -459,7 +512,7 @@ class Trainer:
             "eval_loss": self.last_eval_loss,
             "tokens_per_s": last.tokens_per_s if last else None,
             "lr": last.lr if last else None,
-            "epoch": self.sampler.epoch(),
+            "epoch": self.order.epoch_at(self.step_count, self.manifest.global_batch),
         }
 
     # -- checkpoints and hand-over
@@ -477,7 +530,8 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": {"step": self.step_count},
             "scaler": self.scaler.state_dict() if self.scaler else {},
-            "data": {"position": self.sampler.position, "replica": self.sampler.replica, "replicas": self.sampler.replicas},
+            # where the data stream is: the step says it (step x global batch), kept for readers of the checkpoint
+            "data": {"position": self.step_count * self.manifest.global_batch},
             "rng": rng,
             "sync": self.sync.state_dict(),
             "last_eval_loss": self.last_eval_loss,
@@ -495,8 +549,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        self.step_count = state["step"]
-        self.sampler.position = state["data"]["position"]
+        self.step_count = state["step"]  # the data stream's position follows from it
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         if "cuda" in state["rng"] and self.device.type == "cuda":

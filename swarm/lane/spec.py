@@ -68,7 +68,7 @@ class LaneSpec:
     micro_batch: int  # rows of every micro-batch (training and eval)
     seq_len: int
     d_model: int
-    micro_batches: int  # M per step
+    micro_batches: int  # M per step at most (a lane's share of the global batch, in micro-batches)
     eval_batches: int
     train_samples: int  # sample ids of training micro-batches are below this
     eval_samples: int  # and of eval micro-batches below this
@@ -106,9 +106,9 @@ class LaneSpec:
         aq = None
         if kind == AQ:
             aq = AQSpec.from_pipeline(p, buffer_dir or os.path.join(tempfile.gettempdir(), f"shoal-aq-{m.run_id[:16]}"))
-        return cls(run_id=m.run_id, lane=lane, stage=stage, num_stages=m.plan.stages, replicas=m.plan.replicas,
+        return cls(run_id=m.run_id, lane=lane, stage=stage, num_stages=m.plan.stages, replicas=m.plan.lanes_max,
                    prev_peer=prev_peer, next_peer=next_peer, micro_batch=b.micro_batch_size, seq_len=b.seq_len,
-                   d_model=m.model.d_model, micro_batches=b.batch_size // b.micro_batch_size,
+                   d_model=m.model.d_model, micro_batches=m.global_batch // b.micro_batch_size,
                    eval_batches=m.eval.batches, train_samples=train_samples, eval_samples=eval_samples, kind=kind,
                    eval_kind=eval_kind, aq=aq)
 

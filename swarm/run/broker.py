@@ -12,13 +12,15 @@ import trio
 
 from shoal.protocol.assignment import (
     ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_PROVIDERS, REGISTERED, AdmitRequest, AdmitResponse,
-    AssignmentTable, BrokerLease, MissingReport, ProviderEntry, SlotEntry, slot_name)
+    AssignmentTable, BrokerLease, LaneShare, MissingReport, ProviderEntry, SlotEntry, slot_name)
 from shoal.protocol.envelope import seal
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.membership import LEFT
 from shoal.swarm.net.rpc import RpcError, call, parse_body
 from shoal.swarm.run.authority import DELEGATES, RunAuthority
+from shoal.swarm.run.batchsplit import BatchSplit, SplitConfig
 from shoal.swarm.run.context import Handler, RunContext
+from shoal.swarm.run.directory import seal_advert
 from shoal.swarm.run.gate import AdmissionGate
 from shoal.swarm.run.seating import Provider, Seating
 
@@ -43,6 +45,7 @@ class BrokerConfig:
     # a pipeline lane with a slot empty this long and no backup of that stage to fill it is dissolved: its
     # members return to the backup pool (each keeping its stage warm)
     dissolve_after_s: float = 60.0
+    split: SplitConfig = SplitConfig()  # the global batch across the lanes, by their speed
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s <= self.fail_after_s:
@@ -88,13 +91,14 @@ class Broker:
         self.config = config
         self.clock = ctx.clock
         plan = ctx.manifest.plan
-        self.stages, self.replicas = plan.stages, plan.replicas
+        self.stages, self.replicas = plan.stages, plan.lanes_max  # lane indices 0 .. lanes_max - 1
         self.lease_epoch = lease_epoch
         self.version = version
         self.epochs = [0] * self.stages
         self.switch_steps = [0] * self.stages
         self.providers: dict[str, Provider] = {}
         self.seating = Seating(ctx, self.providers, dissolve_after_s=config.dissolve_after_s)
+        self.split = BatchSplit(ctx.manifest.global_batch, ctx.manifest.batch_granule, config.split, self.clock)
         self.standby: str | None = None
         self._order = itertools.count()
         self.table: AssignmentTable | None = None
@@ -128,6 +132,7 @@ class Broker:
         b.delegation_env = table.delegation
         b.epochs = list(table.epochs)
         b.switch_steps = [table.switch_step(s) for s in range(table.stages)]
+        b.split.current = table.lane_shares()
         backups = {pid: i for i, pid in enumerate(table.backups)}
         for p in table.providers:
             b.providers[p.peer_id] = b._provider(p.peer_id, p.state, stage=table.backup_stage(p.peer_id) or 0,
@@ -159,6 +164,7 @@ class Broker:
             if prev is not None and prev.epochs[s] != self.epochs[s] and self.ctx.switch_step is not None:
                 self.switch_steps[s] = max(self.switch_steps[s], self.ctx.switch_step(s))
         backups = self.seating.backups()
+        split = self.split.for_lanes(self.seating.complete_lanes(), self.lane_speeds())
         self.table = AssignmentTable(
             peer_id=self.ctx.me, run_id=self.ctx.run_id, lease_epoch=self.lease_epoch, version=self.version,
             time=self.ctx.wall(), stages=self.stages, replicas=self.replicas, epochs=tuple(self.epochs),
@@ -167,7 +173,8 @@ class Broker:
                         for (s, r), pid in sorted(self.seating.slots.items())),
             backups=tuple(p.peer_id for p in backups), backup_stages=tuple(p.stage for p in backups),
             providers=tuple(ProviderEntry(peer_id=p.peer_id, state=p.state) for p in providers),
-            switch_steps=tuple(self.switch_steps), delegation=self.delegation_env)
+            switch_steps=tuple(self.switch_steps), delegation=self.delegation_env,
+            shares=tuple(LaneShare(replica=r, samples=n) for r, n in sorted(split.items())))
         self.table_env = seal(self.table, self.ctx.sh.key)
         for cb in list(self.on_change):
             try:
@@ -182,6 +189,25 @@ class Broker:
         for stage in stages:
             for s in (range(self.stages) if self.stages > 1 else (stage,)):
                 self.epochs[s] += 1
+
+    def lane_speeds(self) -> dict[int, float | None]:
+        """Each complete lane's speed (sequences per second): its slowest stage's, as its members' signed status
+        records report their own compute; None while a member has reported none."""
+        by_lane: dict[int, list[float | None]] = {}
+        for (stage, lane), pid in self.seating.slots.items():
+            st = self.ctx.status_of(pid)
+            by_lane.setdefault(lane, []).append(st.samples_per_s if st is not None and st.samples_per_s > 0 else None)
+        return {lane: min(vs) if None not in vs else None for lane, vs in by_lane.items()}
+
+    def _resplit(self) -> bool:
+        """With the same lanes, a split by their speeds that shortens the step enough (BatchSplit.better): it takes
+        effect at an agreed step, as a group change does. True when it did."""
+        better = self.split.better(self.lane_speeds())
+        if better is None:
+            return False
+        for s in range(self.stages):
+            self.epochs[s] += 1
+        return True
 
     def _pick_standby(self) -> None:
         """The standby: the longest-admitted live provider the run's owner authorises as broker. The owner's own
@@ -224,9 +250,12 @@ class Broker:
         free = self.seating.seat(p, backup_only=req.backup_only)
         if free is not None:
             self._group_changed(free[0])
+        else:
+            self._group_changed(*self.seating.grow(self.table))  # a one-stage run seats it in a new lane at once
         self._pick_standby()
         self._rebuild()
-        log.info("admitted %s as %s", peer_id, slot_name(*free) if free else f"backup of stage {p.stage}")
+        slot = self.seating.slot_of(peer_id)
+        log.info("admitted %s as %s", peer_id, slot_name(*slot) if slot else f"backup of stage {p.stage}")
         return self._answer(p)
 
     def _reenter(self, p: Provider) -> None:
@@ -294,11 +323,13 @@ class Broker:
                     log.info("provider %s %s", p.peer_id, "suspect" if suspect else "back")
         old_standby = self.standby
         changed = self.seating.fill_free_slots(self.table)
+        changed += self.seating.grow(self.table)
         if self.stages > 1:
             changed += self.seating.dissolve_stale_lanes()
         self._group_changed(*changed)
+        resplit = not changed and self._resplit()
         self._pick_standby()
-        if changed or self.standby != old_standby:
+        if changed or resplit or self.standby != old_standby:
             self._rebuild()
 
     # -- RPC -----------------------------------------------------------------------------------------------
@@ -468,11 +499,27 @@ class Broker:
                 await self._put_dht(lease_key(self.ctx.me), written)
             await trio.sleep(self.config.lease_renew_s)
 
+    def advert(self) -> bytes | None:
+        """The sealed advert of this run (swarm/run/directory.py): its manifest, lanes now and still free, backups,
+        providers and the furthest step its members report (None: an unsigned run is not advertised)."""
+        t = self.table
+        lanes = len(t.complete_lanes()) if t is not None else 0
+        live = [p for p in self.providers.values() if p.state != GONE]
+        steps = [st.step for p in live if (st := self.ctx.status_of(p.peer_id)) is not None]
+        return seal_advert(self.ctx.sh.key, self.ctx.manifest, broker=self.ctx.me, wall=self.ctx.wall(),
+                           delegation=self.delegation_env, lanes=lanes,
+                           free_lanes=max(self.ctx.manifest.plan.lanes_max - lanes, 0),
+                           backups=sum(p.state == BACKUP for p in live), providers=len(live),
+                           step=max(steps, default=0))
+
     async def _publish_loop(self) -> None:
         while self.holds_lease():
             self._dirty = trio.Event()
             env = self.table_env
             await self.ctx.publish(env)
+            ad = self.advert()
+            if ad is not None:
+                await self.ctx.publish(ad)
             await self._put_dht(table_key(self.ctx.me), env)
             with trio.move_on_after(self.config.republish_s):
                 await self._dirty.wait()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.protocol.manifest import RunManifest
+from shoal.protocol.records import StatusRecord
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.membership import Membership
 from shoal.swarm.net.penalty import Penalties
@@ -36,6 +37,17 @@ class RunContext:
     wall: Clock = time.time
     # this process's pulse on `clock`: silence is measured from the end of its own last freeze (None: no freezes)
     pulse: Pulse | None = None
+    # the hosting node's newest status record of itself (its membership view holds only the others')
+    own_status: Callable[[], StatusRecord | None] = lambda: None
+
+    def status_of(self, peer_id: str) -> StatusRecord | None:
+        """The newest status record of `peer_id` in this run (this node's own included); None without one."""
+        if peer_id == self.me:
+            st = self.own_status()
+        else:
+            e = self.membership.peers.get(peer_id) if self.membership is not None else None
+            st = e.status_record if e is not None else None
+        return st if st is not None and st.run_id == self.run_id else None
 
     def silent_s(self, last_heard: float) -> float:
         """Seconds since `last_heard` (clock time), never counting silence across this process's own freeze."""

@@ -18,10 +18,15 @@ class Group:
     epoch: int
     members: tuple[str, ...]
     me: str
+    # weights[i]: the sequences members[i]'s lane computes per step (its share of the global batch): aggregation
+    # weighs each member's contribution by it; empty: all equal
+    weights: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if tuple(sorted(set(self.members))) != self.members:
             raise ValueError("group members must be sorted and unique")
+        if self.weights and (len(self.weights) != len(self.members) or min(self.weights) < 1):
+            raise ValueError("one positive weight per member")
         if self.me not in self.members:
             raise ValueError("this node is not a member of the group")
         if self.epoch < 0:
@@ -34,6 +39,15 @@ class Group:
     @property
     def rank(self) -> int:
         return self.members.index(self.me)
+
+    def weight(self, member: str) -> int:
+        """`member`'s weight in the group's aggregation (1 each when the group has none)."""
+        return self.weights[self.members.index(member)] if self.weights else 1
+
+    @property
+    def even(self) -> bool:
+        """Whether every member weighs the same (the plain mean is the weighted one)."""
+        return len(set(self.weights)) <= 1
 
     def tag(self, round_: int, phase: str) -> str:
         return f"{self.run_id[:16]}/{self.stage}/{self.epoch}/{round_}/{phase}"

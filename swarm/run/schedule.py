@@ -19,8 +19,12 @@ def group_of(table: AssignmentTable, me: str) -> Group | None:
     if slot is None or slot[1] not in table.complete_lanes():
         return None
     stage = slot[0]
-    return Group(run_id=table.run_id, stage=stage, epoch=table.epochs[stage], members=table.group_members(stage),
-                 me=me)
+    members = table.group_members(stage)
+    shares = table.lane_shares()
+    lanes = [table.slot_of(m)[1] for m in members]
+    weights = tuple(shares[r] for r in lanes) if all(r in shares for r in lanes) else ()
+    return Group(run_id=table.run_id, stage=stage, epoch=table.epochs[stage], members=members, me=me,
+                 weights=weights)
 
 
 def lane_peers(table: AssignmentTable, me: str) -> tuple[str | None, str | None]:

@@ -2,11 +2,15 @@
 place, the backup that fills a failed slot, lanes filled whole, and lanes dissolved when no backup can fill them.
 
 Slots are (stage, replica); replica r of every stage is lane r, and a lane trains only with every stage filled.
-A provider is placed into the first free slot of the lowest lane (the stage with the most parameters first, among
-the stages whose memory need it fits), or joins the backup pool keeping one stage warm (the stage with the fewest
-backups); a failed slot is filled by a backup of its stage (the most reachable first, then the fastest). With
-several stages, a lane is filled whole or not at all, and a lane whose empty slot no backup can fill for
-`dissolve_after_s` is dissolved: its members return to the pool, each keeping its stage warm.
+A provider is placed into the first free slot of the lowest of the run's starting lanes (the stage with the most
+parameters first, among the stages whose memory need it fits), or joins the backup pool keeping one stage warm (the
+stage with the fewest backups); a failed slot is filled by a backup of its stage (the most reachable first, then
+the fastest). With several stages, a lane is filled whole or not at all, and a lane whose empty slot no backup can
+fill for `dissolve_after_s` is dissolved: its members return to the pool, each keeping its stage warm.
+
+An elastic run (its plan's maximum above its starting lanes) grows: while below the maximum, whenever every stage
+has a backup beyond the `backups` it keeps warm, those backups form a new lane (`grow`: a newcomer of a one-stage run
+is seated at once). It shrinks when lanes leave; below its minimum its members wait (the runtime's rule).
 
 The broker owns the providers (`providers`, shared) and the group epochs: every change of seats is returned to it
 as the stages whose group changed.
@@ -50,8 +54,11 @@ class Seating:
         self.ctx = ctx
         self.providers = providers  # the broker's, by peer id
         self.dissolve_after_s = dissolve_after_s
-        plan = ctx.manifest.plan
-        self.stages, self.replicas = plan.stages, plan.replicas
+        m = ctx.manifest
+        plan = m.plan
+        self.stages, self.replicas = plan.stages, plan.lanes_max  # lane indices 0 .. lanes_max - 1
+        self.starting = plan.replicas  # the lanes filled directly, and re-formed from any backup
+        self.reserve = plan.backups  # warm backups each stage keeps before a new lane forms
         self.slots: dict[Slot, str] = {}
         self.empty_since: dict[Slot, float] = {}  # slots of partly filled lanes: empty since (clock)
         self.promotions: list[tuple[float, str, str, str]] = []  # (unix time, slot, failed peer, promoted peer)
@@ -88,15 +95,24 @@ class Seating:
         self.empty_since.pop(free, None)
         return free
 
+    def lanes(self) -> set[int]:
+        """The lanes with at least one slot filled."""
+        return {r for _, r in self.slots}
+
+    def complete_lanes(self) -> list[int]:
+        """The lanes with every stage's slot filled (only those train), in order."""
+        return sorted(r for r in self.lanes() if all((st, r) in self.slots for st in range(self.stages)))
+
     def _placement(self, hw: HardwareProfile | None) -> Slot | None:
         """Where a newcomer goes: the first free slot of the lowest lane, the busiest stage (most parameters) first,
-        among the stages it has the memory for (None: no such slot). With several stages, once training has begun,
-        only a slot of a part-filled lane: an empty lane is re-formed from the pool, whole (`fill_free_slots`)."""
+        among the stages it has the memory for (None: no such slot): a slot of a part-filled lane, or of one of the
+        run's starting lanes (with several stages, only before training begins: an empty lane is re-formed from the
+        pool, whole, by `fill_free_slots`; and new lanes beyond the starting ones by `grow`)."""
         m = self.ctx.manifest
-        lanes_in_use = {r for _, r in self.slots}
+        lanes_in_use = self.lanes()
         free = [(r, -m.stage_params(st), st) for st in range(self.stages) if self._fits(hw, st)
                 for r in range(self.replicas) if (st, r) not in self.slots
-                if self.stages == 1 or r in lanes_in_use or not self._training()]
+                if r in lanes_in_use or (r < self.starting and (self.stages == 1 or not self._training()))]
         if not free:
             return None
         r, _, st = min(free)
@@ -165,12 +181,14 @@ class Seating:
 
     # -- each liveness check ---------------------------------------------------------------------------------
     def fill_free_slots(self, table: AssignmentTable | None) -> list[int]:
-        """Backups into free slots: with one stage, any free slot; with several, a lane only when every free slot
-        of it can be filled at once (a part-filled lane cannot train). Returns the stages whose group changed."""
+        """Backups into free slots of part-filled lanes and of the starting lanes: with one stage, any such slot;
+        with several, a lane only when every free slot of it can be filled at once (a part-filled lane cannot
+        train). Returns the stages whose group changed."""
         changed = []
+        in_use = self.lanes()
         for r in range(self.replicas):
             free = [(st, r) for st in range(self.stages) if (st, r) not in self.slots]
-            if not free:
+            if not free or (r not in in_use and r >= self.starting):
                 continue
             if self.stages > 1 and any(self._best_backup(k, table) is None for k in free):
                 continue  # not every free slot of the lane can be filled now
@@ -178,6 +196,26 @@ class Seating:
                 if self._promote_into(key, "", table):
                     self.empty_since.pop(key, None)
                     changed.append(key[0])
+        return changed
+
+    def grow(self, table: AssignmentTable | None) -> list[int]:
+        """New lanes from the pool while the run is below its maximum: whenever every stage has a promotable backup
+        beyond the `reserve` it keeps warm, the best of each forms a lane at the lowest free lane index (one that
+        can reach the lane's neighbours and its stage group directly). Returns the stages whose group changed."""
+        changed: list[int] = []
+        while len(self.lanes()) < self.replicas:
+            if any(len(self.promotable(st)) <= self.reserve for st in range(self.stages)):
+                break
+            r = min(set(range(self.replicas)) - self.lanes())
+            keys = [(st, r) for st in range(self.stages)]
+            if any(self._best_backup(k, table) is None for k in keys):
+                break  # no backup of some stage can take a place there now (reachability): the next check retries
+            for key in keys:
+                self._promote_into(key, "", table)
+                self.empty_since.pop(key, None)
+                changed.append(key[0])
+            log.info("lane %d formed from the pool: the run has %d of at most %d lanes", r, len(self.lanes()),
+                     self.replicas)
         return changed
 
     def dissolve_stale_lanes(self) -> list[int]:

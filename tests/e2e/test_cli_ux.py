@@ -249,12 +249,19 @@ def test_the_swarm_and_peers_tables_fit_80_columns_with_whole_headers():
     assert short_id(pid) in lines[3] and "123 MB" in lines[3]
     assert "gone" in next(ln for ln in lines if ln.startswith("2 "))  # a killed node says so
     assert "warm-up" in "".join(lines)  # the cumulative ratio says it counts warm-up steps
-    peers = [dict(peer_id=pid, role="active", slot="s0r12", state="training", step=12345,
+    peers = [dict(peer_id=pid, role="active", slot="s0r12", state="training", step=12345, run_id="5b7213" + "a" * 58,
                   device="cuda: NVIDIA H100 80GB HBM3", matmul_tflops=612.3, last_seen_s=1.0,
                   addrs=["/ip4/203.100.100.200/tcp/40001/p2p/" + pid])]
     lines = _render(peers_table(peers))
     header = next(ln for ln in lines if ln.startswith("peer"))
-    assert max(map(len, lines)) <= 80 and "…" not in header and short_id(pid) in lines[3]
+    assert max(map(len, lines)) <= 80 and "…" not in header and short_id(pid) in lines[3] and "5b7213" in lines[3]
+    from shoal.node.cli.runs import runs_table
+
+    runs = [dict(run_id="5b7213" + "a" * 58, name="a long run name here", model="small", params=25_000_000, stages=2,
+                 lanes=12, free_lanes=52, sync="cocktail", step=123456, total_steps=200000, join="allowlist")]
+    lines = _render(runs_table(runs))
+    header = next(ln for ln in lines if ln.startswith("id"))
+    assert max(map(len, lines)) <= 80 and "…" not in header and "5b7213aa" in lines[3] and "12x2" in lines[3]
 
 
 def _parsers(parser: argparse.ArgumentParser, path: str):

@@ -57,16 +57,18 @@ def test_two_stages_by_two_lanes_learn_with_equal_stage_hashes_and_bytes_as_the_
         assert all(r["loss"] < 4.5 and r["eval_loss"] < 4.8 for r in last), last  # from ~5.5 (uniform bytes)
         assert all(r["loss"] is None for r in rows if stage_of(r) == 0)
         # every training micro-batch's activations forward and gradients back at fp32, plus the final
-        # evaluation's micro-batches at fp16, and nothing else as tensor payload
+        # evaluation's micro-batches at fp16, and nothing else as tensor payload: the two lanes together carry the
+        # global batch (2 x M micro-batches) of every step, however it was split between them by their speed
         mb = (B // M) * T * H
-        for r in rows:
-            links = s.nodes[r["index"]].status()["links"]
-            fwd, bwd = links["b0/fwd"], links["b0/bwd"]  # activations one way, gradients (and credits) the other
-            side = "sent" if stage_of(r) == 0 else "recv"
+        for stage in (0, 1):
+            side = "sent" if stage == 0 else "recv"
             other = "recv" if side == "sent" else "sent"
-            assert fwd[side]["payload_bytes"] == steps * M * mb * 4 + m.eval.batches * mb * 2, links
-            assert bwd[other]["payload_bytes"] == steps * M * mb * 4, links
-            assert fwd[other]["payload_bytes"] == bwd[side]["payload_bytes"] == 0, links
+            links = [s.nodes[r["index"]].status()["links"] for r in rows if stage_of(r) == stage]
+            fwd, bwd = [x["b0/fwd"] for x in links], [x["b0/bwd"] for x in links]  # activations, gradients
+            assert sum(x[side]["payload_bytes"] for x in fwd) == steps * 2 * M * mb * 4 + 2 * m.eval.batches * mb * 2
+            assert sum(x[other]["payload_bytes"] for x in bwd) == steps * 2 * M * mb * 4, links
+            assert all(x[other]["payload_bytes"] == 0 for x in fwd) and all(x[side]["payload_bytes"] == 0
+                                                                            for x in bwd), links
     finally:
         s.stop()
 

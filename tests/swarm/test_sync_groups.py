@@ -13,7 +13,9 @@ import trio
 
 from shoal.node.train.data import load_corpus
 from shoal.node.sync.base import SyncConfig
+from shoal.node.sync.robust import RobustConfig
 from shoal.node.sync.factory import make_synchronizer
+from shoal.node.train.batch import StepBatch
 from shoal.node.train.control import StepControl
 from shoal.node.train.trainer import Trainer
 from shoal.protocol.manifest import (BatchSpec, CocktailSpec, DilocoSpec, EvalSpec, ModelSpec,
@@ -62,8 +64,9 @@ class Table:
     a member's updates rejected, the next epoch without it takes effect two steps past the furthest replica (the
     broker's rule and its switch step; the broker itself is tested in test_broker.py and test_run_runtime.py)."""
 
-    def __init__(self, run_id: str, members: tuple[str, ...], evict: bool):
+    def __init__(self, run_id: str, members: tuple[str, ...], evict: bool, weights: dict[str, int] | None = None):
         self.run_id, self.evict = run_id, evict
+        self.weights = weights or {}  # member -> its lane's share of the global batch (the broker's table's)
         self.epochs = [(0, members)]  # (from step, members); epoch number = index
         self.reports: dict[str, set[str]] = {}
         self.steps: dict[str, int] = {}
@@ -71,8 +74,9 @@ class Table:
     def group(self, me: str, step: int) -> Group:
         self.steps[me] = step
         epoch = max(e for e, (start, _) in enumerate(self.epochs) if start <= step)
-        members = self.epochs[epoch][1]
-        return Group(run_id=self.run_id, epoch=epoch, members=members if me in members else (me,), me=me)
+        members = self.epochs[epoch][1] if me in self.epochs[epoch][1] else (me,)
+        weights = tuple(self.weights[m] for m in members) if self.weights else ()
+        return Group(run_id=self.run_id, epoch=epoch, members=members, me=me, weights=weights)
 
     def report(self, reporter: str, offender: str) -> None:
         who = self.reports.setdefault(offender, set())
@@ -84,7 +88,9 @@ class Table:
 
 async def run_group(manifest: RunManifest, steps: int, *, n: int = 3, timeout_s: float = 20.0, faults=None,
                     stop_after: dict[int, int] | None = None, evict: bool = False, device: str = "cpu",
-                    config: SyncConfig | None = None):
+                    config: SyncConfig | None = None, shares: list[int] | None = None):
+    """`n` replicas on real hosts; replica i is lane i, and with `shares` it computes shares[i] sequences of each
+    step's global batch (weighing that much in the aggregation), else an even split."""
     faults, stop_after = faults or {}, stop_after or {}
     async with AsyncExitStack() as stack:
         first = await stack.enter_async_context(bare_host())
@@ -94,7 +100,9 @@ async def run_group(manifest: RunManifest, steps: int, *, n: int = 3, timeout_s:
                 if o.peer_id not in h.connected_peers():
                     await h.connect(o.addrs[0])
         members = tuple(sorted(h.peer_id for h in hosts))
-        table = Table(manifest.run_id, members, evict)
+        table = Table(manifest.run_id, members, evict,
+                      {h.peer_id: shares[i] for i, h in enumerate(hosts)} if shares else None)
+        split = dict(enumerate(shares)) if shares else None
         token = trio.lowlevel.current_trio_token()
         reps = []
         for i, h in enumerate(hosts):
@@ -119,7 +127,8 @@ async def run_group(manifest: RunManifest, steps: int, *, n: int = 3, timeout_s:
             for s in range(steps):
                 if stop_after.get(i) == s:
                     return  # stops answering: its host stays up, it never joins another round
-                control = StepControl(step=s, group=table.group(me, s))
+                control = StepControl(step=s, group=table.group(me, s),
+                                      batch=StepBatch.of(manifest, i, split) if split else None)
                 rep.losses.append(rep.trainer.step(control).loss)
                 rep.hashes.append(control.state_hash)
                 outcome(rep, me, control)
@@ -295,6 +304,34 @@ async def test_diloco_with_h1_and_outer_sgd_lr1_is_synchronous_data_parallel_sgd
         torch.testing.assert_close(flat(b.trainer.model), flat(a.trainer.model), rtol=1e-5, atol=1e-6)
     assert flat(dp[0].trainer.model).sub(flat(Trainer(sgd_manifest("allreduce", steps, 3), corpus=corpus()).model))\
         .abs().max() > 1e-3  # it did train
+
+
+@pytest.mark.parametrize("method", ["allreduce", "cocktail"])
+async def test_uneven_shares_weighted_by_their_size_train_as_one_replica_on_the_whole_global_batch(method):
+    """Three lanes split a global batch of 12 as 7, 3 and 2 (a fast lane and two slow ones): every sequence of a
+    step is computed by exactly one lane, the owners weigh each contribution by its lane's share, and the
+    replicas' synchronized state stays bit-identical; with all-reduce (and CocktailSGD's uncompressed warm-up) the
+    result is what one replica computing all 12 sequences would get, up to float rounding. (The robust aggregation
+    is off here: its norm equalisation scales a noisier small share's gradient down, which is its job and no mean.)"""
+    steps = 5
+    kw = {"cocktail": CocktailSpec(warmup_steps=steps)} if method == "cocktail" else {}
+    m = sgd_manifest(method, steps, 3, **kw)
+    m = RunManifest(**{**{f: getattr(m, f) for f in ("seed", "model", "eval", "plan", "optim")},
+                       "batch": BatchSpec(batch_size=4, micro_batch_size=4, seq_len=32, global_batch=12)})
+    config = SyncConfig(round_timeout_s=20.0, robust=RobustConfig(enabled=False))
+    reps, _ = await run_group(m, steps, shares=[7, 3, 2], config=config)
+    for k in range(steps):
+        assert len({r.hashes[k] for r in reps}) == 1
+    alone_m = RunManifest(**{**{f: getattr(m, f) for f in ("seed", "model", "eval", "optim")},
+                             "plan": ParallelPlan(replicas=1, sync=SyncSpec(method="none")),
+                             "batch": BatchSpec(batch_size=12, micro_batch_size=4, seq_len=32)})
+    alone = Trainer(alone_m, corpus=corpus())
+    for _ in range(steps):
+        alone.step()
+    for r in reps:
+        torch.testing.assert_close(flat(r.trainer.model), flat(alone.model), rtol=1e-4, atol=1e-5)
+    even, _ = await run_group(m, 1)
+    assert flat(even[0].trainer.model).sub(flat(reps[0].trainer.model)).abs().max() > 0  # it did train
 
 
 async def test_diloco_with_one_replica_is_its_inner_optimizer():
