@@ -669,10 +669,15 @@ class RunRuntime:
             self._nursery = nursery
             if hub is not None:
                 self.links = StageLinks(hub, self._token, self.manifest, node.peer_id, self.config.aq_buffer_dir)
-            # a node that restarted finds its run again from its peers (the table may name this node as broker)
-            patient = bool(node.config.host.join) or self.config.manifest is None or any(
-                e.status_record is not None and e.status_record.run_id == self.manifest.run_id
-                for e in node.membership.live_peers())  # a peer trains this run: never start a second one
+            # a node that restarted finds its run again from its peers (the table may name this node as broker); the
+            # run's owner joining a swarm with its manifest starts the run there unless the swarm already has it
+            owner = bool(self.manifest.signature) and self.manifest.owner == node.peer_id
+            if owner and joined:
+                await self.finder.ask(joined)  # the swarm's adverts: is this run already trained here?
+            patient = ((bool(node.config.host.join) and not owner) or self.config.manifest is None
+                       or node.directory.get(self.manifest.run_id) is not None or any(
+                           e.status_record is not None and e.status_record.run_id == self.manifest.run_id
+                           for e in node.membership.live_peers()))  # a peer trains this run: never start a second
             askable = joined + [b for b in brokers if b not in joined and b != node.peer_id]
             found = await self._find_table(askable, patient=patient) if askable else None
             if found is None and self.manifest.owner not in ("", node.peer_id):
