@@ -198,6 +198,7 @@ class Node:
 
     async def publish(self, envelope: bytes) -> None:
         assert self.gossip is not None
+        self.directory.own(envelope)  # this node's broker's advert: listed here too (`runs` answers with it)
         try:
             await self.gossip.publish(envelope)
         except Exception as e:  # noqa: BLE001 - a gossip hiccup must not stop the node

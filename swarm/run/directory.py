@@ -154,6 +154,14 @@ class RunDirectory:
             return False
         return self.observe(signed, source)
 
+    def own(self, env: bytes) -> bool:
+        """A record this peer publishes itself (gossip does not hand it back): kept when it is an advert."""
+        try:
+            signed = open_envelope(env, ADVERT_RECORD_TYPES)
+        except ProtocolError:
+            return False  # another kind of record
+        return self.observe(signed)
+
     def _trim(self) -> None:
         now = self.wall()
         for rid, r in list(self._runs.items()):

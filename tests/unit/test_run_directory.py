@@ -131,3 +131,12 @@ def test_admits_says_which_runs_a_node_may_ask_to_join():
     assert [r.admits(me, has_secret=False) for r in listed] == [True, False, True]
     assert [r.admits("12D3KooWsomeoneelse", has_secret=True) for r in listed] == [True, True, False]
     assert listed[1].private and "private" in listed[1].describe()
+
+
+def test_a_peer_lists_its_own_brokers_advert_and_ignores_its_other_records_quietly():
+    from shoal.protocol.records import StatusRecord
+
+    d, bad = directory()
+    status = seal(StatusRecord(peer_id=peer_id_of(OWNER), seq=1, time=NOW), OWNER)
+    assert not d.own(status) and not bad
+    assert d.own(advert(manifest())) and len(d.runs()) == 1
