@@ -232,7 +232,7 @@ def up(args: argparse.Namespace) -> int:
         raise CliError(f"a local swarm is already running here (pid {running['pid']}, {running['workdir']})",
                        hint="shoal swarm down stops it, shoal swarm status shows it; or use another SHOAL_HOME")
     workdir = Path(args.dir) if args.dir else home / "swarms" / time.strftime("%Y%m%d-%H%M%S")
-    extra: tuple[str, ...] = ()
+    extra: tuple[str, ...] = () if training else ("--no-train",)  # membership only: nobody looks for a run
     t0 = time.monotonic()
     try:
         workdir.mkdir(parents=True, exist_ok=True)

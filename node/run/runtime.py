@@ -113,7 +113,7 @@ class RunRuntime:
     def status_fields(self) -> dict[str, Any]:
         c, t, s = self.client, self.trainer, self.sync
         if self.manifest is None:
-            return {"state": "ready" if self.finder.waiting else "joining"}  # idle while no run takes it
+            return {"state": "ready"}  # idle while it looks for the run to join
         fields: dict[str, Any] = {"run_id": self.manifest.run_id, "state": self.state}
         if c is not None:
             fields["role"] = "broker" if c.is_broker() else c.role()  # the broker may hold a slot too
