@@ -107,6 +107,9 @@ class Node:
         self.metrics = None  # the Prometheus endpoint (node/metrics.py), when config.metrics_listen
         self.metrics_file = None
         self.extra_ingest: list = []  # more consumers of verified records (the run client)
+        # asks the person at the terminal which of several open runs to join (the command line sets it when its
+        # input is a terminal; None: such a node is refused with the candidates)
+        self.choose_run = None
         self._remembered: dict[str, list[str]] = {}
         self._gossip_due = True  # publish the status at the next interval even if unchanged
         self._stop = trio.Event()

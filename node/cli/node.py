@@ -266,6 +266,8 @@ def serve(args: argparse.Namespace, config, hardware, key, device: str | None, f
 
     async def run() -> bool:
         node = Node(config, hardware, key=key)
+        if sys.stdin.isatty() and sys.stdout.isatty():
+            node.choose_run = ask_which_run
         up, interrupted = False, False
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
@@ -306,6 +308,24 @@ def serve(args: argparse.Namespace, config, hardware, key, device: str | None, f
     if trio.run(run):
         raise KeyboardInterrupt
     return 0
+
+
+async def ask_which_run(runs):
+    """The person at the terminal picks one of several open runs (None: none, and the node is refused)."""
+    import trio
+
+    _say(f"this swarm has {len(runs)} open runs:")
+    for i, r in enumerate(runs, 1):
+        _say(f"  {i}) {r.describe()}")
+
+    def ask() -> str:
+        try:
+            return input(f"join which one? [1-{len(runs)}, Enter for none] ")
+        except EOFError:
+            return ""
+
+    answer = (await trio.to_thread.run_sync(ask, abandon_on_cancel=True)).strip()
+    return runs[int(answer) - 1] if answer.isdigit() and 1 <= int(answer) <= len(runs) else None
 
 
 def ready_line(node) -> str:

@@ -10,7 +10,7 @@ when there are several. A full run id that no advert names is fetched the old wa
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -25,6 +25,9 @@ ASK_EVERY_S = 5.0  # while waiting, the joined peers are asked again this often
 SETTLE_S = 1.0  # after the first answers, this long for adverts still on their way
 QUIET_S = 12.0  # a swarm whose peers know no run at all: how long to wait for an advert before refusing a --run
 MAX_LISTED = 8  # candidates named in a refusal
+
+
+Chooser = Callable[[list[ListedRun]], Awaitable[ListedRun | None]]
 
 
 class AmbiguousRun(RunError):
@@ -72,10 +75,11 @@ class RunFinder:
         return answered
 
     async def find(self, query: str | None, peers: Callable[[], list[str]], *, me: str, has_secret: bool,
-                   on_wait: Callable[[], None] = lambda: None) -> ListedRun | str:
+                   on_wait: Callable[[], None] = lambda: None, choose: Chooser | None = None) -> ListedRun | str:
         """The run `query` names (None: the one run this node may join), or a full run id no advert names (its
         manifest is then fetched from the peers). Raises UnknownRun or AmbiguousRun with the candidates.
-        `on_wait` is called when it starts waiting for a run to appear (without a query)."""
+        `on_wait` is called when it starts waiting for a run to appear (without a query); `choose` asks the person
+        at the terminal which of several open runs to join (None there, or no `choose`: refused)."""
         t0 = self.clock()
         asked_at = -ASK_EVERY_S
         heard = False
@@ -98,6 +102,10 @@ class RunFinder:
                         f"the only one of the swarm's {len(runs)} runs this node may join"
                     return r
                 if len(open_runs) > 1:
+                    chosen = await choose(open_runs) if choose is not None else None
+                    if chosen is not None:
+                        self.reason = "chosen at the prompt"
+                        return chosen
                     raise AmbiguousRun(f"the swarm has {len(open_runs)} open runs: {candidates_text(open_runs)}; "
                                        f"say which with --run NAME or --run ID-PREFIX")
                 if not self.waiting:

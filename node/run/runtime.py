@@ -629,7 +629,8 @@ class RunRuntime:
         brokers: list[str] = []  # the broker of a run found by its advert: asked for the table too
         if self.manifest is None and self.config.run_id is None:
             found = await self.finder.find(self.config.select or None, lambda: joined or node.sh.connected_peers(),
-                                           me=node.peer_id, has_secret=bool(self.config.secret), on_wait=up)
+                                           me=node.peer_id, has_secret=bool(self.config.secret), on_wait=up,
+                                           choose=node.choose_run)
             if isinstance(found, str):
                 self.manifest = await self.fetch_manifest(found, joined)
             else:

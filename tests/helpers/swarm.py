@@ -19,12 +19,14 @@ FAST = NodeConfig(status_interval_s=0.5, membership=MembershipConfig(suspect_aft
 
 
 @asynccontextmanager
-async def running_node(join: list[str] = (), config: NodeConfig = FAST, penalties=None, key=None):
-    """A node running for as long as the block does; `key`: its identity (default: a fresh one)."""
+async def running_node(join: list[str] = (), config: NodeConfig = FAST, penalties=None, key=None, choose_run=None):
+    """A node running for as long as the block does; `key`: its identity (default: a fresh one); `choose_run`: what
+    the person at its terminal would answer when the swarm has several open runs."""
     node = Node(replace(config, host=replace(config.host, join=tuple(join))), HW,
                 **({"key": key} if key is not None else {}))
     if penalties is not None:
         node.penalties = penalties
+    node.choose_run = choose_run
     async with trio.open_nursery() as n:
         await n.start(node.run)
         try:

@@ -111,11 +111,18 @@ async def test_a_run_is_found_by_listing_name_prefix_or_alone_and_bad_names_are_
             assert err is not None, errs
             assert all(w in str(err) for w in words), str(err)
             assert took < 12.0, took  # the swarm's runs are known after one answer: no 27 s wait
-        # found: by name (a private run, with its secret), by a longer prefix, and alone (the only open run)
-        for config, run, why in ((cfg(select="beta", secret=SECRET), beta, "named by --run beta"),
-                                 (cfg(select=alpha.run_id[:8]), alpha, f"named by --run {alpha.run_id[:8]}"),
-                                 (cfg(select=""), alpha, "the only one of the swarm's 2 runs")):
-            async with running_node(addrs, config) as v:
+        # found: by name (a private run, with its secret), by a longer prefix, alone (the only open run), and at
+        # the prompt of a terminal when there are several
+        async def pick_beta(runs):
+            assert sorted(r.name for r in runs) == ["alpha", "beta"]
+            return next(r for r in runs if r.name == "beta")
+
+        for config, run, why, choose in (
+                (cfg(select="beta", secret=SECRET), beta, "named by --run beta", None),
+                (cfg(select=alpha.run_id[:8]), alpha, f"named by --run {alpha.run_id[:8]}", None),
+                (cfg(select=""), alpha, "the only one of the swarm's 2 runs", None),
+                (cfg(select="", secret=SECRET), beta, "chosen at the prompt", pick_beta)):
+            async with running_node(addrs, config, choose_run=choose) as v:
                 await wait_for(lambda: in_run(v, run.run_id), 30, f"a volunteer in {run.name}")
                 assert why in v.runtime.finder.reason
                 assert v.runtime.config.manifest is None  # from the advert: a network manifest (its data checked)
