@@ -37,8 +37,9 @@ def clamp_speeds(speeds: dict[int, float | None], spread: float = DEFAULT_SPREAD
 
 
 def apportion(units: int, weights: dict[int, float]) -> dict[int, int]:
-    """`units` split over the lanes of `weights` in proportion to them, each lane at least one unit (largest
-    remainder on exact fractions of the weights' float values; ties go to the lower lane index)."""
+    """`units` split over the lanes of `weights` in proportion to them (largest remainder on exact fractions of the
+    weights' float values, ties to the lower lane index), then every lane that got none takes one from the lane with
+    the most (so each lane has at least one unit)."""
     lanes = sorted(weights)
     if not lanes:
         return {}
@@ -48,12 +49,16 @@ def apportion(units: int, weights: dict[int, float]) -> dict[int, int]:
         raise ValueError("weights must be positive")
     fr = {r: Fraction(weights[r]) for r in lanes}  # exact: float values are binary fractions
     total = sum(fr.values())
-    spare = units - len(lanes)  # one unit each first, the rest by weight
-    ideal = {r: spare * fr[r] / total for r in lanes}
-    out = {r: 1 + int(ideal[r]) for r in lanes}
+    ideal = {r: units * fr[r] / total for r in lanes}
+    out = {r: int(ideal[r]) for r in lanes}
     left = units - sum(out.values())
     for r in sorted(lanes, key=lambda r: (-(ideal[r] - int(ideal[r])), r))[:left]:
         out[r] += 1
+    for r in lanes:
+        if out[r] == 0:
+            donor = max(lanes, key=lambda q: (out[q], -q))
+            out[donor] -= 1
+            out[r] = 1
     return out
 
 

@@ -201,12 +201,12 @@ class Broker:
 
     def _resplit(self) -> bool:
         """With the same lanes, a split by their speeds that shortens the step enough (BatchSplit.better): it takes
-        effect at an agreed step, as a group change does. True when it did."""
-        better = self.split.better(self.lane_speeds())
-        if better is None:
+        effect at a switch step every member can still reach, as a group change does, but the groups stay (same
+        members, same epoch: rounds, reports and entries under way are not disturbed). True when it did."""
+        if self.ctx.switch_step is None or self.split.better(self.lane_speeds()) is None:
             return False
         for s in range(self.stages):
-            self.epochs[s] += 1
+            self.switch_steps[s] = max(self.switch_steps[s], self.ctx.switch_step(s))
         return True
 
     def _pick_standby(self) -> None:

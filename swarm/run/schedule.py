@@ -80,10 +80,19 @@ class GroupSchedule:
         return g if g is not None and g.stage == stage else None
 
     def entry(self) -> tuple[int, int, int] | None:
-        """(switch step, stage, replica) of this node's slot in the newest table, or None when it has none."""
+        """(step, stage, replica) of this node's slot in the newest table, or None when it has none: the switch step
+        at which its stage's group took effect with this node in this slot (a later table of the same group epoch,
+        a new split of the batch, moves no one's entry)."""
         t = self.latest
         slot = t.slot_of(self.me) if t is not None else None
-        return (t.switch_step(slot[0]), slot[0], slot[1]) if slot is not None else None
+        if slot is None:
+            return None
+        stage, step = slot[0], t.switch_step(slot[0])
+        for older in reversed(self.tables[:-1]):
+            if older.epochs[stage] != t.epochs[stage] or older.slot_of(self.me) != slot:
+                break
+            step = older.switch_step(stage)
+        return step, stage, slot[1]
 
     def switch_steps(self, table: AssignmentTable) -> set[int]:
         """The steps at which `table`'s groups take effect (members snapshot their state there for joiners)."""

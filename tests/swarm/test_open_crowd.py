@@ -136,7 +136,7 @@ def steps_of(node) -> int:
 async def test_a_volunteer_becomes_a_new_lane_the_run_grows_to_its_maximum_shrinks_and_waits_below_its_minimum():
     key = Ed25519PrivateKey.generate()
     run = base("crowd", 1, replicas=2, min_replicas=2, max_replicas=3).signed(key)
-    fast = SplitConfig(every_s=1.0)
+    fast = SplitConfig(every_s=5.0)
     owner_cfg = cfg(run, split=fast, min_step_s=0.05)
     vol = cfg(select="", split=fast, min_step_s=0.05)
     async with running_node((), owner_cfg, key=key) as first:

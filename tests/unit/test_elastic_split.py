@@ -59,8 +59,9 @@ class Run:
         async def publish(env: bytes) -> None:
             pass
 
+        self.step = 0  # the furthest step the members report (a change takes effect a few steps after it)
         ctx = RunContext(sh=me, manifest=m, register=lambda *a: None, publish=publish, clock=self.clock,
-                         wall=time.time, membership=self.membership)
+                         wall=time.time, membership=self.membership, switch_step=lambda stage: self.step + 3)
         self.b = Broker(ctx, BrokerConfig(heartbeat_s=1.0, fail_after_s=10.0, lease_renew_s=1.0, lease_timeout_s=6.0,
                                           split=split))
 
@@ -159,9 +160,11 @@ async def test_the_same_lanes_are_re_split_only_for_a_real_gain_and_not_too_ofte
         r.check()
     assert r.b.table.lane_shares() == {0: 20, 1: 20} and r.b.split.resplits == 0  # 4 % faster: not worth it
     r.speed(b, 200.0)
+    r.step, epochs = 40, r.b.epochs[:]
     r.check()
-    assert r.b.split.resplits == 1 and sorted(r.b.table.lane_shares().values()) == [14, 26]
-    assert r.b.table.version > version
+    assert r.b.split.resplits == 1 and sorted(r.b.table.lane_shares().values()) == [13, 27]
+    assert r.b.table.version > version and r.b.table.switch_step(0) == 43  # from a step every member can reach
+    assert r.b.epochs == epochs  # the same group: rounds and reports under way go on
     r.speed(b, 300.0)
     r.check()
     assert r.b.split.resplits == 1  # under every_s since the last split: kept
@@ -174,8 +177,9 @@ def test_apportion_gives_every_unit_once_each_lane_one_and_follows_the_weights(e
     out = apportion(units, weights)
     assert sum(out.values()) == units and min(out.values()) >= 1
     total = sum(ws)
-    for r, w in weights.items():  # within one unit of one each plus the proportional rest
-        assert abs(out[r] - (1 + extra * w / total)) < 1 + 1e-9
+    lifted = sum(units * w / total < 1 for w in ws)  # lanes that take a unit their weight would not give them
+    for r, w in weights.items():  # within one unit of their proportion (more only for what others were lifted by)
+        assert abs(out[r] - units * w / total) < 1 + lifted + 1e-9
     assert apportion(units, weights) == out  # deterministic
 
 
@@ -219,3 +223,23 @@ def test_a_sequence_keeps_its_home_lane_across_epochs_and_a_new_lane_moves_few()
 def test_one_lane_takes_the_stream_in_order_as_one_trainer_did():
     order = GlobalOrder(100, seed=3)
     assert order.step_ids(7, StepBatch(16, ((0, 16),), 0)).tolist() == order.ids(7 * 16, 16).tolist()
+
+
+async def test_a_new_split_moves_no_members_entry_and_applies_from_its_switch_step():
+    from shoal.swarm.run.schedule import GroupSchedule
+
+    r = Run(elastic(replicas=2, hi=2, batch=40), SplitConfig(every_s=0.0, gain=0.1))
+    a, b = await r.join(2)
+    r.step = 10
+    r.b.reform(0, "a newcomer's group")  # a group change: takes effect at step 13
+    before = r.b.table
+    r.speed(a, 100.0), r.speed(b, 300.0)
+    r.step = 20
+    r.check()  # a new split, from step 23
+    after = r.b.table
+    assert after.epochs == before.epochs and after.switch_step(0) == 23 and before.switch_step(0) == 13
+    sched = GroupSchedule(a)
+    sched.add(before), sched.add(after)
+    assert sched.entry()[0] == 13  # a member entering at 13 still enters there
+    assert sched.table_at(22, 0).lane_shares() == {0: 20, 1: 20} and sched.table_at(23, 0) is after
+    assert sched.group_at(22).weights == (20, 20) and sorted(sched.group_at(23).weights) == [10, 30]  # 1:3
