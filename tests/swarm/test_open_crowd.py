@@ -14,7 +14,7 @@ import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.node.cli.errors import leaves
+from shoal.node.failure import leaves
 from shoal.node.run.config import RunConfig
 from shoal.node.run.preflight import UnknownRun
 from shoal.node.run.resolve import AmbiguousRun, RunFinder
