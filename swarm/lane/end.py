@@ -23,7 +23,7 @@ from shoal.swarm.lane.aq_handover import AQStores, StoreKey
 from shoal.swarm.lane.aq_link import AQReceiver, AQSender, link_status, store_config
 from shoal.swarm.lane.payload import Outgoing, decode_acts, decode_grads, encode_acts, encode_grads, resend_encoding
 from shoal.swarm.lane.spec import (LEN, MAX_CONTROL_BYTES, LaneSpec, LinkConfig, LinkCounters, LinkError, Violation,
-                                   reset_quietly)
+                                   aq_groups, check_record, reset_quietly)
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 
@@ -494,7 +494,7 @@ class LinkEnd:
                         raise DecodeError("empty frame")
                     raw = await read_exactly(stream, n)
                     rec = decode_data(raw, link.direction)
-                    kind = self._check_record(link, rec)
+                    kind = check_record(self.spec, link.direction, rec)
                     # tensor frames stay bytes (the consumer decodes them); an Act's are a list (AQ-SGD: two)
                     frames: list[bytes | None] | bytes | None = None
                     wire, payload = 4 + n, 0
@@ -506,7 +506,7 @@ class LinkEnd:
                         wire, payload = wire + 4 + len(buf), expected
                     elif rec.TYPE in TENSOR_TYPES:
                         groups: list[bytes | None] = []
-                        for rows, bits in self._aq_groups(rec):
+                        for rows, bits in aq_groups(self.spec, rec):
                             if not rows:
                                 groups.append(None)
                                 continue
@@ -538,47 +538,6 @@ class LinkEnd:
             except Violation as e:
                 await self._reject(link, str(e), rec.step)
                 return
-
-    def _check_record(self, link: _Link, rec: StepMessage) -> str | None:
-        """Checks that need this lane's spec; returns the tensor kind that follows (None: no tensor)."""
-        sp = self.spec
-        if isinstance(rec, Act):
-            train = rec.phase == TRAIN
-            kind, count, n_ids = (sp.kind, sp.micro_batches, sp.train_samples) if train else (
-                sp.eval_kind, sp.eval_batches, sp.eval_samples)
-            if rec.kind != kind:
-                raise Violation(f"{rec.phase} activations at {rec.kind}, this run sends {kind}")
-            if kind == AQ and sp.aq is not None and rec.bits != sp.aq.fwd_bits:
-                raise Violation(f"deltas at {rec.bits} bits, this run sends {sp.aq.fwd_bits}")
-            if rec.micro >= count:
-                raise Violation(f"{rec.phase} micro-batch {rec.micro} of {count}")
-            if len(rec.ids) != sp.micro_batch or max(rec.ids) >= n_ids:
-                raise Violation(f"sample ids: {len(rec.ids)} of them (expected {sp.micro_batch}), "
-                                f"largest {max(rec.ids)} (the {rec.phase} set has {n_ids})")
-            return kind
-        if isinstance(rec, Grad):
-            if rec.micro >= sp.micro_batches:
-                raise Violation(f"gradients of micro-batch {rec.micro} of {sp.micro_batches}")
-            return sp.kind
-        if isinstance(rec, LaneNorm):
-            ok = rec.stage < sp.stage if link.direction == FWD else sp.stage < rec.stage < sp.num_stages
-            if not ok:
-                raise Violation(f"norms of stage {rec.stage} cannot come from this side of stage {sp.stage}")
-            return None
-        if isinstance(rec, Abort):
-            return None
-        if isinstance(rec, Nack) and sp.kind == AQ:
-            if rec.micro >= sp.micro_batches:
-                raise Violation(f"NACK of micro-batch {rec.micro} of {sp.micro_batches}")
-            return None
-        raise Violation(f"{rec.TYPE} is not used on a {sp.kind} link")
-
-    def _aq_groups(self, rec: StepMessage) -> list[tuple[int, int]]:
-        """The AQ-SGD row groups (rows, bits) whose tensor frames follow a record (0 rows: no frame)."""
-        aq = _need(self.spec.aq, "AQ-SGD row groups come on AQ-SGD links only")
-        if isinstance(rec, Act):
-            return [(rec.n_first, aq.first_bits), (rec.n_delta, aq.fwd_bits)]
-        return [(self.spec.micro_batch, aq.bwd_bits)]
 
     async def _admit(self, link: _Link, rec: StepMessage, frames: list[bytes | None] | bytes | None) -> None:
         phase = rec.phase if isinstance(rec, Act) else TRAIN

@@ -89,7 +89,8 @@ def decode_acts(spec: LaneSpec, aq: AQReceiver | None, rec: Act, frames: Sequenc
         return nack
     seq, hidden = spec.seq_len, spec.d_model
     sizes = ((rec.n_first, spec.aq.first_bits), (rec.n_delta, spec.aq.fwd_bits))
-    first, deltas = (None if f is None else decode_group(f, n, seq, hidden, bits) for f, (n, bits) in zip(frames, sizes))
+    first, deltas = (None if f is None else decode_group(f, n, seq, hidden, bits)
+                     for f, (n, bits) in zip(frames, sizes))
     return ids, aq.apply(rec, (first, deltas))
 
 
