@@ -12,14 +12,14 @@ from typing import ClassVar
 from shoal.protocol.assignment import MAX_REPLICAS, MAX_PROVIDERS, RUN_ID
 from shoal.protocol.errors import FieldError
 from shoal.protocol.records import PEER_ID, TIME_S
-from shoal.protocol.schema import Bytes, Int, Optional, WireRecord, spec
+from shoal.protocol.schema import Bytes, Int, Optional, SignedRecord, WireRecord, spec
 
 #: a manifest larger than this (a long allowlist) is not advertised: its run is joined by its id or file
 MAX_ADVERT_MANIFEST_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RunAdvert(WireRecord):
+class RunAdvert(SignedRecord):
     """One run as its broker (`peer_id`, the signer) advertises it."""
 
     KIND: ClassVar[str] = "run"
@@ -41,4 +41,4 @@ class RunAdvert(WireRecord):
             raise FieldError("free_lanes", f"more than {MAX_REPLICAS} lanes in all")
 
 
-ADVERT_RECORD_TYPES: dict[str, type[WireRecord]] = {RunAdvert.KIND: RunAdvert}
+ADVERT_RECORD_TYPES: dict[str, type[SignedRecord]] = {RunAdvert.KIND: RunAdvert}

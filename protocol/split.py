@@ -12,6 +12,7 @@ node that applies it to the same speeds gets the same shares.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from fractions import Fraction
 
 DEFAULT_SPREAD = 4.0  # a lane's speed is credited within [median / 4, median * 4]
@@ -22,7 +23,7 @@ def _median_low(xs: list[float]) -> float:
     return s[(len(s) - 1) // 2]
 
 
-def clamp_speeds(speeds: dict[int, float | None], spread: float = DEFAULT_SPREAD) -> dict[int, float]:
+def clamp_speeds(speeds: Mapping[int, float | None], spread: float = DEFAULT_SPREAD) -> dict[int, float]:
     """Each lane's speed clamped into [median / spread, median * spread] of the lanes that reported one (a lane
     without a report, or with a non-positive one, is credited the median; with no reports at all every lane is
     equal)."""
@@ -62,7 +63,7 @@ def apportion(units: int, weights: dict[int, float]) -> dict[int, int]:
     return out
 
 
-def shares(global_batch: int, granule: int, speeds: dict[int, float | None],
+def shares(global_batch: int, granule: int, speeds: Mapping[int, float | None],
            spread: float = DEFAULT_SPREAD) -> dict[int, int]:
     """Sequences per lane: the global batch in units of `granule`, apportioned by the clamped speeds."""
     if global_batch % granule:

@@ -6,7 +6,7 @@ lanes, and the step number alone says where the data is. The broker's table says
 (`StepBatch.shares`, in force from the table's switch step). Which ones: every sequence has a home lane, fixed by a
 hash of its id and the lanes' shares (consistent hashing on [0, 2^64): lane j owns a slice as wide as its share), so a
 sequence keeps coming back to the same lane epoch after epoch (AQ-SGD keeps a buffer per sequence on each link:
-pipeline.md "AQ-SGD over a link") and a change of shares or lanes moves only the sequences near a slice's edge. A
+docs/pipeline.md, "AQ-SGD over a link") and a change of shares or lanes moves only the sequences near a slice's edge. A
 step's sequences go to their home lanes in stream order until a lane's share is full; the few left over (a step's
 count per home varies around its share) fill the lanes with room, in lane order, as first visits. Every sequence of
 the step goes to exactly one lane; all of it is integer arithmetic, the same on every machine.

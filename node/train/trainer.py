@@ -1,6 +1,7 @@
 """The step loop of one stage of one lane: micro-batches, AdamW or SGD, warm-up + cosine, clipping, eval, hooks, a
-synchronizer slot. A one-stage plan is a lane of one stage: the whole model, each micro-batch's backward right after
-its forward (today's gradient accumulation). A stage of a split model runs GPipe with a flush per step through its
+synchronizer slot. The order of a step's micro-batches is the lane's pipeline schedule, an object the trainer holds
+(node/train/pipeline.py): a one-stage plan is a lane of one stage, the whole model, each micro-batch's backward right
+after its forward (gradient accumulation); a stage of a split model runs GPipe with a flush per step through its
 lane's `Boundary`: M micro-batches forward through every stage, then backward in micro-batch order 0..M-1, so a
 one-stage lane and the unsplit model agree bit for bit. The last stage computes the loss (divided by M); clipping is
 lane-wide (every stage's parameter norms, combined as `clip_grad_norm_` combines the whole model's); a lane with a
@@ -31,6 +32,7 @@ from shoal.node.train.control import StepControl, StepResult, StepStage
 from shoal.node.train.data import Corpus, Samples, heldout_batches, load_corpus
 from shoal.node.train.device import resolve_device
 from shoal.node.train.lane import Boundary, SoloLane
+from shoal.node.train.pipeline import PipelineSchedule, schedule_for
 from shoal.node.train.stages import build_stage_model, lm_loss
 from shoal.protocol.lane import EVAL, TRAIN, LaneAborted
 from shoal.protocol.manifest import OptimSpec, RunManifest
@@ -196,6 +198,7 @@ class Trainer:
         self.eval_ids = heldout_batches(self.heldout_samples, b.micro_batch_size, manifest.eval.batches)
         self.wave = max(1, b.batch_size // b.micro_batch_size)  # micro-batches a pipeline stage keeps in flight
         self.speed = SpeedMeter()
+        self.schedule: PipelineSchedule = schedule_for(plan.stages)  # the order of each step's micro-batches
         # the built-in GPT or a Hugging Face model (node/train/stages.py); `weights`: the run's initial weights file
         self.model = build_stage_model(manifest, stage, weights=weights).to(self.device)
         cuda = self.device.type == "cuda"
@@ -302,10 +305,10 @@ class Trainer:
 
     def _pass(self, step: int, batch: StepBatch) -> torch.Tensor | None:
         """This lane's share of the step through this stage, in micro-batches of `micro_batch_size` (the last one
-        smaller when the share is not a whole number of them): one stage does each backward right after its
-        forward; a stage of a longer lane does the forwards of a wave (at most `wave` micro-batches), then their
-        backwards in order, wave after wave. The loss at the last stage: the share's mean (each micro-batch's mean
-        weighted by its size), summed."""
+        smaller when the share is not a whole number of them), in the order of the lane's pipeline schedule
+        (node/train/pipeline.py), a wave (at most `wave` micro-batches, the nominal batch) at a time: a share larger
+        than the nominal batch keeps no more graphs alive than the nominal one would. The loss at the last stage: the
+        share's mean (each micro-batch's mean weighted by its size), summed."""
         n, mbs = batch.samples, self.manifest.batch.micro_batch_size
         sizes = [min(mbs, n - i) for i in range(0, n, mbs)]
         batches = None
@@ -313,21 +316,11 @@ class Trainer:
             staged, self._staged = self._staged, None
             batches = staged[2] if staged is not None and staged[:2] == (step, batch) else \
                 self._micro_batches(self.order.step_ids(step, batch), self.train_samples)
-        loss_sum = torch.zeros((), device=self.device) if self.is_last else None
-        wave = 1 if self.num_stages == 1 else self.wave
-        for first in range(0, len(sizes), wave):
-            kept = []
-            for m in range(first, min(first + wave, len(sizes))):
-                inp, out = self._forward(step, m, batches[m] if batches else None, self.train_samples, TRAIN)
-                if self.is_last:  # n / size is the micro-batch count when all are equal: today's loss / M
-                    out = out / (n // sizes[m]) if n % sizes[m] == 0 else out * (sizes[m] / n)
-                    loss_sum += out.detach()
-                kept.append((m, inp, out))
-            for k in range(len(kept)):
-                m, inp, out = kept[k]
-                kept[k] = None  # frees the micro-batch's graph as soon as it is done
-                self._backward(step, m, inp, out)
-        return loss_sum
+        micro = _StagePass(self, step, batches, sizes)
+        for first in range(0, len(sizes), self.wave):
+            micro.offset = first
+            self.schedule.run(micro, min(self.wave, len(sizes) - first))
+        return micro.loss_sum
 
     def _clip(self, step: int) -> torch.Tensor:
         """Clip to the lane's gradient norm (exchanged with the lane's other stages); returns it as a 0-d tensor
@@ -569,3 +562,27 @@ class Trainer:
             return None
         self.load_state_dict(found[1])
         return found[0]
+
+
+class _StagePass:
+    """One step's micro-batches at one stage, as its pipeline schedule runs them, a wave at a time (the schedule's
+    micro-batch m is `offset + m` of the share): a forward leaves (input leaf or None, output) for its backward; the
+    last stage's output is the micro-batch's mean loss weighted by its part of the share, summed here."""
+
+    def __init__(self, trainer: Trainer, step: int, batches: list | None, sizes: list[int]):
+        self.trainer, self.step, self.batches, self.sizes = trainer, step, batches, sizes
+        self.samples = sum(sizes)
+        self.offset = 0
+        self.loss_sum = torch.zeros((), device=trainer.device) if trainer.is_last else None
+
+    def forward(self, micro: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        t, m = self.trainer, self.offset + micro
+        inp, out = t._forward(self.step, m, self.batches[m] if self.batches else None, t.train_samples, TRAIN)
+        if t.is_last:  # n / size is the micro-batch count when all are equal: out / M, as a full batch has it
+            n, size = self.samples, self.sizes[m]
+            out = out / (n // size) if n % size == 0 else out * (size / n)
+            self.loss_sum += out.detach()
+        return inp, out
+
+    def backward(self, micro: int, kept: tuple[torch.Tensor | None, torch.Tensor]) -> None:
+        self.trainer._backward(self.step, self.offset + micro, *kept)

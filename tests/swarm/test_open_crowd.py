@@ -129,7 +129,7 @@ async def test_a_run_is_found_by_listing_name_prefix_or_alone_and_bad_names_are_
 
 
 def steps_of(node) -> int:
-    t = node.runtime.trainer if node.runtime is not None else None
+    t = node.runtime.replica.trainer if node.runtime is not None else None
     return t.step_count if t is not None else 0
 
 
@@ -152,7 +152,7 @@ async def test_a_volunteer_becomes_a_new_lane_the_run_grows_to_its_maximum_shrin
                 table = first.runtime.client.table
                 assert table.slot_of(third.peer_id) == (0, 2) and table.complete_lanes() == (0, 1, 2)
                 assert sum(table.lane_shares().values()) == 12 and min(table.lane_shares().values()) >= 1
-                assert third.runtime.entries and third.runtime.entries[0]["step"] > 5  # entered mid-run with state
+                assert third.runtime.entry.entries and third.runtime.entry.entries[0]["step"] > 5  # entered mid-run with state
                 async with running_node(addrs, vol) as fourth:  # at the maximum: the pool
                     await wait_for(lambda: fourth.runtime.client is not None and fourth.runtime.client.role()
                                    == "backup", 30, "the fourth volunteer in the pool")
@@ -160,7 +160,7 @@ async def test_a_volunteer_becomes_a_new_lane_the_run_grows_to_its_maximum_shrin
                     third.stop()  # a lane leaves: the backup takes its place
                     await wait_for(lambda: first.runtime.client.table.slot_of(fourth.peer_id) == (0, 2), 30,
                                    "the backup seated in the leaver's lane")
-                    await wait_for(lambda: steps_of(fourth) > 0 and fourth.runtime.state == "training", 60,
+                    await wait_for(lambda: steps_of(fourth) > 0 and fourth.runtime.replica.state == "training", 60,
                                    "the promoted backup to train")
                     fourth.stop()  # and with nobody to replace it, the run shrinks to its minimum
                     await wait_for(lambda: first.runtime.client.table.complete_lanes() == (0, 1), 30,
@@ -168,14 +168,14 @@ async def test_a_volunteer_becomes_a_new_lane_the_run_grows_to_its_maximum_shrin
                     shrunk = first.runtime.client.table.switch_step(0)
                     await wait_for(lambda: min(map(steps_of, nodes)) > shrunk + 3, 60, "two lanes to train on")
             assert sorted(first.runtime.client.table.lane_shares()) == [0, 1]
-            common = set(first.runtime.hashes.hashes) & set(second.runtime.hashes.hashes)
-            assert len(common) > 10 and all(first.runtime.hashes.hashes[s] == second.runtime.hashes.hashes[s]
+            common = set(first.runtime.consistency.hashes.hashes) & set(second.runtime.consistency.hashes.hashes)
+            assert len(common) > 10 and all(first.runtime.consistency.hashes.hashes[s] == second.runtime.consistency.hashes.hashes[s]
                                             for s in common)
             second.stop()  # below the minimum of 2: the run waits
-            await wait_for(lambda: first.runtime.state == "waiting", 40, "the run to wait below its minimum")
+            await wait_for(lambda: first.runtime.replica.state == "waiting", 40, "the run to wait below its minimum")
             paused = steps_of(first)
             await trio.sleep(2.0)
-            assert steps_of(first) == paused and first.runtime.state == "waiting"
+            assert steps_of(first) == paused and first.runtime.replica.state == "waiting"
     print(f"a volunteer's first applied step {joined_s:.1f} s after its node started (in-process)")
 
 
@@ -191,7 +191,7 @@ async def test_the_batch_follows_speed_and_a_node_claiming_any_speed_takes_a_bou
                 running_node(addrs, cfg(select="", split=fast)) as liar:
             nodes = [first, second, liar]
             await wait_for(lambda: min(map(steps_of, nodes)) >= 5, 60, "three lanes to train")
-            liar.runtime.trainer.speed.rate = lambda: 1e9  # it claims a billion sequences a second
+            liar.runtime.replica.trainer.speed.rate = lambda: 1e9  # it claims a billion sequences a second
 
             def liar_share() -> int:
                 t = first.runtime.client.table
@@ -206,7 +206,7 @@ async def test_the_batch_follows_speed_and_a_node_claiming_any_speed_takes_a_bou
             switch = t.switch_step(0)
             await wait_for(lambda: min(map(steps_of, nodes)) > switch + 3, 60, "steps with the new split")
             for n in nodes:  # each computed its lane's share of its last step, and all hold the same state
-                at = n.runtime.schedule.table_at(n.runtime.last.step - 1, 0)
-                assert n.runtime.last.samples == at.lane_shares()[at.slot_of(n.peer_id)[1]]
-            common = set.intersection(*(set(n.runtime.hashes.hashes) for n in nodes))
-            assert len({n.runtime.hashes.hashes[max(common)] for n in nodes}) == 1
+                at = n.runtime.timeline.table_at(n.runtime.replica.last.step - 1, 0)
+                assert n.runtime.replica.last.samples == at.lane_shares()[at.slot_of(n.peer_id)[1]]
+            common = set.intersection(*(set(n.runtime.consistency.hashes.hashes) for n in nodes))
+            assert len({n.runtime.consistency.hashes.hashes[max(common)] for n in nodes}) == 1

@@ -226,7 +226,7 @@ def test_one_lane_takes_the_stream_in_order_as_one_trainer_did():
 
 
 async def test_a_new_split_moves_no_members_entry_and_applies_from_its_switch_step():
-    from shoal.swarm.run.schedule import GroupSchedule
+    from shoal.swarm.run.timeline import GroupTimeline
 
     r = Run(elastic(replicas=2, hi=2, batch=40), SplitConfig(every_s=0.0, gain=0.1))
     a, b = await r.join(2)
@@ -238,7 +238,7 @@ async def test_a_new_split_moves_no_members_entry_and_applies_from_its_switch_st
     r.check()  # a new split, from step 23
     after = r.b.table
     assert after.epochs == before.epochs and after.switch_step(0) == 23 and before.switch_step(0) == 13
-    sched = GroupSchedule(a)
+    sched = GroupTimeline(a)
     sched.add(before), sched.add(after)
     assert sched.entry()[0] == 13  # a member entering at 13 still enters there
     assert sched.table_at(22, 0).lane_shares() == {0: 20, 1: 20} and sched.table_at(23, 0) is after

@@ -21,7 +21,7 @@ def group_of(table: AssignmentTable, me: str) -> Group | None:
     stage = slot[0]
     members = table.group_members(stage)
     shares = table.lane_shares()
-    lanes = [table.slot_of(m)[1] for m in members]
+    lanes = [s[1] for m in members if (s := table.slot_of(m)) is not None]
     weights = tuple(shares[r] for r in lanes) if all(r in shares for r in lanes) else ()
     return Group(run_id=table.run_id, stage=stage, epoch=table.epochs[stage], members=members, me=me,
                  weights=weights)
@@ -38,7 +38,7 @@ def lane_peers(table: AssignmentTable, me: str) -> tuple[str | None, str | None]
     return prev, nxt
 
 
-class GroupSchedule:
+class GroupTimeline:
     """The tables one node has accepted, newest last (owned by the event loop)."""
 
     def __init__(self, me: str, *, keep: int = MAX_TABLES):
@@ -85,7 +85,7 @@ class GroupSchedule:
         a new split of the batch, moves no one's entry)."""
         t = self.latest
         slot = t.slot_of(self.me) if t is not None else None
-        if slot is None:
+        if t is None or slot is None:
             return None
         stage, step = slot[0], t.switch_step(slot[0])
         for older in reversed(self.tables[:-1]):
