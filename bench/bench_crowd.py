@@ -3,7 +3,8 @@
   join     a volunteer's `shoal node --join ADDR` (fresh identity, nothing else) to its first applied step, 5 times,
            in a run below its maximum (median and worst)
   elastic  a run of 2 lanes grows to 4 as volunteers join and shrinks to 2 as they leave: per step the lanes, the
-           sequences each computed, the global batch (constant) and whether the state hashes agree
+           sequences each computed, the global batch (constant) and whether the state hashes agree; per shape the
+           step time and sequences per second (every node under its own CPU quota, needs root)
   hetero   two replicas throttled to a 2:1 speed ratio (CPU quotas, cgroup v1 cpu controller): step time with the
            even split the run starts with vs the speed-proportional split it moves to, in the same run
   curve    the held-out loss at a fixed global batch computed by 2 and by 4 replicas (same steps)
@@ -175,54 +176,94 @@ def md_join(r: dict) -> list[str]:
 
 # -- elasticity --------------------------------------------------------------------------------------------------
 def part_elastic(args, workdir: Path) -> dict:
-    run = write_run(workdir, replicas=2, min_replicas=2, max_replicas=4, global_batch=24)
-    s = swarm(workdir, 2, run, "--min-step-time", "0.15")
-    log, vols = StepLog(), {}
+    quotas = args.elastic_cpu > 0
+    if quotas and (os.geteuid() != 0 or not CGROUP.exists()):
+        raise SystemExit("elastic --elastic-cpu needs root and the cgroup v1 cpu controller (or --elastic-cpu 0)")
+    gb = args.elastic_batch
+    run = write_run(workdir, replicas=2, min_replicas=2, max_replicas=4, global_batch=gb)
+    pace = () if quotas else ("--min-step-time", "0.15")
+    s = swarm(workdir, 2, run, *pace)
+    log, vols, groups = StepLog(), {}, []
     events: list[tuple[int, str]] = []
+    phases: list[dict] = []  # each shape of the run: its lanes and the wall-clock window it held
 
-    def watch(seconds: float) -> None:
-        end = time.monotonic() + seconds
+    def limit(name: str, pid: int) -> None:
+        if quotas:  # every node its own slice of a core: a volunteer brings its own compute, as on its own machine
+            groups.append(quota(f"shoal-crowd-{name}-{os.getpid()}", args.elastic_cpu, pid))
+
+    def watch(seconds: float, lanes: int) -> None:
+        t0 = time.monotonic()
+        end = t0 + seconds
         while time.monotonic() < end:
             log.poll(docs_of(s, vols))
             time.sleep(0.2)
+        phases.append({"lanes": lanes, "t0": t0, "t1": time.monotonic()})
 
     def top() -> int:
         return max((d.get("step") or 0) for d in docs_of(s, vols).values())
 
     try:
         s.start()
-        wait(lambda: training(s, 2, 5), 180, "two lanes training")
+        for n in s.nodes:
+            limit(f"node{n.index}", n.proc.pid)
+        wait(lambda: training(s, 2, 5), 300, "two lanes training")
         join = s.bootstrap_addrs()[0]
-        watch(args.phase_s)
-        for name in ("v1", "v2"):
+        watch(args.phase_s, 2)
+        for k, name in enumerate(("v1", "v2")):
             events.append((top(), f"{name} joins"))
-            vols[name] = Volunteer(workdir, name, join, "--min-step-time", "0.15")
-            wait(lambda: (vols[name].status().get("samples_done") or 0) > 0, 180, f"{name} training")
-            watch(args.phase_s)
-        for name in ("v2", "v1"):
+            vols[name] = Volunteer(workdir, name, join, *pace)
+            limit(name, vols[name].proc.pid)
+            wait(lambda: (vols[name].status().get("samples_done") or 0) > 0, 300, f"{name} training")
+            watch(args.phase_s, 3 + k)
+        for k, name in enumerate(("v2", "v1")):
             events.append((top(), f"{name} leaves"))
             vols.pop(name).stop()
-            watch(args.phase_s)
+            watch(args.phase_s, 3 - k)
     finally:
         for v in vols.values():
             v.stop()
         s.stop()
+        for g in groups:
+            for _ in range(50):
+                try:
+                    g.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
     rows = [r for r in log.rows() if r["lanes"] > 0]
-    return {"rows": rows, "events": events,
-            "setup": "min 2, max 4 lanes, global batch 24 sequences, allreduce, steps paced to >= 0.15 s; volunteers "
-                     "v1, v2 join with `shoal node --join ADDR` and leave with SIGTERM"}
+    times = log.times["node0"]
+    for ph in phases:  # steps per second at node 0 in the window's second half (the change settled)
+        mid = (ph["t0"] + ph["t1"]) / 2
+        pts = [(t, st) for t, st in times if mid <= t <= ph["t1"]]
+        ph["step_s"] = (pts[-1][0] - pts[0][0]) / (pts[-1][1] - pts[0][1]) \
+            if len(pts) >= 2 and pts[-1][1] > pts[0][1] else None
+        ph["sequences_per_s"] = gb / ph["step_s"] if ph["step_s"] else None
+        del ph["t0"], ph["t1"]
+    return {"rows": rows, "events": events, "phases": phases, "global_batch": gb,
+            "setup": f"min 2, max 4 lanes of the tiny GPT, global batch {gb} sequences of 64 tokens, allreduce, "
+                     + (f"every node process under a CPU quota of {args.elastic_cpu:g} core (cgroup v1 cfs "
+                        f"quota: each volunteer brings its own compute, as on its own machine)" if quotas else
+                        "steps paced to >= 0.15 s")
+                     + "; volunteers v1, v2 join with `shoal node --join ADDR` and leave with SIGTERM, "
+                       f"{args.phase_s:g} s in each shape"}
 
 
 def md_elastic(r: dict) -> list[str]:
-    rows = r["rows"]
-    complete = [x for x in rows if x["global_batch"] == 24]
+    rows, gb = r["rows"], r["global_batch"]
+    complete = [x for x in rows if x["global_batch"] == gb]
     lines = [r["setup"] + ".", "",
-             f"{len(rows)} steps seen; every step's shares summed to {sorted({x['global_batch'] for x in rows})} "
-             f"(a step whose lanes' files were not all caught shows less); hashes agreed at "
-             f"{sum(x['hashes_agree'] is True for x in rows)} of {sum(x['hashes_agree'] is not None for x in rows)} "
-             f"steps with a hash from every lane; {len(complete)} steps with all lanes seen.", "",
-             "Events: " + "; ".join(f"step ~{s}: {e}" for s, e in r["events"]), "",
-             "| steps | lanes | sequences per lane (node: n) | global batch | hashes agree |", "|---|---:|---|---:|---|"]
+             "| shape (in order) | lanes | seconds per step | sequences per second |", "|---|---:|---:|---:|"]
+    for i, ph in enumerate(r["phases"]):
+        st, sps = ph["step_s"], ph["sequences_per_s"]
+        lines.append(f"| {i + 1} | {ph['lanes']} | {st:.3f} | {sps:.1f} |" if st else
+                     f"| {i + 1} | {ph['lanes']} | n/a | n/a |")
+    lines += ["", "(node 0's steps over the second half of each shape's window.)", "",
+              f"{len(rows)} steps seen; every step's shares summed to {sorted({x['global_batch'] for x in rows})} "
+              f"(a step whose lanes' files were not all caught shows less); hashes agreed at "
+              f"{sum(x['hashes_agree'] is True for x in rows)} of {sum(x['hashes_agree'] is not None for x in rows)} "
+              f"steps with a hash from every lane; {len(complete)} steps with all lanes seen.", "",
+              "Events: " + "; ".join(f"step ~{s}: {e}" for s, e in r["events"]), "",
+              "| steps | lanes | sequences per lane (node: n) | global batch | hashes agree |", "|---|---:|---|---:|---|"]
     run: list[dict] = []
 
     def flush() -> None:
@@ -366,6 +407,9 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=5, help="join: volunteers, one after the other")
     p.add_argument("--settle", type=float, default=10.0, help="join: seconds after a volunteer leaves")
     p.add_argument("--phase-s", type=float, default=25.0, help="elastic: seconds in each shape")
+    p.add_argument("--elastic-cpu", type=float, default=0.45,
+                   help="elastic: each node's share of a core (0: no quotas, steps paced instead)")
+    p.add_argument("--elastic-batch", type=int, default=48, help="elastic: the global batch")
     p.add_argument("--cpu", type=float, default=0.5, help="hetero: the fast replica's share of a core")
     p.add_argument("--even-s", type=float, default=90.0, help="hetero: seconds of the even split first")
     p.add_argument("--split-s", type=float, default=90.0, help="hetero: seconds measured after the re-split")

@@ -1,6 +1,8 @@
 """`shoal swarm up --listen` is joinable from another machine: a node in a network namespace this test creates (its
 own stack, reaching this one only through a veth pair) types exactly the command `swarm up` printed, with no
---run, and trains in the local swarm's run as a new replica."""
+--run, and trains in the local swarm's run as a new replica: the run's global batch is now split three ways, so each
+of the first two replicas computes less of every step (the volunteer adds throughput), and all three hold the same
+state."""
 
 from __future__ import annotations
 
@@ -34,6 +36,21 @@ def wait(pred, timeout_s: float, what: str, *logs: Path):
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{tails}")
 
 
+def recent(path: Path, key: str) -> dict[int, object]:
+    """A status file's per-step map (`recent_samples`, `recent_hashes`), by step; empty while unreadable."""
+    try:
+        return {int(k): v for k, v in (json.loads(path.read_text()).get(key) or {}).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def common_step(paths: list[Path], key: str = "recent_samples") -> tuple[int, list] | None:
+    """The latest step every one of `paths` has in its `key` map, and their values there (None: no such step)."""
+    got = [recent(p, key) for p in paths]
+    common = set.intersection(*(set(g) for g in got))
+    return (max(common), [g[max(common)] for g in got]) if common else None
+
+
 def test_a_node_in_another_network_namespace_joins_swarm_up_listen_with_the_printed_command(tmp_path):
     netns.require_root()  # NetnsError (a failure, not a skip) when namespaces cannot be made here
     tag = os.getpid() % 100000
@@ -58,6 +75,10 @@ def test_a_node_in_another_network_namespace_joins_swarm_up_listen_with_the_prin
                  "--duration", "300", "--dir", str(tmp_path / "swarm")],
                 stdout=subprocess.DEVNULL, stderr=f, env={**env, "SHOAL_HOME": str(home)}))
         line = wait(lambda: JOIN_LINE.search(err.read_text()), 120, "swarm up's join command", err)
+        files = [tmp_path / "swarm" / f"node{i}.json" for i in range(2)]
+        global_batch = 32  # swarm up's run: 16 sequences per starting replica
+        step, shares = wait(lambda: common_step(files), 120, "a step of the two replicas", err)
+        assert sum(shares) == global_batch and min(shares) > 0, (step, shares)  # two replicas carry every step
         command, addr = line.group(1), line.group(2)
         assert not addr.startswith("/ip4/127.") and "/p2p/12D3KooW" in addr
         status = subprocess.run([*SHOAL, "swarm", "status"], capture_output=True, text=True, timeout=60,
@@ -82,6 +103,15 @@ def test_a_node_in_another_network_namespace_joins_swarm_up_listen_with_the_prin
         assert doc["slot"] == "s0r2" and doc["role"] == "active"  # a new replica: the run grew from 2 to 3
         assert all(a.startswith(f"/ip4/{net}.2/") or a.startswith("/ip4/127.") for a in doc["addrs"])
         assert "the swarm's only open run" in vout.read_text()
+        # from the step the volunteer computed, the batch is split three ways: every sequence of the step computed
+        # once, and each first replica's share smaller than before (the volunteer's is work they no longer do)
+        lanes = [*files, vjson]
+        step, shares = wait(lambda: common_step(lanes), 60, "a step computed by all three replicas", vout, err)
+        assert sum(shares) == global_batch and min(shares) > 0, (step, shares)
+        assert shares[0] + shares[1] < global_batch  # the first two no longer compute the whole batch
+        step, hashes = wait(lambda: common_step(lanes, "recent_hashes"), 60, "the three replicas' state hashes",
+                            vout, err)
+        assert len(set(hashes)) == 1, (step, hashes)
     finally:
         for p in reversed(procs):
             stop(p)
