@@ -223,13 +223,7 @@ def part_elastic(args, workdir: Path) -> dict:
         for v in vols.values():
             v.stop()
         s.stop()
-        for g in groups:
-            for _ in range(50):
-                try:
-                    g.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+        release(groups)
     rows = [r for r in log.rows() if r["lanes"] > 0]
     times = log.times["node0"]
     for ph in phases:  # steps per second at node 0 in the window's second half (the change settled)
@@ -293,6 +287,17 @@ def quota(name: str, cpus: float, pid: int) -> Path:
     return d
 
 
+def release(groups: list[Path]) -> None:
+    """Remove the CPU-quota cgroups (each empties once its processes have exited)."""
+    for g in groups:
+        for _ in range(50):
+            try:
+                g.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
 def step_time(times: list[tuple[float, int]], lo: int, hi: int) -> float | None:
     pts = [(t, s) for t, s in times if lo <= s <= hi]
     if len(pts) < 2 or pts[-1][1] == pts[0][1]:
@@ -324,13 +329,7 @@ def part_hetero(args, workdir: Path) -> dict:
         speeds = {f"node{n.index}": (n.status() or {}).get("samples_per_s") for n in s.nodes}
     finally:
         s.stop()
-        for g in groups:
-            for _ in range(50):
-                try:
-                    g.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+        release(groups)
     if resplit_at is None:
         raise SystemExit("the split never changed: see the nodes' logs in " + str(workdir))
     rows = log.rows()
