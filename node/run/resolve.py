@@ -52,6 +52,7 @@ class RunFinder:
         self.quiet_s = quiet_s
         self.waiting = False  # no run to join yet (without --run): the node waits for one
         self.reason = ""  # why the run found was chosen, for the node's output
+        self.answers = 0  # answers to `runs` so far: a refusal is decided from them, not from a timeout
 
     async def ask(self, peers: list[str]) -> int:
         """Ask `peers` for the runs they know (concurrently); how many answered."""
@@ -65,6 +66,7 @@ class RunFinder:
                 log.info("runs from %s: %s", pid[:16], e)
                 return
             answered += 1
+            self.answers += 1
             if isinstance(envs, list):
                 for env in envs[:256]:
                     self.directory.offer(env, pid)

@@ -312,10 +312,14 @@ async def open_host(key: Ed25519PrivateKey, config: HostConfig) -> AsyncIterator
 
     A failure while closing, after the caller's block ended normally, is logged and not raised: the
     node has already left (its leave notice is out), and a library teardown hiccup must not turn a
-    clean stop into a crash. A failure inside the block propagates as usual."""
+    clean stop into a crash. A failure inside the block propagates as usual, also when closing fails
+    after it: py-libp2p's teardown can raise an error of its own (a connection arriving while its
+    services stop spawns a task into a closed nursery: "Nursery is closed to new arrivals"), which
+    would otherwise replace the block's error (a node refused at start would end with it)."""
     check_free(config.listen)
     host = build_libp2p_host(key, config.listen)
     closed_normally = False
+    failure: BaseException | None = None  # the block's own error
     try:
         async with AsyncExitStack() as stack:
             try:
@@ -347,13 +351,28 @@ async def open_host(key: Ed25519PrivateKey, config: HostConfig) -> AsyncIterator
             if config.nat is not None:
                 sh.nat = await stack.enter_async_context(_nat_services(sh, config.nat))
             log.info("host %s listening on %s", sh.peer_id, sh.addrs)
-            yield sh
+            try:
+                yield sh
+            except BaseException as e:
+                failure = e
+                raise
             closed_normally = True
     except Exception as e:  # raised again unless the block had ended normally, see the docstring
+        if failure is not None and not _holds(e, failure):
+            log.warning("closing the libp2p host raised %s: %s after the node failed (the host is closed anyway)",
+                        type(e).__name__, e, exc_info=True)
+            raise failure from None
         if not closed_normally:
             raise
         log.warning("closing the libp2p host raised %s: %s (the host is closed anyway)", type(e).__name__, e,
                     exc_info=True)
+
+
+def _holds(exc: BaseException, inner: BaseException) -> bool:
+    """`exc` is `inner` or an exception group holding it."""
+    if exc is inner:
+        return True
+    return isinstance(exc, BaseExceptionGroup) and any(_holds(e, inner) for e in exc.exceptions)
 
 
 @asynccontextmanager
