@@ -35,6 +35,7 @@ AQ_BITS = (2, 3, 4, 8)  # Q_b widths of activation deltas (algorithms.md §0)
 AQ_DIRECT_BITS = AQ_BITS + (16,)  # first visits and gradients: Q_b, or 16 = fp16 in full
 AQ_BUFFERS = ("memory", "disk")
 JOIN_MODES = ("open", "secret", "allowlist")
+SNAPSHOT_EVERY_STEPS = 50  # erasure-coded snapshots: see docs/snapshots.md for the measurements behind it
 
 
 def even_split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -232,8 +233,16 @@ class EvalSpec(WireRecord):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointSpec(WireRecord):
+    """Disk checkpoints (every slot holder writes its own, docs/checkpoints.md) and erasure-coded in-memory
+    snapshots (each stage's state at every `snapshot_every_steps`-th revision split into k data + `parity` shards
+    held by peers outside the stage, k at most `max_data_shards`; docs/snapshots.md). The snapshot fields are left
+    out of the encoding at their defaults, so manifests written before them keep their run ids."""
+
     every_steps: int = spec(Int(0, 1 << 40), default=100)  # 0: only at the end
     keep_last: int = spec(Int(1, 1000), default=3)
+    snapshot_every_steps: int = spec(Int(0, 1 << 40), default=SNAPSHOT_EVERY_STEPS, omit_if_default=True)  # 0: none
+    parity: int = spec(Int(1, 16), default=2, omit_if_default=True)
+    max_data_shards: int = spec(Int(1, 16), default=8, omit_if_default=True)
 
 
 HEX = Str(128)

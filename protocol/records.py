@@ -80,6 +80,18 @@ class LinkStatus(WireRecord):
             raise FieldError("check_digests", f"{len(self.check_digests)} digests for {len(self.check_steps)} steps")
 
 
+MAX_HELD = 8  # shards a status record lists
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardHeld(WireRecord):
+    """A shard a node keeps for others: shard `index` of `stage`'s snapshot at `revision` (protocol/shards.py)."""
+
+    stage: int = spec(Int(0, 1023))
+    revision: int = spec(Int(0, 2**62))
+    index: int = spec(Int(0, 31))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StatusRecord(WireRecord):
     """What a node is doing now; published every few seconds over gossip, so it stays a few hundred bytes."""
@@ -108,6 +120,13 @@ class StatusRecord(WireRecord):
     state_hash: str | None = spec(Optional(Str(80)), default=None)
     peers_seen: int = spec(Int(0, 1 << 20), default=0)
     error: str | None = spec(Optional(Str(200)), default=None)  # the most recent error, for the dashboard
+    # erasure-coded snapshots: the shards this node keeps for others, and the newest revision of its own stage's
+    # snapshot whose shards are placed (the stage's encoder only)
+    shards: tuple[ShardHeld, ...] = spec(Seq(Nested(ShardHeld), MAX_HELD), default=(), omit_if_default=True)
+    shards_placed: int | None = spec(Optional(Int(0, 2**62)), default=None, omit_if_default=True)
+    # the last recovery of a lost stage this node took part in ("rolled back to 140 from shards …"), for the
+    # dashboard's events
+    recovery: str | None = spec(Optional(Str(200)), default=None, omit_if_default=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -54,6 +54,7 @@ EXPECTED: dict[str, Exit] = {
     "shoal.node.train.device.DeviceUnavailable": Exit.NO_DEVICE,
     "shoal.node.run.preflight.DoesNotFit": Exit.DOES_NOT_FIT,
     "shoal.swarm.net.listen.AddressInUse": Exit.ADDRESS_IN_USE,
+    "shoal.node.run.runtime.ResumeError": Exit.USAGE,
 }
 
 #: hints for expected errors whose exit status's hint (HINTS) says too little, by class as in EXPECTED

@@ -96,6 +96,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--backup-refresh", type=float, default=defaults.BACKUP_REFRESH_S, metavar="SECONDS",
                    help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
                         "the group's synchronized state (default: %(default)g; raise it for big models)")
+    t.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+                   help="where this node writes its slot's checkpoints, as the run's [checkpoint] says (default: "
+                        "$SHOAL_HOME/checkpoints; a folder per run, one per slot)")
+    t.add_argument("--resume", type=Path, default=None, metavar="DIR",
+                   help="go on with a stopped run from its last complete checkpoint in DIR (a --checkpoint-dir, or "
+                        "one run's folder in it): the run's owner restarts the run there (without --run, the "
+                        "manifest comes from DIR), and any node takes its slot back with its own checkpoint")
     t.add_argument("--min-step-time", type=float, default=0.0, metavar="SECONDS",
                    help="pace training: every step takes at least this long, as a slower model's would (for tests "
                         "and benchmarks on a fast machine; default: 0, no pacing)")
@@ -138,6 +145,8 @@ def main(args: argparse.Namespace) -> int:
     _say("probing hardware…")
     device, free = args.device, None
     run = None
+    if args.resume is not None and args.run is None:
+        args.run = str(resume_manifest(args.resume))
     if args.run is not None:
         device, free = resolve_training_device(args.device)
         run = run_config(args, join, device, free)
@@ -327,6 +336,9 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
         raise CliError(f"--run {args.run}: no such manifest file (a run id needs --join)")
     else:
         run_id = args.run
+    resume = None
+    if args.resume is not None:
+        resume = resume_root(args.resume, manifest.run_id if manifest is not None else run_id)
     try:
         config = RunConfig(manifest=manifest, run_id=run_id,
                            secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"), device=device,
@@ -334,9 +346,36 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
                            round_timeout_s=args.round_timeout,
                            broker=BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after),
                            backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time,
-                           aq_buffer_dir=str(shoal_home() / "aq"))
+                           aq_buffer_dir=str(shoal_home() / "aq"),
+                           checkpoint_dir=str(args.checkpoint_dir or shoal_home() / "checkpoints"),
+                           resume_dir=None if resume is None else str(resume))
     except ValueError as e:
         raise CliError(str(e)) from None
     if manifest is not None:
         preflight(manifest, config)
     return config
+
+
+def resume_manifest(path: Path) -> Path:
+    """The manifest file of the one run whose checkpoints --resume names (CliError when there is not exactly one)."""
+    from shoal.node.cli.errors import CliError
+    from shoal.node.run.checkpoints import MANIFEST_FILE, find_run_dirs
+
+    found = find_run_dirs(path)
+    if len(found) != 1:
+        raise CliError(f"--resume {path}: " + (f"holds the checkpoints of {len(found)} runs" if found else
+                                               "holds no run's checkpoints (no run.toml in it or under it)"),
+                       hint="name one run's folder, or say which run with --run")
+    return found[0] / MANIFEST_FILE
+
+
+def resume_root(path: Path, run_id: str) -> Path:
+    """The checkpoint folder (the one holding run folders) of --resume for `run_id`."""
+    from shoal.node.cli.errors import CliError
+    from shoal.node.run.checkpoints import run_dir
+
+    path = path.expanduser()
+    for root in (path.parent, path):
+        if run_dir(root, run_id).is_dir():
+            return root
+    raise CliError(f"--resume {path}: no checkpoints of run {run_id[:16]}… there")

@@ -27,10 +27,14 @@ SIGHUP (a closed terminal); a node whose supervisor is gone leaves by itself.
   shoal swarm up --sync diloco --nodes 3       # another synchronizer (allreduce, cocktail, diloco)
   shoal swarm up --no-train --nodes 5 --duration 30 --json   # membership only
   shoal swarm up --stages 2                    # a pipeline: 2 stages x 2 lanes + a backup per stage (6 nodes)
+  shoal swarm up --resume DIR --steps 400      # go on with a stopped one from its last complete checkpoint
 
 While it runs, other terminals can look at it:  shoal peers --local  ·  shoal dash --local
 Kill one node's process (kill -9 PID from the table) and watch the backup take its slot.
-Each node's output is in DIR/nodeN.out, its log in DIR/nodeN.log (DIR: --dir).
+Each node's output is in DIR/nodeN.out, its log in DIR/nodeN.log (DIR: --dir);
+every active node writes its slot's checkpoints under DIR/checkpoints (the run's
+[checkpoint] every_steps, and at the end): `shoal export DIR --out MODEL` takes
+the trained model away, `shoal swarm up --resume DIR` goes on from them.
 """
 
 
@@ -59,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="where node keys, status files, output and logs go (default: a new folder under "
                          "$SHOAL_HOME/swarms)")
     up.add_argument("--dash", action="store_true", help="open the dashboard on the swarm (quitting it stops the swarm)")
+    up.add_argument("--resume", type=str, default=None, metavar="DIR",
+                    help="go on with the run a stopped `shoal swarm up` left in DIR, from its last complete "
+                         "checkpoint: the same run, nodes (their keys) and step; --steps N is then the step to "
+                         "reach, counted from the run's start")
     up.add_argument("--device", default="cpu", metavar="DEVICE",
                     help="device for every node: cpu, cuda, cuda:N, mps or auto (default: %(default)s; the nodes "
                          "share it)")
@@ -105,6 +113,34 @@ def write_manifest(args: argparse.Namespace, workdir, replicas: int):
     path = workdir / "run.toml"
     path.write_text(m.to_toml())
     return path, m
+
+
+def resumed_layout(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(nodes, backups, lanes) of the stopped swarm in --resume DIR, read from its run.toml and node keys; checks
+    that its checkpoints hold a step to go on from (CliError when not). Sets args.stages, args.resumed (the
+    manifest) and args.resume_step."""
+    from pathlib import Path
+
+    from shoal.node.cli.errors import CliError
+    from shoal.node.run.checkpoints import resume_point
+    from shoal.protocol.errors import ProtocolError
+    from shoal.protocol.manifest import RunManifest
+
+    d = Path(args.resume)
+    try:
+        m = RunManifest.from_toml((d / "run.toml").read_text())
+        m.verify()
+    except (OSError, ProtocolError, ValueError) as e:
+        raise CliError(f"--resume {d}: not a `shoal swarm up` folder with a signed run.toml ({e})") from None
+    point = resume_point(d / "checkpoints", m.run_id, m.plan.stages)
+    if point is None:
+        raise CliError(f"--resume {d}: no checkpoint of every stage of run {m.run_id[:16]}… under {d}/checkpoints",
+                       hint="checkpoints are written every [checkpoint] every_steps and at a run's end")
+    keys = len(list(d.glob("node*.key")))
+    nodes = args.nodes if args.nodes is not None else max(keys, m.plan.stages * m.plan.replicas)
+    args.stages, args.resumed, args.resume_step = m.plan.stages, m, point.step
+    lanes = m.plan.replicas
+    return nodes, max(0, nodes - lanes * m.plan.stages), lanes
 
 
 def table(rows: list[dict], nodes: int, title: str, training: bool):
@@ -215,19 +251,26 @@ def up(args: argparse.Namespace) -> int:
     if running is not None and running_supervisor(running):
         raise CliError(f"a local swarm is already running here (pid {running['pid']}, {running['workdir']})",
                        hint="shoal swarm down stops it, shoal swarm status shows it; or use another SHOAL_HOME")
-    workdir = Path(args.dir) if args.dir else home / "swarms" / time.strftime("%Y%m%d-%H%M%S")
+    if args.resume is not None:
+        nodes, backups, lanes = resumed_layout(args)
+    workdir = Path(args.resume or args.dir or home / "swarms" / time.strftime("%Y%m%d-%H%M%S"))
     extra: tuple[str, ...] = ()
     t0 = time.monotonic()
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         if training:
-            run_file, manifest = write_manifest(args, workdir, replicas=lanes)
-            extra = ("--run", str(run_file), "--threads", "1", "--round-timeout", "10", "--fail-after", "8")
+            run_file, manifest = (workdir / "run.toml", args.resumed) if args.resume else \
+                write_manifest(args, workdir, replicas=lanes)
+            extra = ("--run", str(run_file), "--threads", "1", "--round-timeout", "10", "--fail-after", "8",
+                     "--checkpoint-dir", str(workdir / "checkpoints"))
+            if args.resume:
+                extra += ("--resume", str(workdir / "checkpoints"))
             if args.steps is not None:
                 extra += ("--steps", str(args.steps))
             shape = f"{lanes} replicas" if args.stages == 1 else f"{args.stages} stages x {lanes} lanes"
-            err.print(f"run {manifest.run_id[:8]}…: tiny GPT, {shape} with {args.sync}, {backups} backup(s); nodes' "
-                      f"output and logs in {workdir}")
+            err.print(f"run {manifest.run_id[:8]}…: tiny GPT, {shape} with {manifest.plan.sync.method}, {backups} "
+                      f"backup(s); nodes' output and logs in {workdir}"
+                      + (f"; resuming at step {args.resume_step}" if args.resume else ""))
         swarm = LocalSwarm(LocalSwarmConfig(nodes=nodes, workdir=workdir, home=home, device=args.device,
                                             extra_node_args=extra, swarm_file=local_file), guard)
     except (ValueError, OSError) as e:

@@ -32,6 +32,8 @@ class RunConfig:
     snapshot_every_steps: int = 50  # besides the steps joiners need, a fresh snapshot for backups this often
     min_step_s: float = 0.0  # pace: every step takes at least this long (a slower model, emulated for tests/benches)
     aq_buffer_dir: str | None = None  # AQ-SGD disk buffers (manifest buffer = "disk"); None: the temp directory
+    checkpoint_dir: str | None = None  # where this node writes its slot's checkpoints (None: it writes none)
+    resume_dir: str | None = None  # a stopped run's checkpoints to go on from (node/run/checkpoints.py)
     broker: BrokerConfig = field(default_factory=BrokerConfig)  # when this node hosts (or takes over) the broker
     client: RunClientConfig = field(default_factory=RunClientConfig)
 

@@ -56,6 +56,10 @@ class StageLinks:
             self._closed_bytes = self.bytes()
             await end.aclose()
 
+    def drop_stores(self) -> None:
+        """Forget every AQ-SGD store of this node (the run rolled back: each link starts empty, first visits)."""
+        self.hub.aq_stores.close()
+
     def counters(self) -> dict[str, Any]:
         """The current links ("b0/fwd"...): the neighbour and the messages and bytes each way."""
         return self.end.counters() if self.end is not None else {}

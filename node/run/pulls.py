@@ -35,10 +35,11 @@ class StatePulls:
         every retry; once False the pull is given up (the slot it was for has changed)."""
         deadline = trio.current_time() + self.config.state_pull_timeout_s
         attempt = StateTransferConfig(timeout_s=min(self.config.state_pull_attempt_s, self.config.state_pull_timeout_s))
-        last = None
+        last, rounds = None, 0
         while trio.current_time() < deadline:
-            if last is not None and wanted is not None and not wanted():
+            if rounds and wanted is not None and not wanted():  # asked before every retry, with or without peers
                 raise StateTransferError(f"revision {revision} is no longer wanted (this node's slot changed): {last}")
+            rounds += 1
             live = {e.peer_id for e in self.node.membership.live_peers()}
             if agree_on is not None:
                 try:

@@ -16,21 +16,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import trio
 
+from shoal.node.run.checkpoints import CheckpointWriter
 from shoal.node.run.config import RunConfig
 from shoal.node.run.lanes import StageLinks
 from shoal.node.run.preflight import UnknownRun, data_source, preflight
 from shoal.node.run.pulls import StatePulls
+from shoal.node.run.recovery import StageRecovery
+from shoal.node.run.shards import StageShards
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Throughput
 from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
 from shoal.node.run.votes import MIN_VOTERS, HashVotes
 from shoal.node.sync.interface import Synchronizer
 from shoal.node.train.control import StepControl, StepResult
-from shoal.protocol.assignment import GONE, AssignmentTable
+from shoal.protocol.assignment import GONE, AssignmentTable, Rollback
 from shoal.protocol.envelope import Signed
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HardwareProfile
@@ -49,6 +53,10 @@ from shoal.swarm.state.snapshot import Snapshot
 from shoal.swarm.state.transfer import StateServer, StateTransferError
 
 log = logging.getLogger(__name__)
+
+class ResumeError(RuntimeError):
+    """--resume names a folder without a checkpoint of every stage of the run."""
+
 
 READY_POLL_S = 1.0  # a node waiting for a slot (or a backup) re-checks the table at least this often
 START_POLL_S = 0.5  # a new run's first members re-check whether the group is full this often
@@ -92,6 +100,8 @@ class RunRuntime:
         self.links: StageLinks | None = None  # a pipeline stage's links to its lane neighbours (several stages)
         self._lane_broken_at: int | None = None  # the step at which this stage's lane failed, until re-formed
         self._lane_report_at = 0.0
+        self.recovery: StageRecovery | None = None  # checkpoints, shards, rollbacks (node/run/recovery.py)
+        self._rolled = 0  # the count of the newest rollback this node applied
 
     @property
     def warm(self) -> Snapshot | None:
@@ -127,6 +137,9 @@ class RunRuntime:
             up, down = self.throughput.rates(self.clock(), s.bytes_sent, s.bytes_recv)
             fields.update(bytes_sent=s.bytes_sent, bytes_recv=s.bytes_recv, up_bytes_per_s=up, down_bytes_per_s=down,
                           compression_ratio=round(s.compression_ratio, 2), state_hash=state_hash or None)
+        if self.recovery is not None:
+            sh = self.recovery.shards
+            fields.update(shards=sh.holdings(), shards_placed=sh.placed, recovery=self.recovery.notice)
         if self.error:
             fields["error"] = self.error[:200]
         return fields
@@ -193,13 +206,15 @@ class RunRuntime:
         self.snapshots.request(body)
         return {"ok": True, "step": self.at_step}
 
-    async def _load(self, snap: Snapshot) -> None:
-        """Load the group's state, then let the synchronizer restart local state from the synchronized one."""
+    async def _load(self, snap: Snapshot, *, enter: bool = True) -> None:
+        """Load the group's state, then (`enter`) let the synchronizer restart local state from the synchronized
+        one; a slot's own state (a checkpoint, a rollback) is loaded as it is."""
         state = snap.state()
 
         def load() -> None:
             self.trainer.load_state_dict(state)
-            self.sync.enter(self.trainer.model)
+            if enter:
+                self.sync.enter(self.trainer.model)
 
         await trio.to_thread.run_sync(load)
         self.at_step = self.trainer.step_count
@@ -246,6 +261,8 @@ class RunRuntime:
             await self._build_trainer(stage, replica)
         if step == 0 and self.at_step == 0:
             return
+        if await self._entered_from_disk_or_shards(step, stage, replica):
+            return
         me = self.node.peer_id
         prev = self.group_at(step - 1) if step > 0 else None
         now = self.schedule.table_at(step, stage)
@@ -272,6 +289,71 @@ class RunRuntime:
                              "seconds": round(took, 3)})
         log.info("entered the group at step %d with state from a replica: %d of %d bytes pulled (%.2f s)", step,
                  pulled, snap.nbytes, took)
+
+    async def _entered_from_disk_or_shards(self, step: int, stage: int, replica: int) -> bool:
+        """Entering at `step` without pulling from the group: a resumed node loads its own checkpoint of the slot;
+        when every member a stage had before `step` is gone, the replacement of that stage rebuilds it (shards, else
+        disk) and asks for the run to roll back, and the other stages wait for that rollback instead of pulling
+        from members that cannot serve them (node/run/recovery.py). False: pull from the group as usual."""
+        rec = self.recovery
+        snap = await rec.resume_state(stage, replica, step)
+        if snap is not None:
+            await self._load(snap, enter=False)
+            self.snapshots.add(snap, exact=True)
+            self.entries.append({"step": step, "bytes_pulled": 0, "state_bytes": snap.nbytes, "seconds": 0.0,
+                                 "source": "checkpoint"})
+            return True
+        latest = self.schedule.latest
+        if latest.rollback is not None and latest.rollback.revision == step:
+            return False  # entering a rollback's revision: the stage's members serve it
+        lost = rec.lost_stages(step)
+        if not lost:
+            return False
+        self.state = "syncing"
+        if stage in lost:
+            got = await rec.rebuild(stage, replica, step)
+            why = "nothing to rebuild it from" if got is None else \
+                await self.client.rollback(stage, got[0].revision, got[1])
+            if why is not None:
+                log.error("stage %d cannot come back now (%s): waiting for the next table", stage, why)
+                self.state = "ready"
+                await self._wait_for_table(self.config.round_timeout_s)
+                return True
+        else:
+            log.warning("stage(s) %s lost every replica: waiting for the run to roll back instead of entering at "
+                        "step %d", lost, step)
+        with trio.move_on_after(self.config.state_pull_timeout_s):
+            while StageRecovery.rollback_due(self.schedule.latest, self._rolled) is None \
+                    and self.schedule.entry() == (step, stage, replica):
+                await self.client.wait_changed()
+        return True
+
+    async def _roll_back(self, order: Rollback) -> None:
+        """The run goes back to `order.revision`: every trace of what came after it goes, and this slot's own state
+        at that revision is loaded (or, when this node holds none, it enters there from its stage group)."""
+        self._rolled, rev = order.count, order.revision
+        log.warning("rolling back to revision %d (%s): stage %d had lost every replica", rev, order.source,
+                    order.stage)
+        self.snapshots.forget_after(rev)
+        self.hashes.forget_after(rev)
+        self.recovery.forget_after(rev)
+        self._lane_broken_at = self._refetch = None
+        self._vote_after = rev + self.config.switch_lead_min_steps
+        if self.links is not None:
+            await self.links.close()
+            self.links.drop_stores()  # AQ-SGD: every link of the run starts empty (first visits)
+        slot = self.schedule.latest.slot_of(self.node.peer_id)
+        t = self.trainer
+        snap = await self.recovery.state_at(order, *slot) if slot is not None and t is not None \
+            and (t.stage, t.replica) == slot else None
+        if snap is None:
+            if slot is not None:
+                self.trainer = None  # enter at the revision with the stage group's state
+            return
+        await self._load(snap, enter=False)
+        self.snapshots.add(snap, exact=True)
+        self.entries.append({"step": rev, "bytes_pulled": 0, "state_bytes": snap.nbytes, "seconds": 0.0,
+                             "source": f"rollback ({order.source})"})
 
     async def _enter_at_end(self, limit: int, stage: int, replica: int) -> None:
         """Our slot takes effect at or past the run's last step (a slot filled near the end): the run ends before
@@ -316,8 +398,10 @@ class RunRuntime:
         if self.links is not None:
             await self.links.connect(t, self.schedule.table_at(self.at_step, t.stage), self.at_step)
         control = StepControl(step=self.at_step, group=group)
-        if self.snapshots.wanted(control.step):
-            self.snapshots.add(await trio.to_thread.run_sync(self._snapshot, control))
+        if self.snapshots.wanted(control.step) or self.recovery.wants(control.step):
+            snap = await trio.to_thread.run_sync(self._snapshot, control)
+            self.snapshots.add(snap)
+            self.recovery.taken(snap, t.stage, t.replica, self._nursery)  # checkpoint, shards: off this path
         t0 = self.clock()
         self.last = await trio.to_thread.run_sync(t.step, control)
         self.at_step = t.step_count
@@ -405,6 +489,9 @@ class RunRuntime:
                     self.hashes.record(final_rev, self.sync.state_hash())
                     log.warning("final state hash disagreed with the majority: re-fetched the final state from one "
                                 "of %s", [p[-8:] for p in holders])
+                    final = await trio.to_thread.run_sync(self._snapshot, StepControl(step=self.at_step, group=g),
+                                                          final_rev)
+        await self.recovery.final(final, t.stage, t.replica)  # the run's end is always on disk
         t.last_eval_loss = await trio.to_thread.run_sync(t.evaluate)
 
     def _live(self) -> set[str]:
@@ -480,6 +567,10 @@ class RunRuntime:
     async def _train(self) -> None:
         limit = self.config.max_steps if self.config.max_steps is not None else self.manifest.optim.total_steps
         while True:
+            order = StageRecovery.rollback_due(self.schedule.latest, self._rolled)
+            if order is not None:
+                await self._roll_back(order)
+                continue
             t, step = self.trainer, self.at_step
             if t is not None and step >= limit:
                 await self._finish(limit)
@@ -581,6 +672,7 @@ class RunRuntime:
                                      gate=CollectiveGate(self.manifest.run_id, lambda: self.schedule.tables))
         StateServer(node.sh, lambda: self.snapshots.latest, penalties=node.penalties, by_revision=self.snapshots.at,
                     allow=self.entitled.member)  # model state for the run's members and backups only
+        self.recovery = self._recovery()
         node.rpc.register("run.snapshot_at", self._rpc_snapshot_at)
         node.rpc.register("run.hash_at", self.hashes.rpc_hash_at)
         plan = self.manifest.plan
@@ -599,8 +691,10 @@ class RunRuntime:
             if found is None and self.manifest.owner not in ("", node.peer_id):
                 raise UnknownRun(f"nobody knows run {self.manifest.run_id[:16]}…, and only its owner "
                                  f"{self.manifest.owner[:16]}… may start its broker")
+            if self.recovery.checkpoints is not None:
+                await nursery.start(self.recovery.checkpoints.run)
             if found is None:  # nobody knows the run: the node started with the manifest hosts its broker
-                self.broker = Broker(ctx, self.config.broker, secret=self.config.secret)
+                self.broker = Broker(ctx, self.config.broker, secret=self.config.secret, resume=self._resume_plan())
                 await nursery.start(self.broker.run)
             self.client = RunClient(ctx, self.hardware, broker_id=found[0].record.peer_id if found else node.peer_id,
                                     secret=self.config.secret, config=self.config.client,
@@ -615,6 +709,33 @@ class RunRuntime:
             task_status.started(self)
             nursery.start_soon(self.pulls.keep_warm, self.client)
             await self._train()
+
+    def _recovery(self) -> StageRecovery:
+        node, cfg = self.node, self.config
+        shards = StageShards(node.sh, node.key, self.manifest, node.penalties, member=self.entitled.member,
+                             tables=lambda: self.schedule.tables, clock=self.clock)
+        root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        return StageRecovery(node.peer_id, self.manifest, self.schedule, shards, statuses=self._statuses,
+                             checkpoints=CheckpointWriter(root, self.manifest, clock=self.clock) if root else None,
+                             checkpoint_root=root, resume_root=Path(cfg.resume_dir) if cfg.resume_dir else None)
+
+    def _statuses(self) -> list[tuple[str, Any]]:
+        return [(e.peer_id, e.status_record) for e in self.node.membership.live_peers()
+                if e.status_record is not None]
+
+    def _resume_plan(self) -> tuple[int, dict[str, str]] | None:
+        """A node that starts the run's broker with --resume: the step its checkpoints go on from, and who sat
+        where then (ResumeError when the folder holds no checkpoint of every stage)."""
+        if self.config.resume_dir is None:
+            return None
+        point = self.recovery.resume_plan()
+        if point is None:
+            raise ResumeError(f"{self.config.resume_dir} holds no checkpoint of every stage of run "
+                              f"{self.manifest.run_id[:16]}… to resume from")
+        log.warning("resuming run %s at step %d from %s (%s)", self.manifest.run_id[:16], point.step,
+                    self.config.resume_dir, "every slot checkpointed" if point.complete else
+                    f"slots {point.slots} checkpointed; the others enter from their stage")
+        return point.step, point.seating
 
     async def leave(self) -> None:
         if self.client is not None:

@@ -40,6 +40,11 @@ class HashVotes:
         for old in sorted(self.hashes)[:-self.keep]:
             del self.hashes[old]
 
+    def forget_after(self, step: int) -> None:
+        """The run rolled back to `step`: the hashes of later steps will be recorded again."""
+        for s in [s for s in self.hashes if s > step]:
+            del self.hashes[s]
+
     def newest(self) -> int | None:
         return max(self.hashes) if self.hashes else None
 

@@ -12,7 +12,8 @@ import trio
 
 from shoal.protocol.assignment import (
     ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_PROVIDERS, REGISTERED, AdmitRequest, AdmitResponse,
-    AssignmentTable, BrokerLease, MissingReport, ProviderEntry, SlotEntry, slot_name)
+    AssignmentTable, BrokerLease, MissingReport, ProviderEntry, Rollback, RollbackRequest, SlotEntry, parse_slot,
+    slot_name)
 from shoal.protocol.envelope import seal
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.membership import LEFT
@@ -83,7 +84,10 @@ class Broker:
     several stages (lane completeness decides every stage's group)."""
 
     def __init__(self, ctx: RunContext, config: BrokerConfig = BrokerConfig(), *, lease_epoch: int = 0,
-                 version: int = 0, secret: str | None = None):
+                 version: int = 0, secret: str | None = None, resume: tuple[int, dict[str, str]] | None = None):
+        """`resume`: (step, slot name -> peer id): a stopped run going on from its checkpoints at `step`; every slot's
+        group takes effect there, and each slot is kept for the peer that wrote its checkpoint until training
+        begins (docs/checkpoints.md)."""
         self.ctx = ctx
         self.config = config
         self.clock = ctx.clock
@@ -110,10 +114,19 @@ class Broker:
         self.authority = RunAuthority(ctx.manifest)
         self.gate = AdmissionGate(ctx, secret)  # who may join
         self.delegation_env: bytes | None = None  # the owner's delegation naming this broker and its standby
+        self.rollback: Rollback | None = None  # the run's last rollback (docs/snapshots.md)
+        self._seated_since: dict[str, int] = {}  # slot holder -> the step from which it holds its slot's state
+        self._pin_switch = False  # the next rebuild keeps switch_steps as set (a rollback sets them back)
+        if resume is not None:
+            self.switch_steps = [resume[0]] * self.stages
+            self.seating.reserved = {slot: pid for name, pid in resume[1].items()
+                                     if (slot := parse_slot(name)) is not None and slot[0] < self.stages
+                                     and slot[1] < self.replicas}
         self.handlers: dict[str, Handler] = {"run.admit": self._rpc_admit, "run.challenge": self._rpc_challenge,
                                              "run.table": self._rpc_table,
                                              "run.leave": self._rpc_leave,
-                                             "run.report_missing": self._rpc_report_missing}
+                                             "run.report_missing": self._rpc_report_missing,
+                                             "run.rollback": self._rpc_rollback}
         self._rebuild()
 
     def _provider(self, peer_id: str, state: str, **kw: Any) -> Provider:
@@ -126,6 +139,7 @@ class Broker:
         """The standby's takeover: continue from the last published table under a new lease epoch."""
         b = cls(ctx, config, lease_epoch=table.lease_epoch + 1, version=table.version, secret=secret)
         b.delegation_env = table.delegation
+        b.rollback = table.rollback
         b.epochs = list(table.epochs)
         b.switch_steps = [table.switch_step(s) for s in range(table.stages)]
         backups = {pid: i for i, pid in enumerate(table.backups)}
@@ -156,8 +170,12 @@ class Broker:
         self.version += 1
         prev = self.table
         for s in range(self.stages):
-            if prev is not None and prev.epochs[s] != self.epochs[s] and self.ctx.switch_step is not None:
+            if prev is not None and prev.epochs[s] != self.epochs[s] and self.ctx.switch_step is not None \
+                    and not self._pin_switch:
                 self.switch_steps[s] = max(self.switch_steps[s], self.ctx.switch_step(s))
+        self._pin_switch = False
+        seated = self.seating.slots
+        self._seated_since = {pid: self._seated_since.get(pid, self.switch_steps[st]) for (st, _), pid in seated.items()}
         backups = self.seating.backups()
         self.table = AssignmentTable(
             peer_id=self.ctx.me, run_id=self.ctx.run_id, lease_epoch=self.lease_epoch, version=self.version,
@@ -167,7 +185,7 @@ class Broker:
                         for (s, r), pid in sorted(self.seating.slots.items())),
             backups=tuple(p.peer_id for p in backups), backup_stages=tuple(p.stage for p in backups),
             providers=tuple(ProviderEntry(peer_id=p.peer_id, state=p.state) for p in providers),
-            switch_steps=tuple(self.switch_steps), delegation=self.delegation_env)
+            switch_steps=tuple(self.switch_steps), delegation=self.delegation_env, rollback=self.rollback)
         self.table_env = seal(self.table, self.ctx.sh.key)
         for cb in list(self.on_change):
             try:
@@ -352,6 +370,52 @@ class Broker:
             for pid, stage, epoch in missing:
                 n.start_soon(self._check_missing, pid, caller, stage, epoch)
         return {"accepted": current, "epoch": self.epochs[rep.stage]}
+
+    async def _rpc_rollback(self, caller: str, body: Any) -> Any:
+        req = parse_body(RollbackRequest, body)
+        if not self.holds_lease():
+            raise NotBroker("this node's broker does not hold the run's lease")
+        why = self.rollback_refusal(caller, req)
+        if why is not None:
+            log.info("rollback to revision %d asked by %s refused: %s", req.revision, caller[-8:], why)
+            return {"accepted": False, "error": why}
+        r = self.rollback
+        if r is None or (r.revision, r.stage) != (req.revision, req.stage) or \
+                any(self._seated_since.get(p) != req.revision for p in self.table.members(req.stage)):
+            self.roll_back(req.stage, req.revision, req.source)
+        return {"accepted": True, "count": self.rollback.count}
+
+    def rollback_refusal(self, caller: str, req: RollbackRequest) -> str | None:
+        """Why `caller` may not send the run back to `req.revision` (None: it may). Only a holder of a slot of the lost
+        stage may ask, and only while every holder of that stage came after the revision (none of them trained the
+        stage's state through it: it must come from shards or disk), for a revision the run has reached."""
+        if req.run_id != self.ctx.run_id or req.stage >= self.stages:
+            return "another run, or a stage outside the plan"
+        members = self.table.members(req.stage)
+        if caller not in members:
+            return f"the caller holds no slot of stage {req.stage}"
+        r = self.rollback
+        if r is not None and (r.revision, r.stage) == (req.revision, req.stage) and \
+                all(self._seated_since.get(p) == req.revision for p in members):
+            return None  # asked again (a retry, or another replacement of the stage): already so
+        if any(self._seated_since.get(p, 0) <= req.revision for p in members):
+            return f"stage {req.stage} still has a member that holds its state at revision {req.revision}"
+        if req.revision > max(self.switch_steps):
+            return f"revision {req.revision} is past every step the run has reached"
+        return None
+
+    def roll_back(self, stage: int, revision: int, source: str) -> None:
+        """Send the run back to `revision`: every stage's group takes effect there again (next epoch), and every slot
+        holder loads its own state at it."""
+        self.rollback = Rollback(count=(self.rollback.count if self.rollback else 0) + 1, revision=revision,
+                                 source=source, stage=stage)
+        self.switch_steps = [revision] * self.stages
+        self._group_changed(*range(self.stages))
+        self._pin_switch = True
+        self._seated_since = {pid: revision for pid in self._seated_since}
+        log.warning("stage %d was lost: the run rolls back to revision %d (from %s; rollback %d)", stage, revision,
+                    source, self.rollback.count)
+        self._rebuild()
 
     def _offence(self, stage: int, epoch: int, offender: str, reporter: str) -> None:
         """A member rejected `offender`'s update. Once most of the other members have, it leaves the group and is

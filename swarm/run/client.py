@@ -12,7 +12,7 @@ import trio
 from shoal.protocol.admission import admission_key, admission_proof
 from shoal.protocol.assignment import (
     BACKUP, GONE, RUN_RECORD_TYPES, AdmitRequest, AdmitResponse, AssignmentTable, BrokerLease,
-    MissingReport, slot_name)
+    MissingReport, RollbackRequest, slot_name)
 from shoal.protocol.envelope import Signed, open_envelope
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.records import HardwareProfile
@@ -308,6 +308,18 @@ class RunClient:
             log.info("report_missing failed: %s", e)
             return False
         return isinstance(ans, dict) and ans.get("accepted") is True
+
+    async def rollback(self, stage: int, revision: int, source: str) -> str | None:
+        """Ask the broker to send the run back to `revision`, where this node (holding a slot of `stage`, which lost
+        every replica) rebuilt the stage's state from `source`; None when accepted, else why not."""
+        req = RollbackRequest(run_id=self.ctx.run_id, stage=stage, revision=revision, source=source)
+        try:
+            ans = await self._ask("run.rollback", req.to_wire())
+        except RpcError as e:
+            return str(e)
+        if isinstance(ans, dict) and ans.get("accepted") is True:
+            return None
+        return str(ans.get("error") if isinstance(ans, dict) else ans)[:200]
 
     async def leave(self) -> None:
         """Graceful leave: the broker marks this node draining and moves a backup into its slot."""

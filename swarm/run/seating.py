@@ -55,6 +55,8 @@ class Seating:
         self.slots: dict[Slot, str] = {}
         self.empty_since: dict[Slot, float] = {}  # slots of partly filled lanes: empty since (clock)
         self.promotions: list[tuple[float, str, str, str]] = []  # (unix time, slot, failed peer, promoted peer)
+        # a resumed run: slots kept for the peers that wrote their checkpoints, until training begins
+        self.reserved: dict[Slot, str] = {}
         self.dissolved = 0  # lanes dissolved for want of a backup
 
     def slot_of(self, peer_id: str) -> Slot | None:
@@ -79,7 +81,8 @@ class Seating:
     def seat(self, p: Provider, *, backup_only: bool) -> Slot | None:
         """Place the newcomer `p`: in a free slot (made ACTIVE; returned), else in the backup pool keeping the
         stage with the fewest backups warm (None)."""
-        free = None if backup_only else self._placement(p.hardware)
+        mine = next((k for k, v in self._reservations().items() if v == p.peer_id), None)
+        free = None if backup_only else mine if mine is not None else self._placement(p.hardware)
         if free is None:
             p.state, p.stage = BACKUP, self._warm_stage(p.hardware)
             return None
@@ -94,13 +97,20 @@ class Seating:
         only a slot of a part-filled lane: an empty lane is re-formed from the pool, whole (`fill_free_slots`)."""
         m = self.ctx.manifest
         lanes_in_use = {r for _, r in self.slots}
+        kept = self._reservations()
         free = [(r, -m.stage_params(st), st) for st in range(self.stages) if self._fits(hw, st)
-                for r in range(self.replicas) if (st, r) not in self.slots
+                for r in range(self.replicas) if (st, r) not in self.slots and (st, r) not in kept
                 if self.stages == 1 or r in lanes_in_use or not self._training()]
         if not free:
             return None
         r, _, st = min(free)
         return st, r
+
+    def _reservations(self) -> dict[Slot, str]:
+        """The kept slots still empty (none once training has begun: then anyone may fill them)."""
+        if not self.reserved or self._training():
+            return {}
+        return {k: v for k, v in self.reserved.items() if k not in self.slots}
 
     def _warm_stage(self, hw: HardwareProfile | None) -> int:
         """The stage a new backup keeps warm: the one with the fewest backups among those it fits (the lowest on
@@ -167,9 +177,9 @@ class Seating:
     def fill_free_slots(self, table: AssignmentTable | None) -> list[int]:
         """Backups into free slots: with one stage, any free slot; with several, a lane only when every free slot
         of it can be filled at once (a part-filled lane cannot train). Returns the stages whose group changed."""
-        changed = []
+        changed, kept = [], self._reservations()
         for r in range(self.replicas):
-            free = [(st, r) for st in range(self.stages) if (st, r) not in self.slots]
+            free = [(st, r) for st in range(self.stages) if (st, r) not in self.slots and (st, r) not in kept]
             if not free:
                 continue
             if self.stages > 1 and any(self._best_backup(k, table) is None for k in free):

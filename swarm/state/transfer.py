@@ -123,7 +123,9 @@ def part_hash(snap: Snapshot, prefixes: tuple[str, ...]) -> str:
 
 
 # -- pulling ------------------------------------------------------------------------------------------------
-def _check_header(h: Any, config: StateTransferConfig) -> tuple[int, str, Any, list[tuple[str, torch.dtype, tuple, int]]]:
+def check_header(h: Any, config: StateTransferConfig) -> tuple[int, str, Any, list[tuple[str, torch.dtype, tuple, int]]]:
+    """A state header from an untrusted source, checked field by field: (revision, hash, skeleton, tensor entries
+    as (name, dtype, shape, bytes)); StateTransferError on anything off."""
     if not isinstance(h, dict):
         raise StateTransferError("header is not a map")
     if h.get("ok") is not True:
@@ -181,7 +183,7 @@ async def pull_state(sh: SwarmHost, peer_id: str, *, config: StateTransferConfig
                     req["only"] = list(only)
                 await write_frame(stream, pack(req))
                 header = unpack(await read_frame(stream, config.max_header_bytes), max_bytes=config.max_header_bytes)
-                rev, hsh, skeleton, entries = _check_header(header, config)
+                rev, hsh, skeleton, entries = check_header(header, config)
                 if revision is not None and rev != revision:
                     raise StateTransferError(f"asked for revision {revision}, got {rev}")
                 if expect_hash is not None and hsh != expect_hash:
