@@ -297,6 +297,8 @@ class Node:
             doc["links"] = self.runtime.link_counters()
             # AQ-SGD link ends' digests by step, over the last steps: the two ends compare at a step both hold
             doc["recent_link_digests"] = self.runtime.link_digests()
+            if self.runtime.recovery is not None:  # checkpoints, shards, rebuilds (node/run/recovery.py)
+                doc["recovery"] = self.runtime.recovery.report()
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, path)

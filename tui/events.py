@@ -1,4 +1,5 @@
-"""The Events pane: joins, leaves, stale/gone peers, promotions, broker changes and errors, newest first."""
+"""The Events pane: joins, leaves, stale/gone peers, promotions, broker changes, recoveries of lost stages and
+errors, newest first."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ KIND_STYLE = {
     EventKind.PROMOTION: "bold blue",
     EventKind.BROKER: "bold cyan",
     EventKind.ERROR: "bold red",
+    EventKind.RECOVERY: "bold yellow",
     EventKind.BAN: "bold red",
 }
 

@@ -50,6 +50,7 @@ class EventKind(enum.StrEnum):
     PROMOTION = "promotion"  # backup -> active
     BROKER = "broker"  # the peer holding the broker role changed
     ERROR = "error"  # a status record's error field appeared or changed
+    RECOVERY = "recovery"  # a lost stage rebuilt (from shards or a disk checkpoint) and the run rolled back
     BAN = "ban"  # reserved for ban records (a later record kind)
 
 
@@ -315,6 +316,8 @@ def _on_status(view: SwarmView, s: StatusRecord, now: float) -> None:
         view._set_broker(s.peer_id, now, "")
     elif view.broker == s.peer_id:
         view._set_broker(None, now, f"is now {s.role}")
+    if s.recovery and (prev is None or prev.recovery != s.recovery):
+        view._emit(now, EventKind.RECOVERY, s.peer_id, s.recovery)
     if s.error and (prev is None or prev.error != s.error):
         p.errors.append((now, s.error))
         while len(p.errors) > view.config.errors_per_peer:

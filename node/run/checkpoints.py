@@ -21,7 +21,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import trio
@@ -52,7 +52,7 @@ class CheckpointMeta:
     replica: int
     step: int
     peer_id: str  # the node that wrote it (a resumed node takes the slot it wrote)
-    state_hash: str  # swarm/state/snapshot.py state_hash of the whole state
+    state_hash: str  # swarm/state/snapshot.py state_hash of the whole state ("" until the writer computes it)
     seating: dict[str, str] = field(default_factory=dict)  # slot name -> peer id, in force at `step`
     time: float = 0.0
 
@@ -85,8 +85,11 @@ def state_step(snap: Snapshot) -> int:
 
 def write_checkpoint(root: Path, manifest: RunManifest, snap: Snapshot, meta: CheckpointMeta, *,
                      keep_last: int) -> int:
-    """Write one slot's checkpoint (state, then its .json), drop that slot's older ones beyond `keep_last`; the
-    bytes written. Blocking: run it in a worker thread."""
+    """Write one slot's checkpoint (state, then its .json with the state's hash, computed here when the snapshot
+    has none yet), drop that slot's older ones beyond `keep_last`; the bytes written. Blocking: run it in a worker
+    thread."""
+    snap = snap.hashed()
+    meta = replace(meta, state_hash=snap.hash)
     d = slot_dir(root, manifest.run_id, meta.stage, meta.replica)
     d.mkdir(parents=True, exist_ok=True)
     mf = run_dir(root, manifest.run_id) / MANIFEST_FILE

@@ -128,6 +128,7 @@ class StageRecovery:
             why = str(e)
         else:
             self.rebuilds.append({"stage": stage, "revision": got.snapshot.revision, "source": "shards",
+                                  "hash": got.snapshot.hash[:16], "at": time.time(),
                                   "holders": len(got.used), "rejected": len(got.rejected),
                                   "bytes": got.bytes_pulled, "seconds": round(got.seconds, 3)})
             log.warning("stage %d lost every replica: rebuilt its state at revision %d from %d shards (%.1f MB in "
@@ -145,7 +146,8 @@ class StageRecovery:
         self.notice = f"stage {stage} lost, too few shards: rolling back to disk checkpoint {meta.step}"
         log.warning("stage %d lost every replica and has too few shards: falling back to the disk checkpoint of "
                     "step %d (%s, hash %s…)", stage, meta.step, slot_name(meta.stage, meta.replica), snap.hash[:12])
-        self.rebuilds.append({"stage": stage, "revision": meta.step, "source": "disk",
+        self.rebuilds.append({"stage": stage, "revision": meta.step, "source": "disk", "hash": snap.hash[:16],
+                              "at": time.time(),
                               "seconds": round(trio.current_time() - t0, 3)})
         self.rebuilt = (stage, snap, "disk")
         return snap, "disk"
@@ -200,6 +202,17 @@ class StageRecovery:
         self.shards.forget_after(revision)
         if self.rebuilt is not None and self.rebuilt[1].revision > revision:
             self.rebuilt = None
+
+    def report(self) -> dict:
+        """For the status file: checkpoints written, shards held and placed, what encoding and rebuilds took."""
+        ck, sh = self.checkpoints, self.shards
+        return {"checkpoints": None if ck is None else {"last_step": ck.last_step, "written": ck.written[-4:],
+                                                        "skipped": ck.skipped, "error": ck.error},
+                "shards_held": [[h.stage, h.revision, h.index] for h in sh.holdings()],
+                "shards_held_bytes": sh.store.nbytes, "shards_placed": sh.placed,
+                "shard_holders": list(sh.placed_on), "encodes": sh.stats.revisions[-4:],
+                "encodes_skipped": sh.stats.skipped, "own_revisions": sorted(sh.own), "rebuilds": self.rebuilds[-4:],
+                "notice": self.notice}
 
     # -- a resumed run ------------------------------------------------------------------------------------------------
     def resume_plan(self) -> ResumePoint | None:

@@ -350,6 +350,7 @@ class RunRuntime:
             if slot is not None:
                 self.trainer = None  # enter at the revision with the stage group's state
             return
+        snap = await trio.to_thread.run_sync(snap.hashed)  # served to joiners from here on
         await self._load(snap, enter=False)
         self.snapshots.add(snap, exact=True)
         self.entries.append({"step": rev, "bytes_pulled": 0, "state_bytes": snap.nbytes, "seconds": 0.0,
@@ -398,9 +399,11 @@ class RunRuntime:
         if self.links is not None:
             await self.links.connect(t, self.schedule.table_at(self.at_step, t.stage), self.at_step)
         control = StepControl(step=self.at_step, group=group)
-        if self.snapshots.wanted(control.step) or self.recovery.wants(control.step):
-            snap = await trio.to_thread.run_sync(self._snapshot, control)
-            self.snapshots.add(snap)
+        served = self.snapshots.wanted(control.step)  # joiners need its hash now; disk and shards hash it later
+        if served or self.recovery.wants(control.step):
+            snap = await trio.to_thread.run_sync(self._snapshot, control, None, served)
+            if served:
+                self.snapshots.add(snap)
             self.recovery.taken(snap, t.stage, t.replica, self._nursery)  # checkpoint, shards: off this path
         t0 = self.clock()
         self.last = await trio.to_thread.run_sync(t.step, control)
@@ -427,11 +430,11 @@ class RunRuntime:
         pulse.check()
         return pulse.resumed_at >= t0
 
-    def _snapshot(self, control: StepControl, revision: int | None = None) -> Snapshot:
+    def _snapshot(self, control: StepControl, revision: int | None = None, hashed: bool = True) -> Snapshot:
         """Worker thread: the state at the round boundary of `control.step`, as a snapshot (taken as revision
-        `revision`, by default that step)."""
+        `revision`, by default that step; hashed now only when `hashed`)."""
         state = self.trainer.snapshot(control)
-        return Snapshot.of(state, control.step if revision is None else revision, copy=False)
+        return Snapshot.of(state, control.step if revision is None else revision, copy=False, hashed=hashed)
 
     def _report(self, control: StepControl, group: Group) -> None:
         """Tell the broker about members the step's rounds found missing or offending, and a lane neighbour a link

@@ -30,8 +30,6 @@ from shoal.swarm.state.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
-OWN_KEPT = 2  # own snapshots kept for a rollback: the newest placed revision and the one being placed
-
 
 @dataclass(slots=True)
 class EncodeStats:
@@ -74,11 +72,6 @@ class StageShards:
                 return True
         return False
 
-    def keep_own(self, snap: Snapshot) -> None:
-        self.own[snap.revision] = snap
-        for old in sorted(self.own)[:-OWN_KEPT]:
-            del self.own[old]
-
     def forget_after(self, revision: int) -> None:
         """The run rolled back to `revision`: what was snapshotted or held after it belongs to a past that is gone."""
         for r in [r for r in self.own if r > revision]:
@@ -112,8 +105,10 @@ class StageShards:
         self._busy = True
         try:
             t0 = self.clock()
-            blob_len, shards, hashes = await trio.to_thread.run_sync(self._encode, snap, k)
+            snap, blob_len, shards, hashes = await trio.to_thread.run_sync(self._encode, snap, k)
             encode_s = self.clock() - t0
+            if snap.revision in self.own:
+                self.own[snap.revision] = snap  # with its hash now
             man = ShardManifest(peer_id=self.sh.peer_id, run_id=self.manifest.run_id, stage=stage,
                                 revision=snap.revision, state_hash=snap.hash, state_bytes=blob_len, k=k,
                                 m=self.parity, shard_bytes=len(shards[0]), shard_hashes=hashes, holders=holders,
@@ -125,7 +120,7 @@ class StageShards:
         finally:
             self._busy = False
         self.stats.revisions = (self.stats.revisions + [{
-            "revision": snap.revision, "k": k, "m": self.parity, "state_bytes": blob_len,
+            "revision": snap.revision, "hash": snap.hash[:16], "k": k, "m": self.parity, "state_bytes": blob_len,
             "shard_bytes": len(shards[0]), "encode_s": round(encode_s, 4), "push_s": round(push_s, 3),
             "placed": len(placed)}])[-8:]
         if len(placed) >= k:
@@ -137,11 +132,12 @@ class StageShards:
             log.warning("stage %d snapshot at revision %d: only %d of %d shards placed (%d needed)", stage,
                         snap.revision, len(placed), k + self.parity, k)
 
-    def _encode(self, snap: Snapshot, k: int) -> tuple[int, list, tuple[str, ...]]:
-        """Worker thread: the blob, its shards and their hashes."""
+    def _encode(self, snap: Snapshot, k: int) -> tuple[Snapshot, int, list, tuple[str, ...]]:
+        """Worker thread: the snapshot with its hash, its blob's length, the shards and their hashes."""
+        snap = snap.hashed()
         blob = snapshot_bytes(snap)
         shards = erasure.encode(blob, k, self.parity)
-        return len(blob), shards, tuple(sha256_hex(s) for s in shards)
+        return snap, len(blob), shards, tuple(sha256_hex(s) for s in shards)
 
     async def rebuild(self, stage: int, peers: list[str], revision_ok: Callable[[int], bool]) -> Rebuilt:
         """The newest revision of `stage` that k good shards held by `peers` rebuild (NotRecoverable if none)."""

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import struct
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,7 @@ def write_atomic(path: Path, parts: Iterable[bytes | bytearray | memoryview]) ->
     """Write `parts` to `path` so that it holds either all of them or what it held before: a temporary file beside
     it, fsync, rename over it, fsync the directory. Returns the bytes written."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # writers may share a folder
     n = 0
     try:
         with open(tmp, "wb") as f:

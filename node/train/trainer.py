@@ -191,6 +191,11 @@ class Trainer:
         self._wait_s = 0.0
         self._staged: tuple[int, list] | None = None  # (sampler position, micro-batches on the device) next step
         self._pinned = PinnedRing() if self.device.type == "cuda" else None
+        # the process's RNGs (saved with the state, restored with it) start from the run's seed and the slot, so a
+        # run that stopped and resumed ends with the very state of one that did not stop
+        slot_seed = (manifest.seed * 1_000_003 + stage * 1009 + replica) % 2**63
+        torch.manual_seed(slot_seed)
+        random.seed(slot_seed)
 
     @property
     def tokens_per_step(self) -> int:

@@ -398,10 +398,10 @@ class Broker:
         if r is not None and (r.revision, r.stage) == (req.revision, req.stage) and \
                 all(self._seated_since.get(p) == req.revision for p in members):
             return None  # asked again (a retry, or another replacement of the stage): already so
-        if any(self._seated_since.get(p, 0) <= req.revision for p in members):
-            return f"stage {req.stage} still has a member that holds its state at revision {req.revision}"
         if req.revision > max(self.switch_steps):
             return f"revision {req.revision} is past every step the run has reached"
+        if any(self._seated_since.get(p, 0) <= req.revision for p in members):
+            return f"stage {req.stage} still has a member that holds its state at revision {req.revision}"
         return None
 
     def roll_back(self, stage: int, revision: int, source: str) -> None:

@@ -1,5 +1,5 @@
 """A stage that loses every replica comes back (real in-process nodes on 127.0.0.1, one trio loop, a real broker):
-S=2, D=1, the stage-1 node killed; its replacement rebuilds it from k erasure-coded shards held outside the stage
+S=2, D=1, the stage-0 node killed; its replacement rebuilds it from k erasure-coded shards held outside the stage
 (one holder's shard poisoned: it fails its hash, the holder is penalised, another shard is used), the rebuilt state
 hashes to the revision the dead node placed, the run rolls back there and trains to its end; a peer outside the run
 asking for shards is refused. With m+1 holders gone as well, the replacement falls back to the newest disk
@@ -56,10 +56,6 @@ def step(node) -> int:
     return node.runtime.at_step if node.runtime is not None else 0
 
 
-def slot(node):
-    return node.runtime.schedule.latest.slot_of(node.peer_id)
-
-
 async def start_one_by_one(n, cfg, count: int, first=None):
     """Nodes admitted in order (each after the last one's place is in the table), so backups' stages alternate."""
     nodes = [first] if first is not None else []
@@ -77,53 +73,61 @@ async def test_a_stage_that_lost_its_only_node_is_rebuilt_from_shards(tmp_path):
     steps = 60
     cfg = node_config(manifest(steps), tmp_path / "ckpt")
     async with trio.open_nursery() as n:
-        (n0, _), (n1, kill1), (b0, _), (b1, _), (h, _) = await start_one_by_one(n, cfg, 5)
-        assert slot(n0) == (0, 0) and slot(n1) == (1, 0)
-        table = n0.runtime.broker.table
-        assert table.backup_stage(b1.peer_id) == 1 and table.backup_stage(b0.peer_id) == 0
-        # stage 1's shards: b1 (keeps stage 1 warm), then b0 and h, then n0: k = 4 - m = 2
-        await wait_for(lambda: n1.runtime.recovery.shards.placed is not None and
-                       n1.runtime.recovery.shards.placed >= 10, 90, "stage 1's shards placed")
-        rev = n1.runtime.recovery.shards.placed
-        placed_hash = n1.runtime.recovery.shards.own[rev].hash
-        held = {x.peer_id: x.runtime.recovery.shards.store.get(1, rev) for x in (n0, b0, b1, h)}
-        assert all(held.values()) and sorted(s.index for s in held.values()) == [0, 1, 2, 3]
-        assert held[b1.peer_id].index == 0 and held[b0.peer_id].index == 1
-        assert max(len(s.data) for s in held.values()) <= placed_bytes(n1, rev) // 2 + 8
-        # a peer outside the run asks b0 for its shard: refused, nothing served
-        served = b0.runtime.recovery.shards.service.stats.served
-        async with bare_host(n0.sh.addrs) as outsider:
+        nodes = await start_one_by_one(n, cfg, 5)
+        broker = nodes[0][0]  # its node holds the stage with the most parameters (the last: the untied head)
+        table = broker.runtime.broker.table
+        (victim, kill), = [(x, k) for x, k in nodes if table.slot_of(x.peer_id) == (0, 0)]
+        stage = 0
+        # stage 0's shards: the backups keeping it warm (the one promoted first, then the other), the backup of
+        # stage 1, then the broker's node (stage 1): k = 4 - m = 2
+        warm = [x for x, _ in nodes if table.backup_stage(x.peer_id) == 0]
+        other = [x for x, _ in nodes if table.backup_stage(x.peer_id) == 1]
+        assert len(warm) == 2 and len(other) == 1
+        shards = victim.runtime.recovery.shards
+        await wait_for(lambda: shards.placed is not None and shards.placed >= 10 and len(shards.placed_on) == 4, 90,
+                       "stage 0's shards placed on all four holders")
+        for x, _ in nodes:  # the encoders place no newer revision from here: the rebuild meets this one
+            x.runtime.recovery.shards.every_steps = 0
+        await wait_for(lambda: not shards._busy, 30, "the last placement to end")
+        rev = shards.placed
+        placed_hash = shards.own[rev].hash
+        holders = warm + other + [broker]
+        held = {x.peer_id: x.runtime.recovery.shards.store.get(stage, rev) for x in holders}
+        assert all(held.values()), held
+        assert [held[x.peer_id].index for x in holders] == [0, 1, 2, 3]
+        state_bytes = [r for r in shards.stats.revisions if r["revision"] == rev][-1]["state_bytes"]
+        assert max(len(h.data) for h in held.values()) <= state_bytes // 2 + 8  # state / k, k = 2
+        # a peer outside the run asks a holder for its shard: refused, nothing served
+        service = warm[1].runtime.recovery.shards.service
+        served = service.stats.served
+        async with bare_host(broker.sh.addrs) as outsider:
             with pytest.raises(Exception):
-                stream = await outsider.open_stream(b0.peer_id, SHARD_PROTOCOL)
-                req = ShardRequest(want="shard", run_id=n0.runtime.manifest.run_id, stage=1, revision=rev, index=1)
+                stream = await outsider.open_stream(warm[1].peer_id, SHARD_PROTOCOL)
+                req = ShardRequest(want="shard", run_id=broker.runtime.manifest.run_id, stage=stage, revision=rev,
+                                   index=1)
                 await write_frame(stream, pack(req.to_wire()))
                 await read_frame(stream, 1 << 20)
-        assert b0.runtime.recovery.shards.service.stats.refused >= 1
-        assert b0.runtime.recovery.shards.service.stats.served == served
-        # b0's shard goes bad (a lying or broken holder): the rebuild must notice and use h's instead
-        poisoned = held[b0.peer_id]
-        poisoned.data = bytes(len(poisoned.data))
-        # hold the encoders back from placing newer revisions, so the rebuild meets the poisoned one
-        for x in (n0, n1):
-            x.runtime.recovery.shards.every_steps = 0
-        killed_at = step(n1)
-        kill1.cancel()
-        await wait_for(lambda: b1.runtime.recovery.rebuilt is not None, 60, "the rebuild")
-        rebuilt_stage, snap, source = b1.runtime.recovery.rebuilt
-        assert (rebuilt_stage, source, snap.revision, snap.hash) == (1, "shards", rev, placed_hash)
-        assert any("fails its hash" in r or "hashes to" in r for r in b1.penalties.reasons(b0.peer_id))
-        await wait_for(lambda: n0.runtime.schedule.latest.rollback is not None, 30, "the rollback")
-        order = n0.runtime.schedule.latest.rollback
-        assert (order.revision, order.stage, order.source) == (rev, 1, "shards") and rev < killed_at
-        await wait_for(lambda: all(x.runtime.finished.is_set() for x in (n0, b1)), 120, "the run to finish")
-        assert step(n0) == step(b1) == steps
-        assert "rolled back" in (n0.runtime.recovery.notice or "")
+        assert service.stats.refused >= 1 and service.stats.served == served
+        # shard 1 goes bad at its holder (a lying or broken one): the rebuild must notice and use shard 2 instead
+        bad = held[warm[1].peer_id]
+        bad.data = bytes(len(bad.data))
+        killed_at = step(victim)
+        kill.cancel()
+        replacement = warm[0]
+        await wait_for(lambda: replacement.runtime.recovery.rebuilt is not None, 60, "the rebuild")
+        rebuilt_stage, snap, source = replacement.runtime.recovery.rebuilt
+        assert (rebuilt_stage, source, snap.revision, snap.hash) == (stage, "shards", rev, placed_hash)
+        assert any("shard 1" in r for r in replacement.penalties.reasons(warm[1].peer_id))
+        used = replacement.runtime.recovery.rebuilds[-1]
+        assert used["rejected"] == 1 and used["holders"] == 2
+        await wait_for(lambda: broker.runtime.schedule.latest.rollback is not None, 30, "the rollback")
+        order = broker.runtime.schedule.latest.rollback
+        assert (order.revision, order.stage, order.source) == (rev, stage, "shards") and rev < killed_at
+        await wait_for(lambda: all(x.runtime.finished.is_set() for x in (broker, replacement)), 120,
+                       "the run to finish")
+        assert step(broker) == step(replacement) == steps
+        assert "rolled back" in (broker.runtime.recovery.notice or "")
         n.cancel_scope.cancel()
-
-
-def placed_bytes(node, rev) -> int:
-    r = [x for x in node.runtime.recovery.shards.stats.revisions if x["revision"] == rev]
-    return r[-1]["state_bytes"]
 
 
 async def test_too_few_shards_fall_back_to_the_newest_disk_checkpoint(tmp_path):
@@ -131,18 +135,19 @@ async def test_too_few_shards_fall_back_to_the_newest_disk_checkpoint(tmp_path):
     cfg = node_config(manifest(steps), tmp_path / "ckpt")
     async with trio.open_nursery() as n:
         nodes = await start_one_by_one(n, cfg, 5)
-        (n0, _), (n1, kill1) = nodes[:2]
-        holders = nodes[2:]
+        (n0, _) = nodes[0]  # the broker's node
+        (n1, kill1), = [(x, k) for x, k in nodes if n0.runtime.broker.table.slot_of(x.peer_id) == (0, 0)]
+        holders = [(x, k) for x, k in nodes if x is not n0 and x is not n1]
         await wait_for(lambda: n1.runtime.recovery.shards.placed is not None
                        and n1.runtime.recovery.checkpoints.last_step is not None
                        and n1.runtime.recovery.checkpoints.last_step >= 10, 90, "shards and a checkpoint")
-        # stage 1's shards are on the three backups and n0 (k = 2, m = 2): m + 1 = 3 holders go with the stage
+        # stage 0's shards are on the three backups and n0 (k = 2, m = 2): m + 1 = 3 holders go with the stage
         for _, kill in holders:
             kill.cancel()
         kill1.cancel()
         gone = [n1.peer_id] + [x.peer_id for x, _ in holders]
         await wait_for(lambda: all(n0.runtime.broker.table.provider_state(p) == GONE for p in gone), 30, "failures")
-        newcomer, _ = await n.start(_node, cfg, n0.sh.addrs)  # takes the free slot s1r0, holding nothing
+        newcomer, _ = await n.start(_node, cfg, n0.sh.addrs)  # takes the free slot s0r0, holding nothing
         await wait_for(lambda: newcomer.runtime.recovery is not None and newcomer.runtime.recovery.rebuilt
                        is not None, 60, "the fallback")
         _, snap, source = newcomer.runtime.recovery.rebuilt
