@@ -95,15 +95,20 @@ class StageRecovery:
                 del own[r]
 
     # -- a stage that lost every replica -------------------------------------------------------------------------
-    def lost_stages(self, step: int) -> list[int]:
-        """The stages whose every member before `step` is gone by the newest table (nobody can serve their state
-        there): each was filled again by a backup that holds none of it."""
+    def lost_stages(self, step: int, mine: int, holds_own: bool) -> list[int]:
+        """The stages nobody can serve at `step`: every member a stage had before it and has at it (this node aside)
+        is gone by the newest table, or it has none at all. This node's own stage (`mine`) counts only when it holds
+        no state of it itself (`holds_own`: it trained in that stage up to here)."""
         latest = self.schedule.latest
         out = []
         for st in range(self.manifest.plan.stages):
-            t = self.schedule.table_at(step - 1, st) if step > 0 else None
-            before = [p for p in (t.members(st) if t is not None else ()) if p != self.me]
-            if before and latest is not None and all(latest.provider_state(p) == GONE for p in before):
+            if st == mine and holds_own:
+                continue
+            tables = [self.schedule.table_at(step - 1, st), self.schedule.table_at(step, st), latest]
+            cands = {p for t in tables if t is not None for p in t.members(st)} - {self.me}
+            if any(latest.provider_state(p) != GONE for p in cands):
+                continue
+            if cands or st == mine:
                 out.append(st)
         return out
 

@@ -306,7 +306,8 @@ class RunRuntime:
         latest = self.schedule.latest
         if latest.rollback is not None and latest.rollback.revision == step:
             return False  # entering a rollback's revision: the stage's members serve it
-        lost = rec.lost_stages(step)
+        t = self.trainer
+        lost = rec.lost_stages(step, stage, holds_own=self.at_step > 0 and (t.stage, t.replica) == (stage, replica))
         if not lost:
             return False
         self.state = "syncing"
