@@ -60,6 +60,7 @@ EXPECTED: dict[str, Exit] = {
 #: hints for expected errors whose exit status's hint (HINTS) says too little, by class as in EXPECTED
 CLASS_HINTS: dict[str, str] = {
     "shoal.node.run.preflight.UntrustedData": "give this node its copy of the run's data with --data PATH",
+    "shoal.node.run.runtime.ResumeError": "name the folder a run's checkpoints are in (its nodes' --checkpoint-dir)",
 }
 
 

@@ -70,3 +70,16 @@ def test_a_resumed_swarm_ends_bit_identical_to_an_uninterrupted_one_and_exports(
     tokens = torch.tensor([list(b"def resume(self):  return 42\n")])
     with torch.no_grad():
         assert torch.equal(model(tokens), ref.eval()(tokens))
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["export", "{d}/empty", "--out", "{d}/m"], "holds no run's checkpoints"),
+    (["swarm", "up", "--resume", "{d}/empty"], "not a `shoal swarm up` folder"),
+    (["node", "--resume", "{d}/empty"], "holds no run's checkpoints"),
+])
+def test_resume_and_export_without_checkpoints_say_so(tmp_path, argv, said):
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run(SHOAL + [a.format(d=tmp_path) for a in argv], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "SHOAL_HOME": str(tmp_path / "home")})
+    assert r.returncode == 2, r.stderr
+    assert said in r.stderr and "Traceback" not in r.stderr
