@@ -77,6 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--ckpt-every", type=int, default=100, metavar="N",
                    help="checkpoint every N steps (default: %(default)s)")
     o.add_argument("--keep", type=int, default=3, metavar="N", help="checkpoints to keep (default: %(default)s)")
+    from shoal.protocol.manifest import SNAPSHOT_EVERY_STEPS  # light: records only
+
+    o.add_argument("--snapshot-every", type=int, default=SNAPSHOT_EVERY_STEPS, metavar="N",
+                   help="every N steps each stage's state is erasure-coded into shards held outside the stage, so "
+                        "the stage survives losing every replica (0: never; default: %(default)s)")
+    o.add_argument("--parity", type=int, default=2, metavar="M",
+                   help="parity shards per stage snapshot: the stage comes back with any M of its shard holders "
+                        "gone (default: %(default)s)")
     p = c.add_argument_group("parallel plan and synchronization")
     p.add_argument("--stages", type=int, default=1, metavar="S",
                    help="pipeline stages S: the model split into S consecutive pieces on different nodes "
@@ -208,7 +216,8 @@ def build_manifest(args: argparse.Namespace):
         ),
         batch=mf.BatchSpec(batch_size=args.batch, micro_batch_size=micro_batch, seq_len=seq),
         eval=mf.EvalSpec(every_steps=args.eval_every),
-        checkpoint=mf.CheckpointSpec(every_steps=args.ckpt_every, keep_last=args.keep),
+        checkpoint=mf.CheckpointSpec(every_steps=args.ckpt_every, keep_last=args.keep,
+                                     snapshot_every_steps=args.snapshot_every, parity=args.parity),
         join=join,
     )
 

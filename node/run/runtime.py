@@ -352,7 +352,9 @@ class RunRuntime:
                 self.trainer = None  # enter at the revision with the stage group's state
             return
         snap = await trio.to_thread.run_sync(snap.hashed)  # served to joiners from here on
-        await self._load(snap, enter=False)
+        data = snap.skeleton.get("data") if isinstance(snap.skeleton, dict) else None
+        own = isinstance(data, dict) and data.get("replica") == slot[1]  # else another lane's (rebuilt) state
+        await self._load(snap, enter=not own)
         self.snapshots.add(snap, exact=True)
         self.entries.append({"step": rev, "bytes_pulled": 0, "state_bytes": snap.nbytes, "seconds": 0.0,
                              "source": f"rollback ({order.source})"})
