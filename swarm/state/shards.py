@@ -43,7 +43,7 @@ class ShardConfig:
     timeout_s: float = 120.0  # one push or pull
     ask_timeout_s: float = 5.0  # one manifest request
     chunk_bytes: int = 1 << 20
-    per_peer: int = 16  # requests a peer may make ...
+    per_peer: int = 64  # requests a peer may make (an encoder's pushes and commits, a rebuild's asks) ...
     per_s: float = 10.0  # ... within this many seconds
 
     def __post_init__(self) -> None:
@@ -201,10 +201,13 @@ class ShardService:
                     await self._answer(stream, {"ok": True})
         except ProtocolError as e:
             self.penalties.penalize(peer, f"bad shard request: {e}")
-            await stream.reset()
+            await _reset(stream)
         except (StreamClosed, trio.TooSlowError) as e:
             log.info("shard exchange with %s ended early: %s", peer[-8:], e)
-            await stream.reset()
+            await _reset(stream)
+        except Exception as e:  # noqa: BLE001 - a peer gone mid-answer (py-libp2p raises several kinds)
+            log.info("shard exchange with %s failed: %s: %s", peer[-8:], type(e).__name__, e)
+            await _reset(stream)
 
     async def _answer(self, stream, body: dict) -> None:
         await write_frame(stream, pack(body))
@@ -254,6 +257,13 @@ class ShardService:
         self.store.put(HeldShard(manifest=man, raw=req.manifest, index=req.index, data=bytes(data)))
         self.stats.stored += 1
         await self._answer(stream, {"ok": True})
+
+
+async def _reset(stream) -> None:
+    try:
+        await stream.reset()
+    except Exception:  # noqa: BLE001 - already gone
+        pass
 
 
 async def read_into(stream, n: int, chunk: int) -> bytearray:

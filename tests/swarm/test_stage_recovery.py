@@ -84,8 +84,12 @@ async def test_a_stage_that_lost_its_only_node_is_rebuilt_from_shards(tmp_path):
         other = [x for x, _ in nodes if table.backup_stage(x.peer_id) == 1]
         assert len(warm) == 2 and len(other) == 1
         shards = victim.runtime.recovery.shards
-        await wait_for(lambda: shards.placed is not None and shards.placed >= 10 and len(shards.placed_on) == 4, 90,
-                       "stage 0's shards placed on all four holders")
+        try:
+            await wait_for(lambda: shards.placed is not None and shards.placed >= 10 and len(shards.placed_on) == 4,
+                           90, "stage 0's shards placed on all four holders")
+        except AssertionError:
+            raise AssertionError(f"placements {shards.stats.revisions}, on {shards.placed_on}, table "
+                                 f"{victim.runtime.schedule.latest}") from None
         for x, _ in nodes:  # the encoders place no newer revision from here: the rebuild meets this one
             x.runtime.recovery.shards.every_steps = 0
         await wait_for(lambda: not shards._busy, 30, "the last placement to end")
