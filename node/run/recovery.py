@@ -96,20 +96,25 @@ class StageRecovery:
 
     # -- a stage that lost every replica -------------------------------------------------------------------------
     def lost_stages(self, step: int, mine: int, holds_own: bool) -> list[int]:
-        """The stages nobody can serve at `step`: every member a stage had before it and has at it (this node aside)
-        is gone by the newest table, or it has none at all. This node's own stage (`mine`) counts only when it holds
-        no state of it itself (`holds_own`: it trained in that stage up to here)."""
+        """The stages whose state nobody can serve at `step`: every member a stage had before it (in the newest table
+        in force before `step` that gave the stage any) is gone by the newest table. A replacement entering that
+        stage holds none of its state either. This node's own stage (`mine`) counts also when this node knows of no
+        member before (it was seated straight into an emptied stage: no other live member now), and never when it holds
+        the stage's state itself (`holds_own`: it trained in that stage up to here)."""
         latest = self.schedule.latest
         out = []
         for st in range(self.manifest.plan.stages):
             if st == mine and holds_own:
                 continue
-            tables = [self.schedule.table_at(step - 1, st), self.schedule.table_at(step, st), latest]
-            cands = {p for t in tables if t is not None for p in t.members(st)} - {self.me}
-            if any(latest.provider_state(p) != GONE for p in cands):
-                continue
-            if cands or st == mine:
-                out.append(st)
+            before = next((set(t.members(st)) for t in reversed(self.schedule.tables)
+                           if t.switch_step(st) <= step - 1 and t.members(st)), set()) - {self.me}
+            if before:
+                if all(latest.provider_state(p) == GONE for p in before):
+                    out.append(st)
+            elif st == mine and step > 0:  # seated straight into the slot: lost when it is the stage's only one
+                now = self.schedule.table_at(step, st)
+                if not any(p != self.me and latest.provider_state(p) != GONE for p in (now.members(st) if now else ())):
+                    out.append(st)
         return out
 
     def _shard_peers(self, stage: int) -> list[str]:
