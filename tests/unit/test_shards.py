@@ -97,3 +97,57 @@ async def test_only_a_holder_of_a_lost_stage_may_roll_the_run_back():
     t = b.table
     assert t.rollback.revision == 30 and t.switch_steps == (30, 30) and t.rollback.source == "shards"
     assert await b._rpc_rollback(w0, ask.to_wire()) == {"accepted": True, "count": 1}  # asked again: the same one
+
+
+def recovery_of(me, broker, tables):
+    from shoal.node.run.recovery import StageRecovery
+    from shoal.swarm.run.schedule import GroupSchedule
+
+    sched = GroupSchedule(me)
+    for t in tables:
+        sched.add(t)
+    return StageRecovery(me, broker.ctx.manifest, sched, shards=None, statuses=lambda: [])
+
+
+async def test_a_stage_is_lost_when_nobody_who_held_it_is_left():
+    b, (s1, s0, w0, w1), ctx = await two_stage_broker(4)
+    b.switch_steps = [40, 40]
+    b._rebuild()
+    before = b.table
+    ctx.switch_step = lambda stage: 60  # the run trained to about step 55: changes take effect at 60
+    b.mark_failed(s0, "gone")  # stage 0's only node: w0 takes its slot, holding none of it
+    after = b.table
+    entry = after.switch_step(0)
+    assert after.slot_of(w0) == (0, 0) and entry > 40
+    # the replacement: its own stage is lost; the other stage's node: stage 0 is lost, its own is not (it holds it)
+    assert recovery_of(w0, b, [before, after]).lost_stages(entry, 0, holds_own=False) == [0]
+    assert recovery_of(s1, b, [before, after]).lost_stages(entry, 1, holds_own=True) == [0]
+    # a replica that loses one of two: nothing is lost
+    b2, (a, c, d), ctx2 = await two_stage_broker_d2()
+    t1 = b2.table
+    ctx2.switch_step = lambda stage: 60
+    b2.mark_failed(a, "gone")
+    t2 = b2.table
+    joiner = next(p for p in t2.members(0) if p not in t1.members(0))
+    assert recovery_of(joiner, b2, [t1, t2]).lost_stages(t2.switch_step(0), 0, holds_own=False) == []
+    # seated straight into a slot (no table before): lost only when nobody else holds the stage now
+    assert recovery_of(joiner, b2, [t2]).lost_stages(t2.switch_step(0), 0, holds_own=False) == []
+    b.mark_failed(w0, "gone")
+    b.mark_failed(w1, "gone")
+    emptied = b.table
+    newcomer = signer().peer_id
+    await b.admit(newcomer, AdmitRequest(run_id=ctx.run_id, hardware=HW))
+    assert b.table.slot_of(newcomer) == (0, 0)
+    assert recovery_of(newcomer, b, [emptied, b.table]).lost_stages(b.table.switch_step(0), 0, holds_own=False) == [0]
+
+
+async def two_stage_broker_d2():
+    clock = FakeClock()
+    ctx = context(clock, replicas=2)
+    b = Broker(ctx, CFG)
+    peers = [signer().peer_id for _ in range(3)]
+    for p in peers:
+        assert (await b.admit(p, AdmitRequest(run_id=ctx.run_id, hardware=HW))).admitted
+    b.switch_steps = [40]
+    b._rebuild()
+    return b, peers, ctx
