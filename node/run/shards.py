@@ -30,6 +30,11 @@ from shoal.swarm.state.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
+#: an encoder skips a snapshot revision when encoding would take more than this share of the time since its last
+#: encoding began (docs/snapshots.md: the revisions every stage snapshots stay the grid; the rollback goes to one
+#: whose shards are placed)
+ENCODE_SHARE = 0.01
+
 
 @dataclass(slots=True)
 class EncodeStats:
@@ -57,6 +62,7 @@ class StageShards:
         self.placed_on: tuple[str, ...] = ()
         self.stats = EncodeStats()
         self._busy = False
+        self._last_at, self._last_encode_s = -1e18, 0.0  # when the last encoding began, and what it took
 
     def due(self, revision: int) -> bool:
         return self.every_steps > 0 and revision > 0 and revision % self.every_steps == 0
@@ -97,6 +103,12 @@ class StageShards:
             log.info("stage %d snapshot at revision %d not encoded: revision %s is still being placed", stage,
                      snap.revision, self.stats.revisions[-1]["revision"] if self.stats.revisions else "?")
             return
+        since = self.clock() - self._last_at
+        if self._last_encode_s > ENCODE_SHARE * since:
+            self.stats.skipped += 1
+            log.info("stage %d snapshot at revision %d not encoded: the last encoding took %.2f s, more than %.0f %% "
+                     "of the %.1f s since", stage, snap.revision, self._last_encode_s, 100 * ENCODE_SHARE, since)
+            return
         k, holders = shard_holders(table, stage, m=self.parity, max_k=self.max_k)
         if k < 1:
             log.info("stage %d snapshot at revision %d not encoded: %d peers outside the stage, %d needed", stage,
@@ -107,6 +119,7 @@ class StageShards:
             t0 = self.clock()
             snap, blob_len, shards, hashes = await trio.to_thread.run_sync(self._encode, snap, k)
             encode_s = self.clock() - t0
+            self._last_at, self._last_encode_s = t0, encode_s
             if snap.revision in self.own:
                 self.own[snap.revision] = snap  # with its hash now
             man = ShardManifest(peer_id=self.sh.peer_id, run_id=self.manifest.run_id, stage=stage,
