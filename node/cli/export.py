@@ -40,8 +40,15 @@ def architecture(manifest) -> str:
     return "shoal-gpt"
 
 
-def main(args: argparse.Namespace) -> int:
+def exporter_module(manifest):
+    """The module exporting this run's architecture: `stage_weights(manifest, stage, state)` (a checkpointed
+    state's weights, ready to merge) and `export(manifest, stages, out, step=, source=)`."""
     import importlib
+
+    return importlib.import_module(EXPORTERS[architecture(manifest)])
+
+
+def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from shoal.node.cli.errors import CliError
@@ -51,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
         raise CliError(f"--out {out} is not empty", hint="choose an empty folder, or pass --force to write into it")
     run_dir = resolve_source(args.source)
     manifest, stages, step, source = read_stages(run_dir, args.step)
-    exporter = importlib.import_module(EXPORTERS[architecture(manifest)])
+    exporter = exporter_module(manifest)
     try:
         files = exporter.export(manifest, stages, out, step=step, source=source)
     except ValueError as e:
@@ -118,7 +125,8 @@ def read_stages(run_dir, step: int | None):
             state = single.read_checkpoint(single.checkpoint_path(run_dir, at[-1]))
         except single.CheckpointError as e:
             raise CliError(str(e)) from None
-        return manifest, [state["model"]], at[-1], f"{single.checkpoint_path(run_dir, at[-1])}"
+        weights = exporter_module(manifest).stage_weights(manifest, 0, state)
+        return manifest, [weights], at[-1], f"{single.checkpoint_path(run_dir, at[-1])}"
     common = set.intersection(*[{s for (st, _), v in on_disk.items() if st == i for s in v} for i in range(stages)])
     if not common:
         have = {f"s{st}r{r}": v for (st, r), v in on_disk.items()}
@@ -134,7 +142,7 @@ def read_stages(run_dir, step: int | None):
             except CheckpointMissing as e:
                 print(f"skipping {e}")
                 continue
-            models.append(snap.state()["model"])
+            models.append(exporter_module(manifest).stage_weights(manifest, i, snap.state()))
             used.append(f"s{st}r{r}")
             break
         else:

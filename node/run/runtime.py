@@ -463,6 +463,10 @@ class RunRuntime:
         t, final_rev = self.trainer, limit + 1
         g = self.group_at(limit - 1)
         control = StepControl(step=self.at_step, group=g)
+        # the checkpoint of the end: the state as training would go on from it (a longer run's, bit for bit)
+        resumable = await trio.to_thread.run_sync(self._snapshot, StepControl(step=self.at_step, group=g), None,
+                                                  False)
+        await trio.to_thread.run_sync(t.close, control)  # the last round applied: the run's final state
         final = await trio.to_thread.run_sync(self._snapshot, control, final_rev)
         self.snapshots.add(final, exact=True)
         self.hashes.record(final_rev, self.sync.state_hash())
@@ -495,9 +499,9 @@ class RunRuntime:
                     self.hashes.record(final_rev, self.sync.state_hash())
                     log.warning("final state hash disagreed with the majority: re-fetched the final state from one "
                                 "of %s", [p[-8:] for p in holders])
-                    final = await trio.to_thread.run_sync(self._snapshot, StepControl(step=self.at_step, group=g),
-                                                          final_rev)
-        await self.recovery.final(final, t.stage, t.replica)  # the run's end is always on disk
+                    resumable = await trio.to_thread.run_sync(self._snapshot,
+                                                              StepControl(step=self.at_step, group=g), None, False)
+        await self.recovery.final(resumable, t.stage, t.replica)  # the run's end is always on disk
         t.last_eval_loss = await trio.to_thread.run_sync(t.evaluate)
 
     def _live(self) -> set[str]:

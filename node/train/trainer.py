@@ -320,12 +320,14 @@ class Trainer:
     # -- the step
 
     def snapshot(self, control: StepControl) -> dict[str, Any]:
-        """The state at revision `control.step` (the round boundary before that step): the synchronizer's in-flight
-        round applied first, then a private copy of everything (training may go on while it is served)."""
+        """The state at revision `control.step` (the round boundary before that step), a private copy of everything
+        (training may go on while it is served). A synchronizer's round still in flight is waited for and carried
+        in the state as it stands (CocktailSGD's pending parameters, DiLoCo's outer update in flight), not applied:
+        taking a snapshot never changes what training computes, so a run that checkpoints (or serves joiners) at
+        any steps trains exactly as one that does not, and a checkpoint resumes exactly where it was taken."""
         if control.step != self.step_count:
             raise ValueError(f"snapshot for step {control.step}, but the trainer is at step {self.step_count}")
         control.advance(StepStage.SNAPSHOT)
-        self.sync.close(self.model, control)
         return copy_state(self.state_dict())
 
     def close(self, control: StepControl | None = None) -> None:

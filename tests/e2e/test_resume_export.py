@@ -66,7 +66,7 @@ def test_a_resumed_swarm_ends_bit_identical_to_an_uninterrupted_one_and_exports(
     snap, _ = read_checkpoint(stopped / "checkpoints", run_id, 0, 0, 20)
     m = RunManifest.from_toml((stopped / "run.toml").read_text())
     ref = build_stage(export_gpt.model_config(m), 0, 1)
-    ref.load_state_dict(snap.state()["model"])
+    ref.load_state_dict(export_gpt.stage_weights(m, 0, snap.state()))  # the last round, carried pending, applied
     tokens = torch.tensor([list(b"def resume(self):  return 42\n")])
     with torch.no_grad():
         assert torch.equal(model(tokens), ref.eval()(tokens))
