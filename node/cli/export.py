@@ -80,7 +80,7 @@ def resolve_source(text: str):
 
     path = Path(text).expanduser()
     if path.exists():
-        found = find_run_dirs(path) or find_run_dirs(path / "checkpoints")
+        found = find_run_dirs(path / "checkpoints") or find_run_dirs(path)  # a `swarm up` folder: its checkpoints
         if not found:
             raise CliError(f"{path} holds no run's checkpoints (no run.toml in it or in a folder under it)")
         if len(found) > 1:
