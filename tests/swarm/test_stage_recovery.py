@@ -7,6 +7,7 @@ checkpoint and says so."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
@@ -35,8 +36,22 @@ def manifest(steps: int, *, snapshot_every: int = 5, ckpt_every: int = 10) -> mf
                                      parity=2))
 
 
+@pytest.fixture(autouse=True)
+def run_log(tmp_path):
+    """The nodes' info log in the test's folder (the failure output keeps only warnings)."""
+    h = logging.FileHandler(tmp_path / "nodes.log")
+    h.setFormatter(logging.Formatter("%(relativeCreated)8.0f %(name)s %(message)s"))
+    log = logging.getLogger("shoal")
+    log.addHandler(h)
+    level, log.level = log.level, logging.INFO
+    yield tmp_path / "nodes.log"
+    log.removeHandler(h)
+    log.setLevel(level)
+    h.close()
+
+
 def node_config(m: mf.RunManifest, ckpt_dir, **run):
-    b = BrokerConfig(heartbeat_s=0.5, fail_after_s=4.0, lease_renew_s=1.0, lease_timeout_s=8.0, republish_s=1.0,
+    b = BrokerConfig(heartbeat_s=0.5, fail_after_s=6.0, lease_renew_s=1.0, lease_timeout_s=8.0, republish_s=1.0,
                      ping_timeout_s=1.0, dht_timeout_s=1.0, dissolve_after_s=300.0)
     rc = RunConfig(manifest=m, threads=1, round_timeout_s=5.0, switch_lead_s=0.5, broker=b, start_wait_s=30.0,
                    client=replace(RunClientConfig(), poll_s=0.5), checkpoint_dir=str(ckpt_dir), min_step_s=0.15,
