@@ -68,7 +68,9 @@ def trial(args, n: int) -> dict:
             encodes = vst["recovery"]["encodes"]
             placed_hash = next(e["hash"] for e in encodes if e["revision"] == placed)
             state_bytes, k = encodes[-1]["state_bytes"], encodes[-1]["k"]
-            holders = {i: (st.get("recovery") or {}).get("shards_held_bytes", 0) for i, st in statuses(s).items()}
+            stage = slot.split("r")[0][1:]
+            holders = {i: ((st.get("recovery") or {}).get("shards_held_bytes_by_stage") or {}).get(stage, 0)
+                       for i, st in statuses(s).items()}
             step_s = args.step_s  # paced: every step takes at least this long
             t_kill = time.monotonic()
             s.nodes[victim].proc.send_signal(signal.SIGKILL)

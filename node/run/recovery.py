@@ -219,7 +219,9 @@ class StageRecovery:
         return {"checkpoints": None if ck is None else {"last_step": ck.last_step, "written": ck.written[-4:],
                                                         "skipped": ck.skipped, "error": ck.error},
                 "shards_held": [[h.stage, h.revision, h.index] for h in sh.holdings()],
-                "shards_held_bytes": sh.store.nbytes, "shards_placed": sh.placed,
+                "shards_held_bytes": sh.store.nbytes,
+                "shards_held_bytes_by_stage": {str(k): v for k, v in sh.store.nbytes_by_stage().items()},
+                "shards_placed": sh.placed,
                 "shard_holders": list(sh.placed_on), "encodes": sh.stats.revisions[-4:],
                 "encodes_skipped": sh.stats.skipped, "own_revisions": sorted(sh.own), "rebuilds": self.rebuilds[-4:],
                 "notice": self.notice}

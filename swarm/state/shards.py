@@ -132,6 +132,9 @@ class ShardStore:
     def nbytes(self) -> int:
         return sum(len(h.data) for revs in self._held.values() for h in revs.values())
 
+    def nbytes_by_stage(self) -> dict[int, int]:
+        return {st: sum(len(h.data) for h in revs.values()) for st, revs in self._held.items() if revs}
+
     def drop_newer(self, stage: int, revision: int) -> None:
         """Forget revisions of `stage` after `revision` (the run rolled back past them)."""
         revs = self._held.get(stage, {})
