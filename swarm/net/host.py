@@ -21,6 +21,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.security.noise.io import NoiseTransportReadWriter
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -60,6 +61,35 @@ os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
 
 STALE_CONNECTION_RETRIES, STALE_CONNECTION_WAIT_S = 5, 0.1  # a closed connection leaves the list within moments
 RELEASE_TIMEOUT_S = 2.0  # closing the sockets at exit
+
+# A Noise message, once encrypted, must reach the socket whole: py-libp2p encrypts (spending the next nonce) and
+# then sends, and a writer whose deadline passed while it waited its turn for the connection (busy with bulk state
+# or shard transfers) was cancelled at the send's first checkpoint; its peer then failed to decrypt everything after,
+# and the connection, with every stream on it (lanes, RPCs), died without a word. Writes are finished here, shielded,
+# and bounded: a peer that stops reading for WHOLE_WRITE_S has its connection closed (it is broken either way).
+WHOLE_WRITE_S = 20.0
+
+
+class ConnectionBroken(ConnectionError):
+    """A message could not be sent whole within WHOLE_WRITE_S: the connection is closed."""
+
+
+_noise_write = NoiseTransportReadWriter.write_msg
+
+
+async def _whole_noise_write(self: NoiseTransportReadWriter, msg: bytes, prefix_encoded: bool = False) -> None:
+    await trio.lowlevel.checkpoint_if_cancelled()  # a writer cancelled before its turn leaves with nothing spent
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(WHOLE_WRITE_S) as bound:
+            await _noise_write(self, msg, prefix_encoded)
+        if bound.cancelled_caught:
+            with trio.move_on_after(RELEASE_TIMEOUT_S):
+                await self.close()
+    if bound.cancelled_caught:
+        raise ConnectionBroken(f"a message was not sent within {WHOLE_WRITE_S} s: connection closed")
+
+
+NoiseTransportReadWriter.write_msg = _whole_noise_write  # type: ignore[method-assign]
 
 
 class JoinError(ConnectionError):
