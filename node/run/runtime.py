@@ -157,6 +157,10 @@ class RunRuntime:
         if self.schedule.add(table):
             for step in self.schedule.switch_steps(table):
                 self.snapshots.request(step)
+            if StageRecovery.rollback_due(table, self._rolled) is not None and self.links is not None:
+                # a step still waiting on a lane neighbour that is gone would hold the rollback up until its
+                # deadline: the links go now (the rollback reopens them), and the step is given up at once
+                self._nursery.start_soon(self.links.close)
             if table.provider_state(self.node.peer_id) == GONE and self.at_step > 0:
                 self._abandon(self.group_at(self.at_step))
 
@@ -272,6 +276,14 @@ class RunRuntime:
         if not peers:
             t = self.schedule.table_at(step, stage)
             peers = [m for m in (t.members(stage) if t else ()) if m != me]
+        t = self.trainer
+        if not peers and 0 < self.at_step < step and (t.stage, t.replica) == (stage, replica):
+            # the stage's only member (one lane) whose lane is re-formed further on: nobody trained the stage
+            # meanwhile, nobody else holds it; it goes on from its own state at the re-formed step
+            log.info("the only member of stage %d: going on from its own state at step %d (was at %d)", stage, step,
+                     self.at_step)
+            t.step_count = self.at_step = step
+            return
         t0 = self.clock()
         log.info("entering the group at step %d: pulling that revision from %s", step, [p[-8:] for p in peers])
         try:
