@@ -18,7 +18,7 @@ from shoal.node.failure import describe
 from shoal.node.version import shoal_version
 from shoal.protocol import PROTOCOL_VERSION
 from shoal.protocol.envelope import Signed, seal
-from shoal.protocol.records import Announcement, HardwareProfile, LeaveNotice, StatusRecord
+from shoal.protocol.records import Announcement, HardwareProfile, LeaveNotice, RunStatus, StatusRecord
 from shoal.swarm.net.dht_records import announcement_key
 from shoal.swarm.net.gossip import RecordGossip
 from shoal.swarm.net.host import HostConfig, SwarmHost, open_host
@@ -29,6 +29,8 @@ from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.pulse import Pulse, steady_clock
 from shoal.swarm.net.recent_peers import MAX_PEERS, load_recent_peers, save_recent_peers
 from shoal.swarm.net.rpc import RpcError, RpcServer, call
+
+from shoal.node.run.context import NodeServices
 
 if TYPE_CHECKING:
     from shoal.node.run.config import RunConfig
@@ -63,6 +65,8 @@ class NodeConfig:
     # the recent-peers file (None: none kept): dialed at start, so a restarted node finds its swarm without --join
     peers_file: Path | None = None
     remember_peers_s: float = 2.0  # the live peers are checked this often; the file is rewritten when they changed
+    metrics_listen: tuple[str, int] | None = None  # serve Prometheus metrics here (node/metrics.py); None: off
+    metrics_file: Path | None = None  # append a JSON line of the same figures every status interval (rotated)
     recall_timeout_s: float = 5.0  # dialing one remembered peer gives up after this long
 
     def __post_init__(self) -> None:
@@ -99,6 +103,8 @@ class Node:
         self.rpc: RpcServer | None = None
         self._last_fields: dict[str, Any] = {}
         self.runtime: RunRuntime | None = None
+        self.metrics = None  # the Prometheus endpoint (node/metrics.py), when config.metrics_listen
+        self.metrics_file = None
         self.extra_ingest: list = []  # more consumers of verified records (the run client)
         self._remembered: dict[str, list[str]] = {}
         self._gossip_due = True  # publish the status at the next interval even if unchanged
@@ -148,16 +154,19 @@ class Node:
 
     def status_record(self) -> StatusRecord:
         self._seq = max(self._seq + 1, int(time.time() * 1000))  # increasing across restarts too
-        fields: dict[str, Any] = {"role": self.role, "state": self.state}
+        run = RunStatus()
         if self.runtime is not None and self.state not in ("starting", "leaving"):
             try:
-                fields.update(self.runtime.status_fields())
+                run = self.runtime.status()
             except Exception:  # noqa: BLE001 - a bug in reporting must not stop the node: say so and go on
                 log.exception("run status unavailable")
-                fields["error"] = "run status unavailable (see the node's log)"
-        self._last_fields = fields
-        return StatusRecord(peer_id=self.peer_id, seq=self._seq, time=time.time(),
-                            peers_seen=len(self.membership.live_peers()) if self.membership else 0, **fields)
+                run = RunStatus(error="run status unavailable (see the node's log)")
+        record = StatusRecord(peer_id=self.peer_id, seq=self._seq, time=time.time(),
+                              peers_seen=len(self.membership.live_peers()) if self.membership else 0,
+                              **{"role": self.role, "state": self.state, **run.said()})
+        # what the status file repeats of it: the role and state it says, and the run's fields it said
+        self._last_fields = {"role": record.role, "state": record.state, **run.to_wire()}
+        return record
 
     def members_snapshot(self) -> list[list[Any]]:
         """[announcement envelope, status envelope, age in seconds] for every live peer, this one included."""
@@ -201,6 +210,22 @@ class Node:
         return status_gossip_s(c.status_interval_s, c.membership.gone_after_s,
                                c.run.broker.fail_after_s if c.run is not None else None)
 
+    def _take_metrics(self) -> None:
+        """One sample of the node's figures for the metrics endpoint and file (on the loop, which owns them)."""
+        if self.metrics is None and self.metrics_file is None:
+            return
+        from shoal.node.metrics import sample_node
+
+        try:
+            sample = sample_node(self)
+        except Exception:  # noqa: BLE001 - a bug in reporting must not stop the node
+            log.exception("metrics sample failed")
+            return
+        if self.metrics is not None:
+            self.metrics.update(sample)
+        if self.metrics_file is not None:
+            self.metrics_file.append(sample)
+
     async def _status_loop(self) -> None:
         published_at, published = -math.inf, None
         while True:
@@ -214,6 +239,7 @@ class Node:
             for ev in self.membership.sweep():
                 self._event(ev)
             self.write_status_file()
+            self._take_metrics()
             await trio.sleep(self.config.status_interval_s)
 
     async def _announce_loop(self) -> None:
@@ -288,15 +314,9 @@ class Node:
                           "relay_bytes": nat.relay.bytes_relayed, "relay_cut": nat.relay.circuits_cut}
         if self.runtime is not None:
             doc.update(self._last_fields)  # what the last status record said
-            doc["refetches"] = self.runtime.refetches
-            doc["entries"] = self.runtime.entries[-4:]
-            # the state hashes of the last steps (step -> hash): replicas compare over a window, not one sampled step
-            held = self.runtime.hashes.hashes if self.runtime.hashes is not None else {}
-            doc["recent_hashes"] = {str(k): v for k, v in sorted(held.items())[-16:]}
-            doc["warm_revision"] = self.runtime.warm.revision if self.runtime.warm is not None else None
-            doc["links"] = self.runtime.link_counters()
-            # AQ-SGD link ends' digests by step, over the last steps: the two ends compare at a step both hold
-            doc["recent_link_digests"] = self.runtime.link_digests()
+            # re-fetches, entries, the state hashes and the AQ-SGD link ends' digests of the last steps (replicas and
+            # link ends compare over a window, not one sampled step), the warm copy's revision, link counters
+            doc.update(self.runtime.detail().to_json())
             if self.runtime.recovery is not None:  # checkpoints, shards, rebuilds (node/run/recovery.py)
                 doc["recovery"] = self.runtime.recovery.report()
         tmp = path.with_name(f".{path.name}.tmp")
@@ -357,6 +377,23 @@ class Node:
             await trio.sleep(self.config.remember_peers_s)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        c = self.config
+        if c.metrics_file is not None:
+            from shoal.node.metrics import MetricsFile
+
+            self.metrics_file = MetricsFile(c.metrics_file)
+        if c.metrics_listen is not None:  # bound before anything else, so a taken port fails at once
+            from shoal.node.metrics import MetricsEndpoint
+
+            self.metrics = MetricsEndpoint(*c.metrics_listen)
+        try:
+            await self._run(task_status=task_status)
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+                self.metrics = None
+
+    async def _run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         join = list(self.config.host.join)
         if any(a.rstrip("/").endswith(f"/p2p/{self.peer_id}") for a in join):
             raise TwinDetected(f"the --join address is this node's own peer id ({self.peer_id}): another node runs "
@@ -414,7 +451,7 @@ class Node:
                         if self.config.run is not None:
                             from shoal.node.run.runtime import RunRuntime
 
-                            self.runtime = RunRuntime(self, self.config.run, self.hardware)
+                            self.runtime = RunRuntime(self.run_services(), self.config.run, self.hardware)
                             await periodic.start(self._run_training, joined)
                         task_status.started(self)
                         await self._stop.wait()
@@ -426,6 +463,13 @@ class Node:
                         await self.publish_leave(describe(e), wait_s=1.0)
                     raise
                 await self.leave(nursery)
+
+    def run_services(self) -> NodeServices:
+        """What this node's run may use of it."""
+        assert self.sh is not None and self.membership is not None and self.rpc is not None
+        return NodeServices(sh=self.sh, key=self.key, membership=self.membership, penalties=self.penalties,
+                            register=self.rpc.register, publish=self.publish, ingest=self.extra_ingest.append,
+                            pulse=self.pulse, joined_by_address=bool(self.config.host.join))
 
     async def _join(self) -> list[str]:
         """Connect to the --join addresses and the peers remembered from the last run; JoinError when none

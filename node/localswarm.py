@@ -177,6 +177,7 @@ class LocalSwarm:
         cmd = [*self.launch_prefix(index), sys.executable, "-m", "shoal.node.cli", "node",
                "--listen", self.listen_addr(index),
                "--identity", str(wd / f"node{index}.key"), "--status-file", str(status), "--log-file", str(logf),
+               "--metrics-file", str(wd / f"node{index}.metrics.jsonl"),  # each node's figures, in the swarm's folder
                "--device", self.config.device, "--status-interval", str(self.config.status_interval_s),
                "--gone-after", str(self.config.gone_after_s), "--parent", str(os.getpid()),
                *self.config.extra_node_args]

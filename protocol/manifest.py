@@ -12,6 +12,7 @@ from typing import Any
 import tomli_w
 
 from shoal.protocol.errors import DecodeError, FieldError, SignatureError
+from shoal.protocol.hfconfig import HFShape, parse_config
 from shoal.protocol.signing import peer_id_from_public_key, public_key_bytes, public_key_from_peer_id, sign, verify
 from shoal.protocol.schema import Bool, Bytes, Choice, Float, Int, Nested, Optional, Seq, Str, WireRecord, spec
 from shoal.protocol.wire import pack, unpack
@@ -31,7 +32,7 @@ MODEL_PRESETS: dict[str, tuple[int, int, int, int]] = {
 SYNC_METHODS = ("none", "allreduce", "cocktail", "diloco")
 PIPELINE_COMPRESSION = ("none", "aqsgd")
 WIRE_DTYPES = ("fp32", "fp16")
-AQ_BITS = (2, 3, 4, 8)  # Q_b widths of activation deltas (algorithms.md §0)
+AQ_BITS = (2, 3, 4, 8)  # Q_b widths of activation deltas (docs/pipeline.md, "The quantizer Q_b")
 AQ_DIRECT_BITS = AQ_BITS + (16,)  # first visits and gradients: Q_b, or 16 = fp16 in full
 AQ_BUFFERS = ("memory", "disk")
 JOIN_MODES = ("open", "secret", "allowlist")
@@ -54,29 +55,88 @@ def _nested(cls: type) -> Any:
     return spec(Nested(cls), default_factory=cls)
 
 
+SHA256_HEX = 64
+
+
+def is_sha256(s: str) -> bool:
+    return len(s) == SHA256_HEX and all(c in "0123456789abcdef" for c in s)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HFModelSpec(WireRecord):
+    """A Hugging Face causal LM: its config.json (canonical JSON, protocol/hfconfig.py) and, to fine-tune from, the
+    sha256 of its initial weights (one safetensors file, fetched from peers by that hash and checked against it,
+    never read from a path the manifest names)."""
+
+    config: str = spec(Str(32 * 1024, allow_empty=False), default="{}")
+    weights: str = spec(Str(SHA256_HEX), default="")  # "" : initialized from the run's seed
+    weights_bytes: int = spec(Int(0, 1 << 50), default=0)
+
+    def __post_init__(self) -> None:
+        WireRecord.__post_init__(self)
+        if self.weights and not is_sha256(self.weights):
+            raise FieldError("weights", "expected a sha256 in lowercase hex")
+        if bool(self.weights) != bool(self.weights_bytes):
+            raise FieldError("weights_bytes", "the weights' size goes with their hash")
+
+    @property
+    def shape(self) -> HFShape:
+        return HFShape.from_config(parse_config(self.config))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec(WireRecord):
-    """GPT decoder shape; `size` names a preset, the numbers are what is trained (presets fill them)."""
+    """GPT decoder shape; `size` names a preset, the numbers are what is trained (presets fill them). A Hugging Face
+    model (`size` "hf") is described by its config in `hf`; the numbers repeat its shape for the code that needs
+    only those (layers to split, the width of the activations between stages, the vocabulary)."""
 
-    size: str = spec(Choice(frozenset(MODEL_SIZES + ("custom",))), default="tiny")
+    size: str = spec(Choice(frozenset(MODEL_SIZES + ("custom", "hf"))), default="tiny")
     n_layers: int = spec(Int(1, 1024), default=MODEL_PRESETS["tiny"][0])
     d_model: int = spec(Int(8, 65536), default=MODEL_PRESETS["tiny"][1])
     n_heads: int = spec(Int(1, 1024), default=MODEL_PRESETS["tiny"][2])
-    vocab_size: int = spec(Int(256, 1 << 20), default=256)
+    vocab_size: int = spec(Int(2, 1 << 22), default=256)  # 256: byte tokens
     positions: str = spec(Choice(frozenset({"rope", "learned"})), default="rope")  # rotary or learned
     mlp_ratio: int = spec(Int(1, 16), default=4)
     #: the head shares the embedding matrix; None: tied when the plan has one stage, untied when it is split
     #: (a split model's last stage keeps its own head); an explicit value is written into the run id
     tie_embeddings: bool | None = spec(Optional(Bool()), default=None, omit_if_default=True)
+    hf: HFModelSpec | None = spec(Optional(Nested(HFModelSpec)), default=None, omit_if_default=True)
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)
+        if self.hf is not None:
+            sh = self.hf.shape
+            want = {"size": "hf", "n_layers": sh.layers, "d_model": sh.d_model, "n_heads": sh.heads,
+                    "vocab_size": sh.vocab, "tie_embeddings": None}
+            for name, v in want.items():
+                if getattr(self, name) != v:
+                    raise FieldError(name, f"{getattr(self, name)!r} does not match the Hugging Face config ({v!r})")
+            return
+        if self.size == "hf":
+            raise FieldError("hf", "size 'hf' needs the model's config")
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise FieldError("n_heads", f"d_model {self.d_model} must split into an even head size")
 
+    @classmethod
+    def from_hf(cls, hf: HFModelSpec) -> ModelSpec:
+        sh = hf.shape
+        return cls(size="hf", n_layers=sh.layers, d_model=sh.d_model, n_heads=sh.heads, vocab_size=sh.vocab,
+                   hf=hf)
+
     def tied(self, stages: int) -> bool:
-        """Whether the head shares the embedding matrix in a plan of `stages` stages."""
+        """Whether the head shares the embedding matrix in a plan of `stages` stages (a Hugging Face model: as its
+        config says when one stage holds it; a split one always has its own head, initialized as the embedding)."""
+        if self.hf is not None:
+            return self.hf.shape.tied and stages == 1
         return self.tie_embeddings if self.tie_embeddings is not None else stages == 1
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.hf.shape.ffn if self.hf is not None else self.mlp_ratio * self.d_model
+
+    def describe(self) -> str:
+        """How people read the model's name: "tiny GPT", "llama 4x256" (layers x width)."""
+        return self.hf.shape.describe() if self.hf is not None else f"{self.size} GPT"
 
     @classmethod
     def preset(cls, size: str, **overrides: Any) -> ModelSpec:
@@ -90,12 +150,23 @@ class DataSpec(WireRecord):
     """Where tokens come from: "stdlib" (the interpreter's own source), a local .txt/.jsonl path, or "hf:NAME"."""
 
     source: str = spec(Str(1024, allow_empty=False), default="stdlib")
-    tokenizer: str = spec(Choice(frozenset({"bytes"})), default="bytes")
+    #: "bytes" (256 byte tokens) or the sha256 of a tokenizer.json (the `tokenizers` library's format), fetched from
+    #: peers by that hash like the model's weights
+    tokenizer: str = spec(Str(SHA256_HEX, allow_empty=False), default="bytes")
     # every Nth 64 KiB block of the corpus is held out for evaluation (5%)
     heldout_every: int = spec(Int(2, 1000), default=20)
     # train on the first N samples only (0: all of them), so samples come back every epoch (fine-tuning's regime,
     # where AQ-SGD's buffers pay off)
     train_subset: int = spec(Int(0, 1 << 40), default=0, omit_if_default=True)
+    #: an hf: dataset's configuration (subset) and split, and the column that holds the text
+    hf_config: str = spec(Str(128), default="", omit_if_default=True)
+    hf_split: str = spec(Str(128, allow_empty=False), default="train", omit_if_default=True)
+    text_field: str = spec(Str(128, allow_empty=False), default="text", omit_if_default=True)
+
+    def __post_init__(self) -> None:
+        WireRecord.__post_init__(self)
+        if self.tokenizer != "bytes" and not is_sha256(self.tokenizer):
+            raise FieldError("tokenizer", "'bytes' or the sha256 of a tokenizer.json (lowercase hex)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -145,7 +216,7 @@ class SyncSpec(WireRecord):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineSpec(WireRecord):
     """What crosses a stage boundary: with compression "none", activations and gradients at `wire_dtype`; with
-    "aqsgd", activation deltas forward and quantized gradients backward (AQ-SGD, pipeline.md "AQ-SGD over a link"):
+    "aqsgd", activation deltas forward and quantized gradients backward (AQ-SGD, docs/pipeline.md "AQ-SGD over a link"):
     a sample's first visit on a link goes at `first_visit_bits` and both ends keep what was decoded; later visits
     send Q_fwd_bits(a - m); gradients go at `bwd_bits` (16: fp16). `warmup_epochs`: visits of a sample sent at
     first_visit_bits before deltas start (only 1, the first visit, is implemented). Each end keeps its buffer in
@@ -316,6 +387,16 @@ class RunManifest(WireRecord):
         if self.plan.stages > 1 and self.model.tie_embeddings:
             raise FieldError("model.tie_embeddings", "a model split into stages has its head untied from the "
                                                      "embedding (the ends live on different nodes)")
+        if self.model.hf is not None:
+            sh = self.model.hf.shape
+            if self.batch.seq_len > sh.max_positions:
+                raise FieldError("batch.seq_len", f"{self.batch.seq_len} tokens, the model's positions cover "
+                                                  f"{sh.max_positions}")
+            if sh.sliding_window is not None and self.batch.seq_len > sh.sliding_window:
+                raise FieldError("batch.seq_len", f"{self.batch.seq_len} tokens exceed the model's sliding window "
+                                                  f"({sh.sliding_window}); shoal trains full causal attention")
+        elif self.data.tokenizer == "bytes" and self.model.vocab_size < 256:
+            raise FieldError("model.vocab_size", "byte tokens need a vocabulary of 256")
         if self.owner:
             try:
                 public_key_from_peer_id(self.owner)
@@ -353,9 +434,13 @@ class RunManifest(WireRecord):
 
     def stage_params(self, stage: int) -> int:
         """Parameters of stage `stage` of this run's plan (the built-in GPT: blocks of 4+2*mlp_ratio d^2 weights and
-        two norms, the embedding on the first stage, the final norm and, when untied, the head on the last)."""
+        two norms, the embedding on the first stage, the final norm and, when untied, the head on the last; a
+        Hugging Face model: its family's count, protocol/hfconfig.py)."""
         m, stages = self.model, self.plan.stages
         first, last = even_split(m.n_layers, stages)[stage]
+        if m.hf is not None:
+            return m.hf.shape.stage_params(first, last, embedding=stage == 0, head=stage == stages - 1,
+                                           tied=m.tied(stages))
         d = m.d_model
         n = (last - first) * ((4 + 2 * m.mlp_ratio) * d * d + 2 * d)
         if stage == 0:
@@ -370,9 +455,19 @@ class RunManifest(WireRecord):
         m, b = self.model, self.batch
         first, last = even_split(m.n_layers, self.plan.stages)[stage]
         in_flight = b.batch_size if self.plan.stages > 1 else b.micro_batch_size
-        per_layer = in_flight * b.seq_len * m.d_model * (10 + 2 * m.mlp_ratio) * 4
+        per_layer = in_flight * b.seq_len * (10 * m.d_model + 2 * m.ffn_dim) * 4
         logits = in_flight * b.seq_len * m.vocab_size * 8 if stage == self.plan.stages - 1 else 0
         return 16 * self.stage_params(stage) + (last - first) * per_layer + logits
+
+    def blobs(self) -> list[tuple[str, int | None]]:
+        """The files this run names by sha256, with their sizes where the manifest fixes them: the model's initial
+        weights, the tokenizer.json."""
+        out: list[tuple[str, int | None]] = []
+        if self.model.hf is not None and self.model.hf.weights:
+            out.append((self.model.hf.weights, self.model.hf.weights_bytes))
+        if self.data.tokenizer != "bytes":
+            out.append((self.data.tokenizer, None))
+        return out
 
     # -- encodings
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from shoal.node.cli.errors import CliError
 
-DATA_FORMS = "'stdlib', a .txt/.jsonl file, a folder of them, or hf:NAME"
-DATA_SUFFIXES = (".txt", ".jsonl")
+DATA_FORMS = "'stdlib', a .txt/.jsonl/.parquet file, a folder of them, or hf:NAME"
+DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 def typed_data(value: str, flag: str = "--data") -> str:
@@ -24,5 +24,5 @@ def typed_data(value: str, flag: str = "--data") -> str:
         why = "no such file or folder" if isinstance(e, FileNotFoundError) else getattr(e, "strerror", None) or e
         raise CliError(f"{flag} {value}: {why}", hint=f"{flag} takes {DATA_FORMS}") from None
     if path.is_dir() and not any(p.suffix in DATA_SUFFIXES and p.is_file() for p in path.rglob("*")):
-        raise CliError(f"{flag} {value}: the folder holds no .txt or .jsonl file", hint=f"{flag} takes {DATA_FORMS}")
+        raise CliError(f"{flag} {value}: the folder holds no .txt, .jsonl or .parquet file", hint=f"{flag} takes {DATA_FORMS}")
     return str(path)  # a file of another suffix is read as one text document

@@ -20,6 +20,7 @@ class Exit(IntEnum):
     NO_DEVICE = 9  # the asked-for device (cuda, mps) is not available
     DOES_NOT_FIT = 10  # the run's stage does not fit in the device's free memory
     ADDRESS_IN_USE = 11  # the --listen port is taken
+    INPUTS_UNAVAILABLE = 12  # the run's data, model files or a package they need cannot be had here
     INTERRUPTED = 130  # Ctrl+C (or SIGTERM/SIGHUP) before the node was up
 
 
@@ -55,6 +56,10 @@ EXPECTED: dict[str, Exit] = {
     "shoal.node.run.preflight.DoesNotFit": Exit.DOES_NOT_FIT,
     "shoal.swarm.net.listen.AddressInUse": Exit.ADDRESS_IN_USE,
     "shoal.node.run.runtime.ResumeError": Exit.USAGE,
+    "shoal.node.train.datacheck.DataUnavailable": Exit.INPUTS_UNAVAILABLE,
+    "shoal.node.train.hf.MissingPackage": Exit.INPUTS_UNAVAILABLE,
+    "shoal.node.train.tokens.MissingTokenizers": Exit.INPUTS_UNAVAILABLE,
+    "shoal.swarm.state.blobs.BlobError": Exit.INPUTS_UNAVAILABLE,
 }
 
 #: hints for expected errors whose exit status's hint (HINTS) says too little, by class as in EXPECTED
@@ -136,5 +141,6 @@ _COMMENTS: dict[Exit, str] = {
     Exit.NO_DEVICE: "the device asked for (--device cuda, mps) is not available",
     Exit.DOES_NOT_FIT: "the run's model does not fit in the device's free memory",
     Exit.ADDRESS_IN_USE: "the --listen port is already in use",
+    Exit.INPUTS_UNAVAILABLE: "the run's data, model files or a package they need cannot be had on this machine",
     Exit.INTERRUPTED: "interrupted (Ctrl+C, SIGTERM or SIGHUP) before the node was up",
 }

@@ -22,7 +22,7 @@ its own --checkpoint-dir: copy the s<S>r<R> folders into one run folder first.
 """
 
 #: the model's architecture -> the module that exports it (`export(manifest, stages, out, step=, source=)`)
-EXPORTERS: dict[str, str] = {"shoal-gpt": "shoal.node.train.export_gpt"}
+EXPORTERS: dict[str, str] = {"shoal-gpt": "shoal.node.train.export_gpt", "hf": "shoal.node.train.export_hf"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,13 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def architecture(manifest) -> str:
-    """Which exporter a run's model needs (the built-in GPT for every manifest this build writes)."""
-    return "shoal-gpt"
+    """Which exporter a run's model needs: a Hugging Face model's, or the built-in GPT's."""
+    return "hf" if manifest.model.hf is not None else "shoal-gpt"
 
 
 def exporter_module(manifest):
-    """The module exporting this run's architecture: `stage_weights(manifest, stage, state)` (a checkpointed
-    state's weights, ready to merge) and `export(manifest, stages, out, step=, source=)`."""
+    """The module exporting this run's architecture: `export(manifest, stages, out, step=, source=)`."""
     import importlib
 
     return importlib.import_module(EXPORTERS[architecture(manifest)])
@@ -59,14 +58,32 @@ def main(args: argparse.Namespace) -> int:
     run_dir = resolve_source(args.source)
     manifest, stages, step, source = read_stages(run_dir, args.step)
     exporter = exporter_module(manifest)
+    extra = {}
+    if manifest.data.tokenizer != "bytes":  # a Hugging Face run's tokenizer.json goes with the model
+        extra["tokenizer"] = run_tokenizer(manifest)
     try:
-        files = exporter.export(manifest, stages, out, step=step, source=source)
+        files = exporter.export(manifest, stages, out, step=step, source=source, **extra)
     except ValueError as e:
         raise CliError(f"{run_dir}: the checkpoints do not make the run's model: {e}") from None
     print(f"run {manifest.run_id[:16]}… step {step}: {len(stages)} stage(s) merged into {out}")
     for f in files:
         print(f"  {f} ({f.stat().st_size / 1e6:.1f} MB)")
     return 0
+
+
+def run_tokenizer(manifest):
+    """The run's tokenizer.json from this node's blob store (where `run create` and every node fetching it keep it);
+    CliError when it is not there."""
+    from shoal.node.cli.errors import CliError
+    from shoal.node.cli.node import shoal_home
+    from shoal.swarm.state.blobs import BlobStore
+
+    root = shoal_home() / "blobs"
+    path = BlobStore(root).path(manifest.data.tokenizer)
+    if path is None:
+        raise CliError(f"the run's tokenizer {manifest.data.tokenizer[:16]}… is not in {root}",
+                       hint="export on a node that took part in the run (or its owner's machine)")
+    return path
 
 
 def resolve_source(text: str):
@@ -105,6 +122,7 @@ def read_stages(run_dir, step: int | None):
     from shoal.node.cli.errors import CliError
     from shoal.node.run.checkpoints import CheckpointMissing, read_checkpoint, slots_on_disk
     from shoal.node.train import checkpoint as single
+    from shoal.node.train.stages import trained_weights
     from shoal.protocol.errors import ProtocolError
     from shoal.protocol.manifest import RunManifest
 
@@ -125,7 +143,7 @@ def read_stages(run_dir, step: int | None):
             state = single.read_checkpoint(single.checkpoint_path(run_dir, at[-1]))
         except single.CheckpointError as e:
             raise CliError(str(e)) from None
-        weights = exporter_module(manifest).stage_weights(manifest, 0, state)
+        weights = trained_weights(manifest, 0, state)
         return manifest, [weights], at[-1], f"{single.checkpoint_path(run_dir, at[-1])}"
     common = set.intersection(*[{s for (st, _), v in on_disk.items() if st == i for s in v} for i in range(stages)])
     if not common:
@@ -142,7 +160,7 @@ def read_stages(run_dir, step: int | None):
             except CheckpointMissing as e:
                 print(f"skipping {e}")
                 continue
-            models.append(exporter_module(manifest).stage_weights(manifest, i, snap.state()))
+            models.append(trained_weights(manifest, i, snap.state()))
             used.append(f"s{st}r{r}")
             break
         else:

@@ -59,6 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="once ready, write the addresses others join this node with to PATH (for --join @PATH)")
     p.add_argument("--status-file", type=Path, default=None, metavar="PATH",
                    help="rewrite a JSON file with peer_id, addrs, peers and state every few seconds")
+    p.add_argument("--metrics", default=None, metavar="ADDR:PORT",
+                   help="serve Prometheus metrics at http://ADDR:PORT/metrics (step, loss, held-out loss, tokens/s, "
+                        "bytes per channel, ...; PORT alone binds 127.0.0.1; default: off)")
+    p.add_argument("--metrics-file", default=None, metavar="PATH",
+                   help="append the same figures as JSON lines every status interval, rotated at 16 MB "
+                        "(default: $SHOAL_HOME/metrics/node-PEERID.jsonl; 'none' for no file)")
     p.add_argument("--status-interval", type=float, default=2.0, metavar="SECONDS",
                    help="how often to publish status (default: %(default)g)")
     p.add_argument("--gone-after", type=float, default=12.0, metavar="SECONDS",
@@ -161,8 +167,15 @@ def main(args: argparse.Namespace) -> int:
     from shoal.swarm.net.membership import MembershipConfig
     from shoal.swarm.net.recent_peers import recent_peers_path
 
+    from shoal.node.metrics import parse_listen
+
     try:
+        metrics_listen = parse_listen(args.metrics) if args.metrics else None
+        metrics_file = None if args.metrics_file == "none" else \
+            Path(args.metrics_file) if args.metrics_file else home / "metrics" / f"node-{short_id(peer_id)}.jsonl"
         config = NodeConfig(
+            metrics_listen=metrics_listen,
+            metrics_file=metrics_file,
             run=run,
             host=HostConfig(listen=args.listen, join=tuple(join), nat=nat_config(args)),
             identity=lock.key_path,
@@ -178,6 +191,8 @@ def main(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise CliError(str(e)) from None
+    if metrics_listen is not None:
+        _say(f"metrics: http://{metrics_listen[0]}:{metrics_listen[1]}/metrics (Prometheus)")
     if run is None:
         _say(f"device: {hardware.device_kind} ({hardware.device_name}); no run to train (--run)")
     elif run.manifest is not None:
@@ -319,7 +334,7 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
     manifest comes from the swarm (checked when it arrives)."""
     from shoal.node.cli.errors import CliError
     from shoal.node.run.config import RunConfig
-    from shoal.node.run.preflight import preflight
+    from shoal.node.run.preflight import check_inputs, preflight
     from shoal.protocol.errors import ProtocolError
     from shoal.protocol.manifest import RunManifest
     from shoal.swarm.run.broker import BrokerConfig
@@ -346,13 +361,14 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
                            round_timeout_s=args.round_timeout,
                            broker=BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after),
                            backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time,
-                           aq_buffer_dir=str(shoal_home() / "aq"),
+                           aq_buffer_dir=str(shoal_home() / "aq"), blob_dir=str(shoal_home() / "blobs"),
                            checkpoint_dir=str(args.checkpoint_dir or shoal_home() / "checkpoints"),
                            resume_dir=None if resume is None else str(resume))
     except ValueError as e:
         raise CliError(str(e)) from None
     if manifest is not None:
         preflight(manifest, config)
+        check_inputs(manifest, config.data or manifest.data.source)  # packages, the Hub: before the node starts
     return config
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from shoal.node.cli.specflags import SpecFlag, add_spec_flags, field_default, spec_field, spec_values
+from shoal.protocol.manifest import PIPELINE_COMPRESSION, SYNC_METHODS
+
 HELP = "create or show a run manifest (model, data, parallel plan, compression, join policy)"
 DESCRIPTION = (
     "A run is a signed manifest; its content hash is the run id.\n\n"
@@ -27,115 +30,150 @@ run's broker, and others join with the run id.
   shoal run create --stages 2 --replicas 2 --size small -o run.toml      # a pipeline of 2 stages x 2 lanes
   shoal run create --replicas 2 --join-secret-file secret.txt -o run.toml   # a private run
   shoal run create --data hf:roneneldan/TinyStories -o run.toml             # a Hugging Face dataset
+  shoal run create --model hf:~/models/qwen2-0.5b --stages 2 -o run.toml    # fine-tune a Hugging Face model
+  shoal run create --arch llama --layers 4 --d-model 256 --heads 4 \
+      --tokenizer tok.json --data corpus.parquet -o run.toml                 # a Llama from scratch
+
+--model hf:PATH: a Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3,
+GPT-2 families): a folder with config.json (and model*.safetensors weights to
+fine-tune from, and tokenizer.json, used unless --tokenizer says otherwise),
+or a config.json alone (trained from the run's seed). --arch FAMILY builds a
+config from --layers/--d-model/--heads (--kv-heads, --ffn). The manifest
+records the config and the sha256 of the weights and the tokenizer; the files
+are kept under $SHOAL_HOME/blobs/ and nodes fetch them from peers by hash
+(never from a path). Needs pip install 'shoal[hf]'.
 
 --data: 'stdlib' (the Python standard library's own source, on every machine),
 a .txt file, a .jsonl file (one document per line: a string or {"text": ...}),
-a folder of them, or hf:NAME (a Hugging Face dataset's "train" split, "text"
-column; needs `pip install datasets` and the network). Every node reads the
+a .parquet file, a folder of them, or hf:NAME (a Hugging Face dataset's "train"
+split, "text" column; needs pip install 'shoal[hf]' and the network). Every node reads the
 source itself, so a file or folder must be at the same path on every machine.
-Text is tokenized as bytes.
+Text is tokenized as bytes, or with --tokenizer (a tokenizer.json).
+A .parquet file's text column is --text-field (default "text"); an hf: dataset
+takes --data-config and --data-split too, and is streamed: each node reads only
+the tokens the run can consume.
 """
 
 
+#: flags that set one manifest field each: type, choices and default come from the field's spec (protocol/manifest.py)
+NAME_FLAGS = (SpecFlag("--name", "name", "a name for people; not used by shoal"),)
+MODEL_FLAGS = (SpecFlag("--positions", "model.positions", "position encoding"),)
+DATA_FLAGS = (
+    SpecFlag("--data", "data.source", "'stdlib', a .txt/.jsonl file or a folder of them, or hf:NAME", "SOURCE"),
+)
+DATA_FIELD_FLAGS = (
+    SpecFlag("--text-field", "data.text_field", "the column (jsonl key) that holds the text", "NAME"),
+    SpecFlag("--data-config", "data.hf_config", "hf: dataset configuration (subset)", "NAME"),
+    SpecFlag("--data-split", "data.hf_split", "hf: dataset split", "NAME"),
+)
+OPTIM_FLAGS = (
+    SpecFlag("--batch", "batch.batch_size", "sequences per optimizer step per replica", "N"),
+    SpecFlag("--steps", "optim.total_steps", "total optimizer steps, the schedule's length", "N"),
+    SpecFlag("--lr", "optim.lr", "peak learning rate"),
+    SpecFlag("--optimizer", "optim.optimizer", "the inner (local) optimizer"),
+    SpecFlag("--warmup", "optim.warmup_steps", "learning-rate warm-up steps", "N"),
+    SpecFlag("--weight-decay", "optim.weight_decay", "AdamW weight decay"),
+    SpecFlag("--grad-clip", "optim.grad_clip", "gradient norm clipping"),
+    SpecFlag("--seed", "seed", "model initialization and data order"),
+    SpecFlag("--eval-every", "eval.every_steps", "held-out evaluation every N steps", "N"),
+    SpecFlag("--ckpt-every", "checkpoint.every_steps", "checkpoint every N steps", "N"),
+    SpecFlag("--keep", "checkpoint.keep_last", "checkpoints to keep", "N"),
+    SpecFlag("--snapshot-every", "checkpoint.snapshot_every_steps", "every N steps each stage's state is "
+             "erasure-coded into shards held outside the stage, so the stage survives losing every replica (0: never)",
+             "N"),
+    SpecFlag("--parity", "checkpoint.parity", "parity shards per stage snapshot: the stage comes back with any M of "
+                                              "its shard holders gone", "M"),
+)
+PLAN_FLAGS = (
+    SpecFlag("--stages", "plan.stages", "pipeline stages S: the model split into S consecutive pieces on different "
+                                        "nodes", "S"),
+    SpecFlag("--replicas", "plan.replicas", "data-parallel replicas D per stage", "D"),
+)
+SYNC_FLAGS = (
+    SpecFlag("--cocktail-p", "plan.sync.cocktail.p", "CocktailSGD: share of coordinates kept by the random mask", "P"),
+    SpecFlag("--cocktail-r", "plan.sync.cocktail.r", "CocktailSGD: share of those kept by top-k", "R"),
+    SpecFlag("--cocktail-bits", "plan.sync.cocktail.bits", "CocktailSGD: bits per quantized value", "B"),
+    SpecFlag("--cocktail-warmup", "plan.sync.cocktail.warmup_steps", "CocktailSGD: steps synchronized uncompressed "
+                                                                      "first", "N"),
+    SpecFlag("--diloco-h", "plan.sync.diloco.inner_steps", "DiLoCo: inner steps between outer steps", "H"),
+    SpecFlag("--diloco-fragments", "plan.sync.diloco.fragments", "Streaming DiLoCo: fragments synchronized in turn",
+             "N"),
+    SpecFlag("--diloco-e3m0", "plan.sync.diloco.e3m0", "DiLoCo: 4-bit (E3M0) outer gradients"),
+    SpecFlag("--diloco-overlap", "plan.sync.diloco.overlap_steps", "Streaming DiLoCo: inner steps trained while a "
+                                                                   "fragment's outer gradient is on the wire "
+                                                                   "(< H / fragments)", "TAU"),
+    SpecFlag("--diloco-alpha", "plan.sync.diloco.merge_alpha", "after an outer step keep this share of the local "
+                                                               "parameters (Streaming DiLoCo uses 0.5)", "ALPHA"),
+)
+PIPELINE_FLAGS = (
+    SpecFlag("--wire-dtype", "plan.pipeline.wire_dtype", "activations and gradients between stages without "
+                                                         "compression"),
+    SpecFlag("--fwd-bits", "plan.pipeline.fwd_bits", "AQ-SGD: bits of forward activation deltas", "B"),
+    SpecFlag("--bwd-bits", "plan.pipeline.bwd_bits", "AQ-SGD: bits of backward gradients", "B"),
+    SpecFlag("--first-visit-bits", "plan.pipeline.first_visit_bits", "AQ-SGD: bits of a sample's first visit on a "
+                                                                     "link, 16 = fp16", "B"),
+    SpecFlag("--aq-buffer", "plan.pipeline.buffer", "AQ-SGD: where each link end keeps its buffer; disk: one file "
+                                                    "per link end under $SHOAL_HOME/aq/RUN/, removed when the "
+                                                    "node's links close"),
+    SpecFlag("--aq-buffer-cap-mb", "plan.pipeline.buffer_cap_mb", "AQ-SGD: buffer cap per link end", "MB"),
+    SpecFlag("--train-subset", "data.train_subset", "train on the first N samples only, epoch after epoch (0: all)",
+             "N"),
+)
+SPEC_FLAGS = (NAME_FLAGS + MODEL_FLAGS + DATA_FLAGS + DATA_FIELD_FLAGS + OPTIM_FLAGS + PLAN_FLAGS + SYNC_FLAGS
+              + PIPELINE_FLAGS)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from shoal.protocol.manifest import MODEL_SIZES, RunManifest
+
     sub = parser.add_subparsers(dest="run_command", metavar="ACTION", required=True)
     c = sub.add_parser("create", help="write a new signed manifest", description=CREATE_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("-o", "--output", required=True, metavar="PATH", help="where to write the manifest (TOML)")
     c.add_argument("--if-missing", action="store_true",
                    help="keep a manifest already at --output (verified) instead of writing a new one")
-    c.add_argument("--name", default="shoal-run", help="a name for people; not used by shoal (default: %(default)s)")
+    add_spec_flags(c, RunManifest, NAME_FLAGS)
     c.add_argument("--identity", default=None, metavar="PATH",
                    help="Ed25519 key file that signs (created if missing; default: $SHOAL_HOME/identity.key)")
     m = c.add_argument_group("model and data")
-    m.add_argument("--size", choices=("tiny", "small", "base"), default="tiny",
-                   help="model preset (default: %(default)s)")
+    m.add_argument("--size", choices=MODEL_SIZES, default=field_default(spec_field(RunManifest, "model.size")),
+                   help="built-in GPT preset (default: %(default)s)")
+    m.add_argument("--model", metavar="hf:PATH",
+                   help="a Hugging Face causal LM: a folder (config.json, *.safetensors, tokenizer.json) or a "
+                        "config.json")
+    m.add_argument("--arch", choices=("llama", "mistral", "qwen2", "qwen3", "gpt2"),
+                   help="a Hugging Face architecture from scratch, sized by --layers/--d-model/--heads")
+    m.add_argument("--kv-heads", type=int, metavar="N", help="--arch: key/value heads (default: --heads)")
+    m.add_argument("--ffn", type=int, metavar="N", help="--arch: MLP width (default: the family's usual)")
+    m.add_argument("--tokenizer", metavar="PATH",
+                   help="a tokenizer.json (or a folder holding one); default: bytes, or the --model folder's")
     m.add_argument("--layers", type=int, metavar="N", help="override the preset's layer count")
     m.add_argument("--d-model", type=int, metavar="N", help="override the preset's width")
     m.add_argument("--heads", type=int, metavar="N", help="override the preset's head count")
-    m.add_argument("--positions", choices=("rope", "learned"), default="rope",
-                   help="position encoding (default: %(default)s)")
-    m.add_argument("--data", default="stdlib", metavar="SOURCE",
-                   help="'stdlib', a .txt/.jsonl file or a folder of them, or hf:NAME (default: %(default)s)")
-    m.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence (default: the preset's)")
+    add_spec_flags(m, RunManifest, MODEL_FLAGS + DATA_FLAGS)
+    m.add_argument("--seq-len", type=int, metavar="N",
+                   help="tokens per sequence (default: the preset's; 512 for a Hugging Face model, at most its "
+                        "positions)")
+    add_spec_flags(m, RunManifest, DATA_FIELD_FLAGS)
     o = c.add_argument_group("optimization")
-    o.add_argument("--batch", type=int, default=16, metavar="N",
-                   help="sequences per optimizer step per replica (default: %(default)s)")
+    add_spec_flags(o, RunManifest, OPTIM_FLAGS[:1])
     o.add_argument("--micro-batch", type=int, metavar="N", help="sequences per micro-batch (default: --batch)")
-    o.add_argument("--steps", type=int, default=2000, metavar="N",
-                   help="total optimizer steps, the schedule's length (default: %(default)s)")
-    o.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)g)")
-    o.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
-                   help="the inner (local) optimizer (default: %(default)s)")
-    o.add_argument("--warmup", type=int, default=50, metavar="N",
-                   help="learning-rate warm-up steps (default: %(default)s)")
-    o.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: %(default)g)")
-    o.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clipping (default: %(default)g)")
-    o.add_argument("--seed", type=int, default=0, help="model initialization and data order (default: %(default)s)")
-    o.add_argument("--eval-every", type=int, default=100, metavar="N",
-                   help="held-out evaluation every N steps (default: %(default)s)")
-    o.add_argument("--ckpt-every", type=int, default=100, metavar="N",
-                   help="checkpoint every N steps (default: %(default)s)")
-    o.add_argument("--keep", type=int, default=3, metavar="N", help="checkpoints to keep (default: %(default)s)")
-    from shoal.protocol.manifest import SNAPSHOT_EVERY_STEPS  # light: records only
-
-    o.add_argument("--snapshot-every", type=int, default=SNAPSHOT_EVERY_STEPS, metavar="N",
-                   help="every N steps each stage's state is erasure-coded into shards held outside the stage, so "
-                        "the stage survives losing every replica (0: never; default: %(default)s)")
-    o.add_argument("--parity", type=int, default=2, metavar="M",
-                   help="parity shards per stage snapshot: the stage comes back with any M of its shard holders "
-                        "gone (default: %(default)s)")
+    add_spec_flags(o, RunManifest, OPTIM_FLAGS[1:])
     p = c.add_argument_group("parallel plan and synchronization")
-    p.add_argument("--stages", type=int, default=1, metavar="S",
-                   help="pipeline stages S: the model split into S consecutive pieces on different nodes "
-                        "(default: %(default)s)")
-    p.add_argument("--replicas", type=int, default=1, metavar="D",
-                   help="data-parallel replicas D per stage (default: %(default)s)")
-    p.add_argument("--sync", choices=("none", "allreduce", "cocktail", "diloco"),
+    add_spec_flags(p, RunManifest, PLAN_FLAGS)
+    p.add_argument("--sync", choices=SYNC_METHODS,
                    help="how replicas stay together (default: none for D=1, else cocktail)")
-    p.add_argument("--cocktail-p", type=float, default=0.1, metavar="P",
-                   help="CocktailSGD: share of coordinates kept by the random mask (default: %(default)g)")
-    p.add_argument("--cocktail-r", type=float, default=0.2, metavar="R",
-                   help="CocktailSGD: share of those kept by top-k (default: %(default)g)")
-    p.add_argument("--cocktail-bits", type=int, default=4, metavar="B",
-                   help="CocktailSGD: bits per quantized value (default: %(default)s)")
-    p.add_argument("--cocktail-warmup", type=int, default=100, metavar="N",
-                   help="CocktailSGD: steps synchronized uncompressed first (default: %(default)s)")
-    p.add_argument("--diloco-h", type=int, default=100, metavar="H",
-                   help="DiLoCo: inner steps between outer steps (default: %(default)s)")
-    p.add_argument("--diloco-fragments", type=int, default=1, metavar="N",
-                   help="Streaming DiLoCo: fragments synchronized in turn (default: %(default)s)")
-    p.add_argument("--diloco-e3m0", action="store_true", help="DiLoCo: 4-bit (E3M0) outer gradients")
-    p.add_argument("--diloco-overlap", type=int, default=0, metavar="TAU",
-                   help="Streaming DiLoCo: inner steps trained while a fragment's outer gradient is on the wire "
-                        "(< H / fragments; default: %(default)s)")
-    p.add_argument("--diloco-alpha", type=float, default=0.0, metavar="ALPHA",
-                   help="after an outer step keep this share of the local parameters (Streaming DiLoCo uses 0.5; "
-                        "default: %(default)g)")
+    add_spec_flags(p, RunManifest, SYNC_FLAGS)
     p.add_argument("--micro-batches", type=int, default=None, metavar="M",
                    help="micro-batches per step (default: 4 x stages with several stages, else one; "
                         "--micro-batch sets their size instead)")
     p.add_argument("--tie-embeddings", choices=("auto", "tied", "untied"), default="auto",
                    help="whether the head shares the embedding matrix (auto: tied with one stage, untied when split; "
                         "a split model must be untied; default: %(default)s)")
-    p.add_argument("--pipeline-compression", choices=("none", "aqsgd"), default=None,
+    p.add_argument("--pipeline-compression", choices=PIPELINE_COMPRESSION, default=None,
                    help="what crosses a stage boundary: none (activations at --wire-dtype) or aqsgd "
                         "(default: aqsgd with several stages)")
-    p.add_argument("--wire-dtype", choices=("fp32", "fp16"), default="fp32",
-                   help="activations and gradients between stages without compression (default: %(default)s)")
-    p.add_argument("--fwd-bits", type=int, default=4, metavar="B",
-                   help="AQ-SGD: bits of forward activation deltas (default: %(default)s)")
-    p.add_argument("--bwd-bits", type=int, default=8, metavar="B",
-                   help="AQ-SGD: bits of backward gradients (default: %(default)s)")
-    p.add_argument("--first-visit-bits", type=int, default=8, metavar="B",
-                   help="AQ-SGD: bits of a sample's first visit on a link, 16 = fp16 (default: %(default)s)")
-    p.add_argument("--aq-buffer", choices=("memory", "disk"), default="memory",
-                   help="AQ-SGD: where each link end keeps its buffer; disk: one file per link end under "
-                        "$SHOAL_HOME/aq/RUN/, removed when the node's links close (default: %(default)s)")
-    p.add_argument("--aq-buffer-cap-mb", type=int, default=4096, metavar="MB",
-                   help="AQ-SGD: buffer cap per link end (default: %(default)s)")
-    p.add_argument("--train-subset", type=int, default=0, metavar="N",
-                   help="train on the first N samples only, epoch after epoch (default: all)")
+    add_spec_flags(p, RunManifest, PIPELINE_FLAGS)
     j = c.add_argument_group("who may join").add_mutually_exclusive_group()
     j.add_argument("--join-secret-file", metavar="PATH",
                    help="file holding the join secret; a new 256-bit secret is written there when the file does "
@@ -166,16 +204,15 @@ def _secret_file(path: str) -> str:
 
 
 def build_manifest(args: argparse.Namespace):
+    import functools
     import time
 
     from shoal.protocol import manifest as mf
 
     tie = {"auto": None, "tied": True, "untied": False}[args.tie_embeddings]
-    model = mf.ModelSpec.preset(args.size, positions=args.positions, tie_embeddings=tie)
-    overrides = {k: v for k, v in (("n_layers", args.layers), ("d_model", args.d_model), ("n_heads", args.heads)) if v}
-    if overrides:
-        model = mf.ModelSpec(**{**model.to_wire(), **overrides, "size": "custom"})
-    seq = args.seq_len or mf.MODEL_PRESETS[args.size][3]
+    from shoal.node.cli.hfmodel import model_and_tokenizer
+
+    model, tokenizer, seq = model_and_tokenizer(args, tie)
     sync_method = args.sync or ("none" if args.replicas == 1 else "cocktail")
     if args.micro_batch and args.micro_batches:
         raise ValueError("give --micro-batch (their size) or --micro-batches (their count), not both")
@@ -190,34 +227,23 @@ def build_manifest(args: argparse.Namespace):
         join = mf.JoinPolicy(mode="allowlist", allowlist=tuple(args.allow))
     else:
         join = mf.JoinPolicy()
+    given = functools.partial(spec_values, args, SPEC_FLAGS)  # the manifest's fields set by flags, by record
     return mf.RunManifest(
-        name=args.name,
+        **given(""),
         created_at=int(time.time()),
-        seed=args.seed,
         model=model,
-        data=mf.DataSpec(source=args.data, train_subset=args.train_subset),
+        data=mf.DataSpec(**given("data"), tokenizer=tokenizer),
         plan=mf.ParallelPlan(
-            stages=args.stages,
-            replicas=args.replicas,
-            sync=mf.SyncSpec(
-                method=sync_method,
-                cocktail=mf.CocktailSpec(p=args.cocktail_p, r=args.cocktail_r, bits=args.cocktail_bits, warmup_steps=args.cocktail_warmup),
-                diloco=mf.DilocoSpec(inner_steps=args.diloco_h, fragments=args.diloco_fragments, e3m0=args.diloco_e3m0,
-                                     overlap_steps=args.diloco_overlap, merge_alpha=args.diloco_alpha),
-            ),
+            **given("plan"),
+            sync=mf.SyncSpec(method=sync_method, cocktail=mf.CocktailSpec(**given("plan.sync.cocktail")),
+                             diloco=mf.DilocoSpec(**given("plan.sync.diloco"))),
             pipeline=mf.PipelineSpec(compression=args.pipeline_compression or ("aqsgd" if args.stages > 1 else "none"),
-                                     fwd_bits=args.fwd_bits, bwd_bits=args.bwd_bits, wire_dtype=args.wire_dtype,
-                                     first_visit_bits=args.first_visit_bits, buffer=args.aq_buffer,
-                                     buffer_cap_mb=args.aq_buffer_cap_mb),
+                                     **given("plan.pipeline")),
         ),
-        optim=mf.OptimSpec(
-            lr=args.lr, warmup_steps=min(args.warmup, args.steps), total_steps=args.steps,
-            weight_decay=args.weight_decay, grad_clip=args.grad_clip, optimizer=args.optimizer,
-        ),
+        optim=mf.OptimSpec(**{**given("optim"), "warmup_steps": min(args.warmup, args.steps)}),
         batch=mf.BatchSpec(batch_size=args.batch, micro_batch_size=micro_batch, seq_len=seq),
-        eval=mf.EvalSpec(every_steps=args.eval_every),
-        checkpoint=mf.CheckpointSpec(every_steps=args.ckpt_every, keep_last=args.keep,
-                                     snapshot_every_steps=args.snapshot_every, parity=args.parity),
+        eval=mf.EvalSpec(**given("eval")),
+        checkpoint=mf.CheckpointSpec(**given("checkpoint")),
         join=join,
     )
 
@@ -254,8 +280,19 @@ def main(args: argparse.Namespace) -> int:
         from shoal.node.cli.datasource import typed_data
 
         args.data = typed_data(args.data)  # before anything is signed: a path that exists, stored absolute
+        from shoal.node.train.datacheck import DataUnavailable
+        from shoal.node.train.hf import MissingPackage
+
         try:
             manifest = build_manifest(args)
+            if manifest.data.source.startswith("hf:"):  # the owner learns now that nodes could not read it
+                from shoal.node.train.datacheck import check_source
+
+                d = manifest.data
+                check_source(d.source, hf_config=d.hf_config, hf_split=d.hf_split, text_field=d.text_field)
+        except (DataUnavailable, MissingPackage) as e:
+            print(f"shoal run create: {e}", file=sys.stderr)
+            return 12
         except (ProtocolError, ValueError) as e:
             print(f"shoal run create: invalid manifest: {e}", file=sys.stderr)
             return 2
@@ -269,7 +306,12 @@ def main(args: argparse.Namespace) -> int:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(manifest.to_toml())
         os.replace(tmp, args.output)
-        console.print(f"wrote {args.output}\nrun id  {manifest.run_id}\nowner   {manifest.owner}")
+        params = sum(manifest.stage_params(s) for s in range(manifest.plan.stages))
+        console.print(f"wrote {args.output}\nrun id  {manifest.run_id}\nowner   {manifest.owner}\n"
+                      f"model   {manifest.model.describe()}, {params / 1e6:.2f}M parameters")
+        for digest, size in manifest.blobs():
+            console.print(f"file    {digest[:16]}… ({'weights' if size else 'tokenizer'}), served to the run's nodes "
+                          f"from {shoal_home() / 'blobs'}")
         return 0
     try:
         manifest = read_manifest(args.path)

@@ -31,10 +31,10 @@ SIGHUP (a closed terminal); a node whose supervisor is gone leaves by itself.
 
 While it runs, other terminals can look at it:  shoal peers --local  ·  shoal dash --local
 Kill one node's process (kill -9 PID from the table) and watch the backup take its slot.
-Each node's output is in DIR/nodeN.out, its log in DIR/nodeN.log (DIR: --dir);
-every active node writes its slot's checkpoints under DIR/checkpoints (the run's
-[checkpoint] every_steps, and at the end): `shoal export DIR --out MODEL` takes
-the trained model away, `shoal swarm up --resume DIR` goes on from them.
+Each node's output is in DIR/nodeN.out, its log in DIR/nodeN.log, its metrics (JSON lines) in
+DIR/nodeN.metrics.jsonl (DIR: --dir); every active node writes its slot's checkpoints under DIR/checkpoints (the
+run's [checkpoint] every_steps, and at the end): `shoal export DIR --out MODEL` takes the trained model away,
+`shoal swarm up --resume DIR` goes on from them.
 """
 
 

@@ -81,8 +81,24 @@ def main(args: argparse.Namespace) -> int:
         return 2
     from shoal.node.train.device import DeviceUnavailable
 
+    from shoal.node.cli.hfmodel import blob_store
+    from shoal.node.run.preflight import check_inputs
+    from shoal.node.train.data import load_run_corpus
+
+    check_inputs(manifest, manifest.data.source)  # packages, the Hub: one line with the fix (exit 12)
+    store = blob_store()
+    files = {}
+    for digest, _ in manifest.blobs():  # the run's weights and tokenizer: here, from `shoal run create`
+        files[digest] = store.path(digest)
+        if files[digest] is None:
+            print(f"shoal train: the run names file {digest[:16]}… (its {'weights' if _ else 'tokenizer'}), which is "
+                  f"not in {store.root}; train it where it was created, or join a node that holds it "
+                  f"(shoal node --run)", file=sys.stderr)
+            return 12
     try:
-        trainer = Trainer(manifest, device=args.device)
+        corpus = load_run_corpus(manifest, manifest.data.source, files.get(manifest.data.tokenizer))
+        weights = files.get(manifest.model.hf.weights) if manifest.model.hf is not None else None
+        trainer = Trainer(manifest, device=args.device, corpus=corpus, weights=weights)
     except DeviceUnavailable:
         raise  # its own exit status (node/cli/errors.py)
     except ValueError as e:
@@ -96,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
     metrics_path = out / "metrics.jsonl"
     _trim_metrics(metrics_path, resumed or 0)
     console.print(
-        f"run {manifest.run_id[:12]}  {manifest.model.size} GPT ({trainer.model.num_params() / 1e6:.2f}M params) on "
+        f"run {manifest.run_id[:12]}  {manifest.model.describe()} ({trainer.model.num_params() / 1e6:.2f}M params) on "
         f"{trainer.device}  data: {trainer.corpus.description}  out: {out}"
         + (f"  resumed at step {resumed}" if resumed is not None else "")
     )

@@ -34,6 +34,8 @@ class RunConfig:
     aq_buffer_dir: str | None = None  # AQ-SGD disk buffers (manifest buffer = "disk"); None: the temp directory
     checkpoint_dir: str | None = None  # where this node writes its slot's checkpoints (None: it writes none)
     resume_dir: str | None = None  # a stopped run's checkpoints to go on from (node/run/checkpoints.py)
+    blob_dir: str | None = None  # files the run names by hash (weights, tokenizer); None: a folder in the temp directory
+    blob_pull_attempt_s: float = 600.0  # how long one peer may take to send one such file
     broker: BrokerConfig = field(default_factory=BrokerConfig)  # when this node hosts (or takes over) the broker
     client: RunClientConfig = field(default_factory=RunClientConfig)
 

@@ -55,6 +55,27 @@ def data_source(manifest: RunManifest, config: RunConfig) -> str:
     return src
 
 
+def check_inputs(manifest: RunManifest, source: str) -> None:
+    """Before asking for a place: the packages the run's model and tokenizer need, and its data source (a Hugging
+    Face dataset: the package, the Hub, the dataset, its split and column). Raises DataUnavailable (one line with
+    the fix)."""
+    from shoal.node.train.datacheck import INSTALL_HINT, DataUnavailable, check_source
+
+    needs = []
+    if manifest.model.hf is not None:
+        needs += ["transformers", "safetensors"]
+    if manifest.data.tokenizer != "bytes":
+        needs.append("tokenizers")
+    import importlib.util
+
+    missing = [n for n in needs if importlib.util.find_spec(n) is None]
+    if missing:
+        raise DataUnavailable(f"run {manifest.run_id[:16]}… ({manifest.model.describe()}) needs "
+                              f"{', '.join(missing)}: {INSTALL_HINT}")
+    d = manifest.data
+    check_source(source, hf_config=d.hf_config, hf_split=d.hf_split, text_field=d.text_field)
+
+
 def stage_need(manifest: RunManifest, device: str, stage: int = 0) -> StageMemory:
     """The memory estimate for training `stage` of the run on `device` (16-bit activations on CUDA)."""
     from shoal.node.train.memory import stage_memory
@@ -66,7 +87,7 @@ def check_fits(manifest: RunManifest, device: str, free_bytes: int | None, stage
     need = stage_need(manifest, device, stage)
     if free_bytes is not None and not need.fits(free_bytes):
         what = f"stage {stage} of the" if manifest.plan.stages > 1 else "the"
-        raise DoesNotFit(f"run {manifest.run_id[:16]}…: {what} {manifest.model.size} model "
+        raise DoesNotFit(f"run {manifest.run_id[:16]}…: {what} {manifest.model.describe()} model "
                          f"({need.params / 1e6:.1f}M params, micro-batch {manifest.batch.micro_batch_size}) needs "
                          f"~{need.total_bytes / 1e9:.2f} GB on {device}, which has {free_bytes / 1e9:.2f} GB free")
     return need

@@ -24,7 +24,7 @@ from shoal.node.run.shards import StageShards
 from shoal.protocol.assignment import GONE, AssignmentTable, Rollback, slot_name
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import StatusRecord
-from shoal.swarm.run.schedule import GroupSchedule
+from shoal.swarm.run.timeline import GroupTimeline
 from shoal.swarm.state.shards import NotRecoverable
 from shoal.swarm.state.snapshot import Snapshot
 
@@ -38,7 +38,7 @@ class StageRecovery:
     """`statuses()`: (peer, status record) of the live peers; `rollback(stage, revision, source)`: asks the broker
     to send the run back (None when accepted, else why not)."""
 
-    def __init__(self, me: str, manifest: RunManifest, schedule: GroupSchedule, shards: StageShards, *,
+    def __init__(self, me: str, manifest: RunManifest, schedule: GroupTimeline, shards: StageShards, *,
                  statuses: Callable[[], Iterable[tuple[str, StatusRecord]]],
                  checkpoints: CheckpointWriter | None = None, checkpoint_root: Path | None = None,
                  resume_root: Path | None = None):

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from shoal.node.train.model import GPTConfig, GPTStage, build_model, build_stage
+from shoal.node.train.model import GPTConfig, GPTStage, build_model
+from shoal.node.train.stages import trained_weights
 from shoal.protocol.manifest import RunManifest
 
 ARCHITECTURE = "shoal-gpt"
@@ -40,19 +41,8 @@ def model_config(manifest: RunManifest) -> GPTConfig:
 
 
 def stage_weights(manifest: RunManifest, stage: int, state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """One stage's weights from its checkpointed state, with a synchronizer round that was still in flight applied
-    (a checkpoint carries it pending: CocktailSGD's `pending_x`, the stage's parameters after that round, flat in
-    the stage's parameter order)."""
-    weights = dict(state["model"])
-    sync = state.get("sync")
-    pending = sync.get("pending_x") if isinstance(sync, dict) else None
-    if isinstance(pending, torch.Tensor):
-        names = [n for n, _ in build_stage(model_config(manifest), stage, manifest.plan.stages).named_parameters()]
-        sizes = [weights[n].numel() for n in names]
-        if pending.numel() == sum(sizes):
-            for n, flat in zip(names, pending.reshape(-1).split(sizes)):
-                weights[n] = flat.reshape(weights[n].shape).to(weights[n].dtype)
-    return weights
+    """One stage's weights from its checkpointed state, a round still in flight applied (node/train/stages.py)."""
+    return trained_weights(manifest, stage, state)
 
 
 def merge_stages(manifest: RunManifest, stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

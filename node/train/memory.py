@@ -24,9 +24,24 @@ def activation_bytes_per_sample(manifest: RunManifest, stage: int = 0, *, half: 
     gradient on the last stage."""
     m, s, stages = manifest.model, manifest.batch.seq_len, manifest.plan.stages
     first, last = even_split(m.n_layers, stages)[stage]
-    per_layer = (1 if half else 2) * 34 * s * m.d_model
+    per_layer = (1 if half else 2) * s * per_layer_units(manifest)
     logits = 3 * 4 * s * m.vocab_size if stage == stages - 1 else 0
     return int((last - first) * per_layer + logits)
+
+
+def per_layer_units(manifest: RunManifest) -> int:
+    """Korthikanti et al.'s bytes per token of one layer at 16 bits (34 h for the built-in GPT: attention 11 h,
+    norms 4 h, a GELU MLP of width 4h 19 h). A Hugging Face model's MLP of width f: 2 h + 8 f when gated (SwiGLU:
+    gate, up, the activation and their product kept); GPT-2's 3 h + 7 f (its tanh GELU, composed of elementwise
+    ops, keeps three more f-wide tensors than a fused GELU). On the CPU in fp32 the saved-for-backward bytes of a
+    4-layer d=256 model are 1.47x this estimate for the built-in GPT, 1.39x for a Llama and 1.48x for GPT-2: the
+    families are counted alike (the built-in's factor is calibrated on a GPU, bench/results/gpu_node_check.md)."""
+    m = manifest.model
+    if m.hf is None:
+        return 34 * m.d_model
+    sh = m.hf.shape
+    mlp = 3 * sh.d_model + 7 * sh.ffn if sh.family == "gpt2" else 2 * sh.d_model + 8 * sh.ffn
+    return 15 * sh.d_model + mlp
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -30,12 +30,14 @@ class RecordGossip:
     async def publish(self, envelope: bytes) -> None:
         if len(envelope) > MAX_GOSSIP_BYTES:
             raise ValueError(f"record of {len(envelope)} bytes is too large for gossip ({MAX_GOSSIP_BYTES})")
+        self.sh.control_bytes[0] += len(envelope)
         await self.sh.pubsub.publish(self.topic, envelope)
 
     def handle(self, origin: str, data: bytes) -> Signed | None:
         """Verify one gossiped message; the record must be signed by the peer that originated the message."""
         if self.penalties.is_banned(origin):
             return None
+        self.sh.control_bytes[1] += len(data)
         try:
             signed = open_envelope(data, RECORD_TYPES, max_bytes=MAX_GOSSIP_BYTES)
             if signed.record.peer_id != origin:

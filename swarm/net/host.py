@@ -146,6 +146,8 @@ class SwarmHost:
         self.config = config
         self.peer_id: str = peer_id_of(key)
         self.join_errors: dict[str, str] = {}  # --join address -> why bootstrap could not reach it
+        #: control-plane payload bytes [sent, received]: RPC requests and answers, gossiped records (on the loop)
+        self.control_bytes = [0, 0]
         self.nat: NatTraversal | None = None  # set by open_host when config.nat is given
 
     @property
@@ -283,7 +285,8 @@ class SwarmHost:
 def dial_failure(exc: BaseException) -> str:
     """The root cause of a failed dial, short ("connection refused"), from py-libp2p's chain of wrapped errors."""
     seen: set[int] = set()
-    stack, deepest = [exc], exc
+    stack: list[BaseException | None] = [exc]
+    deepest = exc
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:

@@ -38,9 +38,12 @@ class Penalties:
         self.config = config
         self.clock = clock
         self._peers: dict[str, _Record] = {}
+        self.total = 0  # violations recorded since the start (every peer), for metrics
+        self.bans_total = 0
 
     def penalize(self, peer_id: str, reason: str) -> bool:
         now = self.clock()
+        self.total += 1
         r = self._peers.setdefault(peer_id, _Record())
         if r.last_violation and now - r.last_violation > self.config.forget_after_s:
             r.strikes = 0
@@ -51,6 +54,7 @@ class Penalties:
         if r.strikes >= self.config.strikes_before_ban and now >= r.banned_until:
             duration = min(self.config.ban_base_s * 2**r.bans, self.config.ban_max_s)
             r.bans += 1
+            self.bans_total += 1
             r.strikes = 0
             r.banned_until = now + duration
             log.warning("peer %s banned for %.0f s (ban #%d)", peer_id, duration, r.bans)
@@ -63,6 +67,7 @@ class Penalties:
         now = self.clock()
         duration = min(self.config.ban_base_s * 2**r.bans, self.config.ban_max_s)
         r.bans, r.strikes, r.last_violation = r.bans + 1, 0, now
+        self.bans_total += 1
         r.banned_until = max(r.banned_until, now + duration)
         r.reasons = (r.reasons + [reason])[-5:]
         log.warning("peer %s banned for %.0f s (ban #%d): %s", peer_id, duration, r.bans, reason)

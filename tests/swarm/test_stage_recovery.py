@@ -68,7 +68,7 @@ async def _node(cfg, join, *, task_status=trio.TASK_STATUS_IGNORED):
 
 
 def step(node) -> int:
-    return node.runtime.at_step if node.runtime is not None else 0
+    return node.runtime.replica.at_step if node.runtime is not None else 0
 
 
 async def start_one_by_one(n, cfg, count: int, first=None):
@@ -104,7 +104,7 @@ async def test_a_stage_that_lost_its_only_node_is_rebuilt_from_shards(tmp_path):
                            90, "stage 0's shards placed on all four holders")
         except AssertionError:
             raise AssertionError(f"placements {shards.stats.revisions}, on {shards.placed_on}, table "
-                                 f"{victim.runtime.schedule.latest}") from None
+                                 f"{victim.runtime.timeline.latest}") from None
         for x, _ in nodes:  # the encoders place no newer revision from here: the rebuild meets this one
             x.runtime.recovery.shards.every_steps = 0
         await wait_for(lambda: not shards._busy, 30, "the last placement to end")
@@ -139,8 +139,8 @@ async def test_a_stage_that_lost_its_only_node_is_rebuilt_from_shards(tmp_path):
         assert any("shard 1" in r for r in replacement.penalties.reasons(warm[1].peer_id))
         used = replacement.runtime.recovery.rebuilds[-1]
         assert used["rejected"] == 1 and used["holders"] == 2
-        await wait_for(lambda: broker.runtime.schedule.latest.rollback is not None, 30, "the rollback")
-        order = broker.runtime.schedule.latest.rollback
+        await wait_for(lambda: broker.runtime.timeline.latest.rollback is not None, 30, "the rollback")
+        order = broker.runtime.timeline.latest.rollback
         assert (order.revision, order.stage, order.source) == (rev, stage, "shards") and rev < killed_at
         await wait_for(lambda: all(x.runtime.finished.is_set() for x in (broker, replacement)), 120,
                        "the run to finish")
@@ -172,8 +172,8 @@ async def test_too_few_shards_fall_back_to_the_newest_disk_checkpoint(tmp_path):
         _, snap, source = newcomer.runtime.recovery.rebuilt
         assert source == "disk" and snap.revision % 10 == 0
         assert "disk checkpoint" in newcomer.runtime.recovery.notice
-        await wait_for(lambda: n0.runtime.schedule.latest.rollback is not None, 30, "the rollback")
-        assert n0.runtime.schedule.latest.rollback.source == "disk"
+        await wait_for(lambda: n0.runtime.timeline.latest.rollback is not None, 30, "the rollback")
+        assert n0.runtime.timeline.latest.rollback.source == "disk"
         await wait_for(lambda: all(x.runtime.finished.is_set() for x in (n0, newcomer)), 120, "the run to finish")
         assert step(n0) == step(newcomer) == steps
         n.cancel_scope.cancel()

@@ -82,3 +82,50 @@ def test_two_stage_checkpoints_export_to_one_model_with_the_same_logits(tmp_path
     with torch.no_grad():
         want = trainers[1].model.eval()(trainers[0].model.eval()(tokens))
         assert torch.equal(model(tokens), want)
+
+
+def test_a_hugging_face_runs_swarm_checkpoints_export_through_shoal_export(tmp_path, monkeypatch):
+    """`shoal export` of a split Hugging Face run's swarm checkpoints: its exporter is picked by the manifest, the
+    run's tokenizer comes from the blob store, and transformers loads a model with the stages' logits."""
+    import argparse
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    from shoal.node.cli import export as export_cli
+    from shoal.node.train.data import load_corpus
+    from shoal.node.train.hfimport import config_text, read_model_path
+    from shoal.node.train.tokens import load_tokenizer, tokenizer_hash
+    from shoal.swarm.state.blobs import BlobStore
+    from tests.helpers.hf_fixtures import hf_model_folder, sample_text, write_bpe, write_jsonl
+
+    monkeypatch.setenv("SHOAL_HOME", str(tmp_path / "home"))
+    tok = write_bpe(tmp_path / "tokenizer.json")
+    digest, _ = BlobStore(tmp_path / "home" / "blobs").add_file(tok)
+    assert digest == tokenizer_hash(tok)
+    jsonl = write_jsonl(tmp_path / "c.jsonl", sample_text(40_000))
+    v = load_tokenizer(tok).vocab_size
+    cfg = read_model_path(hf_model_folder(tmp_path / "m", "llama", vocab_size=v, weights=False)).config
+    m = mf.RunManifest(seed=1, model=mf.ModelSpec.from_hf(mf.HFModelSpec(config=config_text(cfg))),
+                       data=mf.DataSpec(source=str(jsonl), tokenizer=digest),
+                       plan=mf.ParallelPlan(stages=2, replicas=1, pipeline=mf.PipelineSpec(compression="none")),
+                       batch=mf.BatchSpec(batch_size=2, micro_batch_size=1, seq_len=16),
+                       optim=mf.OptimSpec(lr=1e-2, warmup_steps=1, total_steps=4))
+    corpus = load_corpus(str(jsonl), 20, tokenizer=tok)
+    lane = LocalLane(2, timeout_s=60)
+    trainers = [Trainer(m, stage=s, boundary=lane.boundary(s), corpus=corpus) for s in range(2)]
+    ths = [threading.Thread(target=lambda t=t: [t.step() for _ in range(2)]) for t in trainers]
+    [th.start() for th in ths]
+    [th.join(60) for th in ths]
+    root = tmp_path / "ckpt"
+    for s, t in enumerate(trainers):
+        write(root, m, s, t.step_count, t.state_dict())
+    assert export_cli.architecture(m) == "hf"
+    out = tmp_path / "out"
+    assert export_cli.main(argparse.Namespace(source=str(root), out=str(out), step=None, force=False)) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (out / "tokenizer.json").read_bytes() == tok.read_bytes()
+    ref = AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, v, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ref(x).logits, trainers[1].model.eval()(trainers[0].model.eval()(x)))

@@ -101,9 +101,9 @@ async def test_only_a_holder_of_a_lost_stage_may_roll_the_run_back():
 
 def recovery_of(me, broker, tables):
     from shoal.node.run.recovery import StageRecovery
-    from shoal.swarm.run.schedule import GroupSchedule
+    from shoal.swarm.run.timeline import GroupTimeline
 
-    sched = GroupSchedule(me)
+    sched = GroupTimeline(me)
     for t in tables:
         sched.add(t)
     return StageRecovery(me, broker.ctx.manifest, sched, shards=None, statuses=lambda: [])
