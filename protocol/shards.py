@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from shoal.protocol.errors import FieldError
 from shoal.protocol.records import PEER_ID, TIME_S
-from shoal.protocol.schema import Bytes, Choice, Int, Optional, Seq, Str, WireRecord, spec
+from shoal.protocol.schema import Bytes, Choice, Int, Optional, Seq, SignedRecord, Str, WireRecord, spec
 
 MAX_SHARDS = 32  # k + m: holders of one stage's snapshot
 HASH_HEX = Str(64, allow_empty=False)  # sha256, lowercase hex
@@ -23,7 +23,7 @@ def _hex64(name: str, v: str) -> None:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ShardManifest(WireRecord):
+class ShardManifest(SignedRecord):
     """One stage's committed snapshot at `revision`, split into k data + m parity shards of `shard_bytes` each;
     holder i keeps shard i. Signed by the stage member that encoded it (`peer_id`)."""
 
@@ -84,4 +84,4 @@ class ShardRequest(WireRecord):
             raise FieldError("manifest", "a put, and only a put, carries the sealed manifest")
 
 
-SHARD_RECORD_TYPES: dict[str, type[WireRecord]] = {ShardManifest.KIND: ShardManifest}
+SHARD_RECORD_TYPES: dict[str, type[SignedRecord]] = {ShardManifest.KIND: ShardManifest}

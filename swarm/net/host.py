@@ -89,7 +89,7 @@ async def _whole_noise_write(self: NoiseTransportReadWriter, msg: bytes, prefix_
         raise ConnectionBroken(f"a message was not sent within {WHOLE_WRITE_S} s: connection closed")
 
 
-NoiseTransportReadWriter.write_msg = _whole_noise_write  # type: ignore[method-assign]
+NoiseTransportReadWriter.write_msg = _whole_noise_write
 
 
 class JoinError(ConnectionError):

@@ -379,11 +379,11 @@ class Broker:
         if why is not None:
             log.info("rollback to revision %d asked by %s refused: %s", req.revision, caller[-8:], why)
             return {"accepted": False, "error": why}
-        r = self.rollback
-        if r is None or (r.revision, r.stage) != (req.revision, req.stage) or \
-                any(self._seated_since.get(p) != req.revision for p in self.table.members(req.stage)):
-            self.roll_back(req.stage, req.revision, req.source)
-        return {"accepted": True, "count": self.rollback.count}
+        r, table = self.rollback, self.table
+        if r is None or table is None or (r.revision, r.stage) != (req.revision, req.stage) or \
+                any(self._seated_since.get(p) != req.revision for p in table.members(req.stage)):
+            r = self.roll_back(req.stage, req.revision, req.source)
+        return {"accepted": True, "count": r.count}
 
     def rollback_refusal(self, caller: str, req: RollbackRequest) -> str | None:
         """Why `caller` may not send the run back to `req.revision` (None: it may). Only a holder of a slot of the lost
@@ -391,7 +391,7 @@ class Broker:
         stage's state through it: it must come from shards or disk), for a revision the run has reached."""
         if req.run_id != self.ctx.run_id or req.stage >= self.stages:
             return "another run, or a stage outside the plan"
-        members = self.table.members(req.stage)
+        members = self.table.members(req.stage) if self.table is not None else ()
         if caller not in members:
             return f"the caller holds no slot of stage {req.stage}"
         r = self.rollback
@@ -404,18 +404,19 @@ class Broker:
             return f"stage {req.stage} still has a member that holds its state at revision {req.revision}"
         return None
 
-    def roll_back(self, stage: int, revision: int, source: str) -> None:
+    def roll_back(self, stage: int, revision: int, source: str) -> Rollback:
         """Send the run back to `revision`: every stage's group takes effect there again (next epoch), and every slot
         holder loads its own state at it."""
-        self.rollback = Rollback(count=(self.rollback.count if self.rollback else 0) + 1, revision=revision,
-                                 source=source, stage=stage)
+        r = self.rollback = Rollback(count=(self.rollback.count if self.rollback else 0) + 1, revision=revision,
+                                     source=source, stage=stage)
         self.switch_steps = [revision] * self.stages
         self._group_changed(*range(self.stages))
         self._pin_switch = True
         self._seated_since = {pid: revision for pid in self._seated_since}
         log.warning("stage %d was lost: the run rolls back to revision %d (from %s; rollback %d)", stage, revision,
-                    source, self.rollback.count)
+                    source, r.count)
         self._rebuild()
+        return r
 
     def _offence(self, stage: int, epoch: int, offender: str, reporter: str, members: int) -> None:
         """A member of a group of `members` rejected `offender`'s update. Once most of the other members have, it

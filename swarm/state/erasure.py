@@ -7,7 +7,7 @@ length. zfec releases the GIL while it codes, so a worker thread encodes without
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import zfec
@@ -30,7 +30,7 @@ def _check(k: int, m: int) -> None:
         raise ErasureError(f"need 1 <= k and 0 <= m with k + m <= {MAX_SHARDS}, got k={k}, m={m}")
 
 
-def _xor(blocks: list[memoryview | bytes]) -> bytes:
+def _xor(blocks: Sequence[bytes | bytearray | memoryview]) -> bytes:
     acc = np.frombuffer(blocks[0], dtype=np.uint64).copy()
     for b in blocks[1:]:
         np.bitwise_xor(acc, np.frombuffer(b, dtype=np.uint64), out=acc)
@@ -42,7 +42,7 @@ def encode(data: bytes | bytearray | memoryview, k: int, m: int) -> list[bytes |
     _check(k, m)
     size = shard_size(len(data), k)
     padded = memoryview(data) if len(data) == size * k else memoryview(bytes(data) + bytes(size * k - len(data)))
-    blocks = [padded[i * size:(i + 1) * size] for i in range(k)]
+    blocks: list[bytes | memoryview] = [padded[i * size:(i + 1) * size] for i in range(k)]
     if m == 0:
         return list(blocks)
     if k == 1:

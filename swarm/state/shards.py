@@ -199,7 +199,7 @@ class ShardService:
                 elif req.want == "put":
                     await self._take(stream, peer, req)
                 else:
-                    if self._encoded_by(peer, req):
+                    if self._encoded_by(peer, req) and req.revision is not None:
                         self.store.commit(req.stage, req.revision)
                     await self._answer(stream, {"ok": True})
         except ProtocolError as e:
@@ -217,11 +217,11 @@ class ShardService:
         await stream.close()
 
     def _encoded_by(self, peer: str, req: ShardRequest) -> bool:
-        held = self.store.get(req.stage, req.revision)
+        held = self.store.get(req.stage, req.revision) if req.revision is not None else None
         return held is not None and held.manifest.peer_id == peer
 
     async def _send_shard(self, stream, req: ShardRequest) -> None:
-        held = self.store.get(req.stage, req.revision)
+        held = self.store.get(req.stage, req.revision) if req.revision is not None else None
         if held is None or held.index != req.index:
             await self._answer(stream, {"ok": False, "e": f"no shard {req.index} of stage {req.stage} at revision "
                                                           f"{req.revision} here"})
@@ -234,6 +234,9 @@ class ShardService:
         self.stats.served += 1
 
     async def _take(self, stream, peer: str, req: ShardRequest) -> None:
+        if req.manifest is None or req.index is None:  # a put names both (ShardRequest checks it)
+            raise ProtocolError("a put without its manifest or shard index")
+        index = req.index
         try:
             man = open_manifest(req.manifest)
         except ProtocolError as e:
@@ -255,9 +258,9 @@ class ShardService:
             self.stats.rejected = (self.stats.rejected + [why])[-8:]
             raise ProtocolError(why)
         data = await read_into(stream, man.shard_bytes, self.config.chunk_bytes)
-        if sha256_hex(data) != man.shard_hashes[req.index]:
-            raise ProtocolError(f"shard {req.index} does not hash to its manifest entry")
-        self.store.put(HeldShard(manifest=man, raw=req.manifest, index=req.index, data=bytes(data)))
+        if sha256_hex(data) != man.shard_hashes[index]:
+            raise ProtocolError(f"shard {index} does not hash to its manifest entry")
+        self.store.put(HeldShard(manifest=man, raw=req.manifest, index=index, data=bytes(data)))
         self.stats.stored += 1
         await self._answer(stream, {"ok": True})
 
@@ -428,10 +431,12 @@ async def rebuild(sh: SwarmHost, man: ShardManifest, holders: set[str], *, penal
     instead."""
     t0 = clock()
     me = sh.peer_id
-    todo = sorted((p != me, man.index_of(p), p) for p in holders if man.index_of(p) is not None)
-    todo = [(i, p) for _, i, p in todo]
+    ranked = sorted((p != me, i, p) for p in holders if (i := man.index_of(p)) is not None)
+    todo = [(i, p) for _, i, p in ranked]
     got: dict[int, bytearray] = {}
-    used, rejected, pulled = [], [], 0
+    used: list[str] = []
+    rejected: list[str] = []
+    pulled = 0
     while len(got) < man.k:
         batch, todo = todo[:man.k - len(got)], todo[man.k - len(got):]
         if not batch:
