@@ -36,7 +36,7 @@ AQ_BITS = (2, 3, 4, 8)  # Q_b widths of activation deltas (docs/pipeline.md, "Th
 AQ_DIRECT_BITS = AQ_BITS + (16,)  # first visits and gradients: Q_b, or 16 = fp16 in full
 AQ_BUFFERS = ("memory", "disk")
 JOIN_MODES = ("open", "secret", "allowlist")
-SNAPSHOT_EVERY_STEPS = 50  # erasure-coded snapshots: see docs/snapshots.md for the measurements behind it
+SNAPSHOT_EVERY_STEPS = 50  # erasure-coded snapshots (docs/snapshots.md, "Encoding and placement")
 
 
 def even_split(n: int, parts: int) -> list[tuple[int, int]]:
