@@ -15,6 +15,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.node.failure import describe
+from shoal.node.links import LinksConfig, NodeLinks
 from shoal.node.version import shoal_version
 from shoal.protocol import PROTOCOL_VERSION
 from shoal.protocol.envelope import Signed, seal
@@ -59,6 +60,7 @@ class NodeConfig:
     rpc_timeout_s: float = 5.0
     nat_settle_s: float = 15.0  # with NAT traversal: at most this long for the first reachability verdict
     membership: MembershipConfig = field(default_factory=MembershipConfig)
+    links: LinksConfig = field(default_factory=LinksConfig)  # probes and link reports (in a run)
     run: RunConfig | None = None  # train in this run (None: a plain swarm member)
     # the recent-peers file (None: none kept): dialed at start, so a restarted node finds its swarm without --join
     peers_file: Path | None = None
@@ -109,6 +111,7 @@ class Node:
         self._stop = trio.Event()
         self._revision = 0
         self._paths_for = None  # the run table whose replicas we last prepared direct paths to
+        self.links: NodeLinks | None = None  # link probes, this node's link reports, everyone's (the link book)
 
     @property
     def peer_id(self) -> str:
@@ -119,6 +122,8 @@ class Node:
         assert self.membership is not None
         for ev in self.membership.observe(signed, age_s=age_s):
             self._event(ev)
+        if self.links is not None:
+            self.links.ingest(signed)
         for consumer in self.extra_ingest:
             try:
                 consumer(signed)
@@ -420,6 +425,7 @@ class Node:
             rpc.register("members", self._rpc_members)
             rpc.register("announce", self._rpc_announce)
             rpc.register("time", self._rpc_time)
+            self.links = NodeLinks(sh, self.key, self.penalties, self.publish, self.config.links)  # probes, reports
             self._announcement = self._seal_announcement()
             self._last_status = seal(self.status_record(), self.key)
             async with trio.open_nursery() as nursery:
@@ -444,6 +450,7 @@ class Node:
                         periodic.start_soon(self._status_loop)
                         periodic.start_soon(self._announce_loop)
                         periodic.start_soon(self._remember_loop)
+                        await periodic.start(self.links.run)
                         if sh.nat is not None:
                             await periodic.start(sh.nat.run)
                             periodic.start_soon(self._reannounce_loop)

@@ -4,7 +4,8 @@ validator, membership and the dashboard's pipe open envelopes with."""
 from __future__ import annotations
 
 from shoal.protocol.assignment import RUN_RECORD_TYPES
+from shoal.protocol.links import LINK_RECORD_TYPES
 from shoal.protocol.records import NODE_RECORD_TYPES
 from shoal.protocol.schema import WireRecord
 
-RECORD_TYPES: dict[str, type[WireRecord]] = {**NODE_RECORD_TYPES, **RUN_RECORD_TYPES}
+RECORD_TYPES: dict[str, type[WireRecord]] = {**NODE_RECORD_TYPES, **RUN_RECORD_TYPES, **LINK_RECORD_TYPES}

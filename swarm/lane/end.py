@@ -20,6 +20,7 @@ from shoal.protocol.lane import (AQ, BWD, DATA_TYPES, FWD, LANE_PROTOCOL, MAX_RE
                                  payload_nbytes)
 from shoal.protocol.schema import WireRecord
 from shoal.swarm.net.framing import close_quietly, read_exactly, read_frame
+from shoal.swarm.net.linkmeter import DOWN, UP
 from shoal.swarm.lane.aq_codec import decode_group, encode_group, group_nbytes, on_codec_device
 from shoal.swarm.lane.aq_handover import AQStores, StoreKey
 from shoal.swarm.lane.aq_link import AQReceiver, AQSender, link_status, store_config
@@ -430,7 +431,8 @@ class LinkEnd:
         try:
             with trio.fail_after(self.config.send_timeout_s):
                 async with link.write_lock:
-                    await stream.write(data)
+                    with self.services.sh.links.timing(link.peer, UP, len(data)):
+                        await stream.write(data)
         except trio.TooSlowError:
             await self._lost(link, f"write not done within {self.config.send_timeout_s:g} s")
             raise LinkError(LinkError.DEADLINE, f"write on {link.name} not done within "
@@ -476,7 +478,8 @@ class LinkEnd:
                     tensor, wire, payload = None, 4 + n, 0
                     if rec.TYPE in TENSOR_TYPES and kind != AQ:
                         expected = payload_nbytes(kind, *self.spec.shape)
-                        buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
+                        with self.services.sh.links.timing(link.peer, DOWN, expected):
+                            buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
                         tensor = await trio.to_thread.run_sync(decode_tensor_frame, buf, kind, self.spec.shape)
                         wire, payload = wire + 4 + len(buf), expected
                     elif rec.TYPE in TENSOR_TYPES:
@@ -486,7 +489,8 @@ class LinkEnd:
                                 groups.append(None)
                                 continue
                             expected = group_nbytes(rows, self.spec.seq_len, self.spec.d_model, bits)
-                            buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
+                            with self.services.sh.links.timing(link.peer, DOWN, expected):
+                                buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
                             groups.append(await trio.to_thread.run_sync(
                                 decode_group, buf, rows, self.spec.seq_len, self.spec.d_model, bits))
                             wire, payload = wire + 4 + len(buf), payload + expected

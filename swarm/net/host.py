@@ -29,6 +29,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from shoal.swarm.net.addresses import expand_wildcard
 from shoal.swarm.net.identity import libp2p_key_pair, peer_id_of
+from shoal.swarm.net.linkmeter import LinkMeter
 from shoal.swarm.net.listen import AddressInUse, check_free, check_sole_listener
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ class SwarmHost:
         #: control-plane payload bytes [sent, received]: RPC requests and answers, gossiped records (on the loop)
         self.control_bytes = [0, 0]
         self.nat: NatTraversal | None = None  # set by open_host when config.nat is given
+        self.links = LinkMeter()  # what this node measures of its links (the traffic it carries, probes)
 
     @property
     def addrs(self) -> list[str]:

@@ -17,6 +17,7 @@ from shoal.protocol.errors import DecodeError, ProtocolError
 from shoal.protocol.wire import expect_map, get_field, pack, unpack
 from shoal.swarm.net.framing import PREFIX_BYTES, BufferedReader, StreamClosed, close_quietly, frame, read_length
 from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.linkmeter import DOWN, UP
 from shoal.swarm.net.penalty import Penalties
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,9 @@ class Collective:
                             log.info("collective message %s from %s dropped: %s", tag, peer, refusal.why)
                         await _reset(stream)
                         return
-                    payload = await reader.read(await read_length(stream, n, reader))
+                    size = await read_length(stream, n, reader)
+                    with self.sh.links.timing(peer, DOWN, size):
+                        payload = await reader.read(size)
                     if len(payload) != n:
                         raise DecodeError(f"payload of {len(payload)} bytes, header announced {n}")
             except (ProtocolError, trio.TooSlowError) as e:
@@ -204,7 +207,8 @@ class Collective:
         stream = self._out.get(peer)
         if stream is not None:
             try:
-                await stream.write(message)
+                with self.sh.links.timing(peer, UP, len(message)):
+                    await stream.write(message)
                 return
             except Exception as e:  # noqa: BLE001 - a stale stream: try a fresh one
                 log.debug("collective stream to %s failed (%s): opening a new one", peer, e)
