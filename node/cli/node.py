@@ -69,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how often to publish status (default: %(default)g)")
     p.add_argument("--gone-after", type=float, default=12.0, metavar="SECONDS",
                    help="a peer silent this long is marked gone (default: %(default)g)")
+    p.add_argument("--probe-every", type=float, default=10.0, metavar="SECONDS",
+                   help="in a run: probe one peer whose link this node has not measured this often "
+                        "(default: %(default)g)")
+    p.add_argument("--link-report-every", type=float, default=30.0, metavar="SECONDS",
+                   help="in a run: publish this node's link figures this often when one moved by 20 %% "
+                        "(default: %(default)g)")
     p.add_argument("--parent", type=int, default=None, metavar="PID",
                    help="leave the swarm when process PID exits (how `shoal swarm up` keeps its nodes from "
                         "outliving it)")
@@ -99,6 +105,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--dissolve-after", type=float, default=defaults.DISSOLVE_AFTER_S, metavar="SECONDS",
                    help="a pipeline lane whose empty slot no backup can fill for this long is dissolved and its "
                         "nodes return to the backup pool (default: %(default)g; the broker's setting)")
+    t.add_argument("--replan-every", type=float, default=30.0, metavar="SECONDS",
+                   help="a run placed by the network (the default): re-plan who sits where this often, and soon "
+                        "after nodes join or leave (default: %(default)g; the broker's setting)")
+    t.add_argument("--move-every", type=float, default=60.0, metavar="SECONDS",
+                   help="... and move at most one lane towards a better plan this often; a node moved stays put "
+                        "for 10 minutes (default: %(default)g; the broker's setting)")
     t.add_argument("--backup-refresh", type=float, default=defaults.BACKUP_REFRESH_S, metavar="SECONDS",
                    help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
                         "the group's synchronized state (default: %(default)g; raise it for big models)")
@@ -154,6 +166,8 @@ def main(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         raise CliError(str(e), Exit.FAILED, hint="shoal doctor checks this machine") from None
     from shoal.node.daemon import NodeConfig, status_gossip_s
+    from shoal.node.links import LinksConfig
+    from shoal.swarm.net.linkprobe import ProbeConfig
     from shoal.swarm.net.host import HostConfig
     from shoal.swarm.net.membership import MembershipConfig
     from shoal.swarm.net.recent_peers import recent_peers_path
@@ -175,6 +189,8 @@ def main(args: argparse.Namespace) -> int:
             home=home,
             status_file=args.status_file,
             status_interval_s=args.status_interval,
+            links=LinksConfig(probe=ProbeConfig(interval_s=args.probe_every), report_s=args.link_report_every,
+                              renew_s=max(120.0, args.link_report_every)),
             membership=MembershipConfig(  # suspect once a gossiped status is overdue by half a period
                 suspect_after_s=min(1.5 * status_gossip_s(args.status_interval, args.gone_after,
                                                           run.broker.fail_after_s if run else None), args.gone_after),
@@ -329,6 +345,7 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
     from shoal.protocol.errors import ProtocolError
     from shoal.protocol.manifest import RunManifest
     from shoal.swarm.run.broker import BrokerConfig
+    from shoal.swarm.run.replan import ReplanConfig
 
     path = Path(args.run)
     manifest, run_id = None, None
@@ -349,7 +366,8 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
                            round_timeout_s=args.round_timeout,
                            broker=BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after),
                            backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time,
-                           aq_buffer_dir=str(shoal_home() / "aq"), blob_dir=str(shoal_home() / "blobs"))
+                           aq_buffer_dir=str(shoal_home() / "aq"), blob_dir=str(shoal_home() / "blobs"),
+                           replan=ReplanConfig(check_s=args.replan_every, period_s=args.move_every))
     except ValueError as e:
         raise CliError(str(e)) from None
     if manifest is not None:

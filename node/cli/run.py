@@ -156,6 +156,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "$SHOAL_HOME/aq/RUN/, removed when the node's links close (default: %(default)s)")
     p.add_argument("--aq-buffer-cap-mb", type=int, default=4096, metavar="MB",
                    help="AQ-SGD: buffer cap per link end (default: %(default)s)")
+    p.add_argument("--placement", choices=("network", "first-fit"), default="network",
+                   help="who sits where: network places and re-places providers by their measured links and the "
+                        "step-time cost model (docs/placement.md); first-fit seats them in the order they come "
+                        "(default: %(default)s)")
     p.add_argument("--train-subset", type=int, default=0, metavar="N",
                    help="train on the first N samples only, epoch after epoch (default: all)")
     j = c.add_argument_group("who may join").add_mutually_exclusive_group()
@@ -230,6 +234,7 @@ def build_manifest(args: argparse.Namespace):
                                      fwd_bits=args.fwd_bits, bwd_bits=args.bwd_bits, wire_dtype=args.wire_dtype,
                                      first_visit_bits=args.first_visit_bits, buffer=args.aq_buffer,
                                      buffer_cap_mb=args.aq_buffer_cap_mb),
+            placement=args.placement,
         ),
         optim=mf.OptimSpec(
             lr=args.lr, warmup_steps=min(args.warmup, args.steps), total_steps=args.steps,

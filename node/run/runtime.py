@@ -28,6 +28,7 @@ from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Throughput
 from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
 from shoal.node.run.votes import MIN_VOTERS, HashVotes
+from shoal.node.run.workload import make_placer
 from shoal.node.sync.interface import Synchronizer
 from shoal.node.train.control import StepControl, StepResult
 from shoal.protocol.assignment import GONE, AssignmentTable
@@ -606,9 +607,12 @@ class RunRuntime:
                                     max_lead_steps=max(MAX_STEP_LEAD, 2 * sync.diloco.inner_steps
                                                        if sync.method == "diloco" else 0))
         node.rpc.register("run.manifest", self._rpc_manifest)
+        if self.manifest.plan.placement == "network":  # measure links (probes, reports) for the broker's placer
+            node.links.follow(lambda: self.client.table if self.client is not None else None)
         ctx = RunContext(sh=node.sh, manifest=self.manifest, register=node.rpc.register, publish=node.publish,
                          membership=node.membership, penalties=node.penalties, switch_step=self.switch_step,
-                         clock=self.clock, pulse=node.pulse)
+                         clock=self.clock, pulse=node.pulse,
+                         placer=make_placer(self.manifest, node.links.book, self.config.replan))
         self.collective = Collective(node.sh, node.penalties,  # only members of known groups, under their tags
                                      gate=CollectiveGate(self.manifest.run_id, lambda: self.schedule.tables))
         StateServer(node.sh, lambda: self.snapshots.latest, penalties=node.penalties, by_revision=self.snapshots.at,
