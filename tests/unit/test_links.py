@@ -182,3 +182,55 @@ def test_reports_of_another_run_and_old_reports_are_dropped():
     book.ingest(report("b", 1, {"a": (0.01, 1e6, 1e6)}))
     clock.t = 11
     assert book.measured("b", "a") == (None, None, False)
+
+
+# -- a node's part ---------------------------------------------------------------------------------------------
+def node_links(me: str, clock):
+    from types import SimpleNamespace
+
+    from shoal.node.links import LinksConfig, NodeLinks
+
+    sh = SimpleNamespace(peer_id=me, links=LinkMeter(clock, MeterConfig(min_transfer_bytes=1)),
+                         set_handler=lambda protocol, handler: None)
+
+    async def publish(env: bytes) -> None:
+        pass
+
+    return NodeLinks(sh, Ed25519PrivateKey.generate(), None, publish, LinksConfig(report_s=10, renew_s=60),
+                     clock=clock, wall=lambda: 1.7e9)
+
+
+def table(ids: list[str]):
+    from shoal.protocol.assignment import ACTIVE, BACKUP, AssignmentTable, ProviderEntry, SlotEntry
+
+    slots = tuple(SlotEntry(stage=s, replica=r, peer_id=ids[2 * r + s]) for r in range(2) for s in range(2))
+    return AssignmentTable(peer_id=ids[0], run_id="r" * 64, lease_epoch=0, version=1, time=1.0, stages=2,
+                           replicas=2, epochs=(1, 1), slots=slots, backups=(ids[4],), backup_stages=(1,),
+                           providers=tuple(ProviderEntry(peer_id=p, state=ACTIVE if i < 4 else BACKUP)
+                                           for i, p in enumerate(ids)))
+
+
+def test_a_node_works_with_its_lane_neighbours_and_its_group_and_reports_on_change():
+    _, ids = keys(5)
+    clock = Clock()
+    nl = node_links(ids[0], clock)  # s0r0
+    assert nl.report() is None and nl.run_id is None  # no run followed yet
+    t = table(ids)
+    nl.follow(lambda: t)
+    assert nl.partners() == [ids[1], ids[2]]  # lane neighbour s1r0, group member s0r1
+    assert set(nl.peers()) == set(ids)  # every provider of the run (itself left out when probing)
+    assert nl._candidates()[:2] == [ids[1], ids[2]]
+    backup = node_links(ids[4], clock)
+    backup.follow(lambda: t)
+    assert sorted(backup.partners()) == sorted([ids[1], ids[3]])  # the group of the stage it keeps warm
+    nl.meter.rtt(ids[1], 0.01)
+    first = nl.report()
+    assert first is not None and first.run_id == "r" * 64 and [f.peer for f in first.links] == [ids[1]]
+    clock.t += 11
+    nl.meter.rtt(ids[1], 0.0105)  # a 5 % move: nothing to say
+    assert nl.report() is None
+    nl.meter.rtt(ids[1], 0.05)  # the smoothed figure moves past 20 %
+    second = nl.report()
+    assert second is not None and second.seq > first.seq
+    clock.t += 61
+    assert nl.report() is not None  # renewed regardless
