@@ -525,6 +525,11 @@ class RunRuntime:
             if self._lane_broken_at is not None:
                 await self._rejoin_lane(limit)
                 continue
+            entry = self.schedule.entry()
+            if t is not None and step == 0 and entry is not None and entry[0] == 0 \
+                    and entry[1:] != (t.stage, t.replica):
+                await self._enter(*entry)  # moved before training began (a re-plan): the new slot's trainer
+                continue
             g = self._group_to_train(step) if t is not None else None
             if g is not None and self._left_behind(step):
                 g = None  # enter our next group with its state rather than train through rounds the others passed
