@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from shoal.protocol.errors import FieldError
 from shoal.protocol.records import PEER_ID, TIME_S
-from shoal.protocol.schema import Int, Nested, Optional, Seq, Str, WireRecord, spec
+from shoal.protocol.schema import Int, Nested, Optional, Seq, SignedRecord, Str, WireRecord, spec
 
 MAX_LINKS = 48  # peers per report: a node's lane neighbours, its group and a few candidates (~4 KB sealed)
 MAX_RTT_100US = 100_000  # 10 s
@@ -53,7 +53,7 @@ class LinkFigure(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LinkReport(WireRecord):
+class LinkReport(SignedRecord):
     KIND: ClassVar[str] = "links"
     peer_id: str = spec(PEER_ID)  # the node that measured
     seq: int = spec(Int(0, 2**62))  # strictly increasing per node: an older report is ignored
@@ -73,4 +73,4 @@ class LinkReport(WireRecord):
         return next((f for f in self.links if f.peer == peer), None)
 
 
-LINK_RECORD_TYPES: dict[str, type[WireRecord]] = {LinkReport.KIND: LinkReport}
+LINK_RECORD_TYPES: dict[str, type[SignedRecord]] = {LinkReport.KIND: LinkReport}
