@@ -117,11 +117,11 @@ class LinkBook:
         """The measured figure of every directed pair of `peers`, unconfirmed ones priced as slow links."""
         self.expire()
         raw = {(a, b): self.measured(a, b) for a in peers for b in peers if a != b}
-        conf = [(r, bps) for r, bps, ok in raw.values() if ok]
+        conf = [(r, bps) for r, bps, ok in raw.values() if ok and r is not None and bps is not None]
         slow_rtt, slow_bps = self._unknown(conf)
         out = {}
         for pair, (rtt, bps, ok) in raw.items():
-            if ok:
+            if ok and rtt is not None and bps is not None:  # confirmed: both figures known
                 out[pair] = LinkView(rtt_s=rtt, bps=bps, confirmed=True)
             else:
                 out[pair] = LinkView(rtt_s=max(slow_rtt, rtt or 0.0), bps=min(slow_bps, bps or math.inf),

@@ -1,4 +1,4 @@
-"""Who sits where, by the network: the small interface the broker's seating asks (docs/placement.md, "The broker").
+"""Who sits where, by the network: the small interface the broker's seating asks (docs/placement.md, "Re-planning without thrash").
 
 `Placer` has three questions: which free slot a newcomer takes, which backup fills a slot, and whether to move
 providers to a better placement now. `FirstFit` answers as the seating always did (the caller's own order: the
@@ -69,6 +69,7 @@ class Placer:
 
     name = "first fit"
     check_s: float | None = None  # how often the broker asks `propose` (None: never)
+    last: dict = {}  # the last re-plan's figures, for logs and the bench (none here)
 
     def choose_slot(self, peer: str, free: Sequence[Slot], slots: Mapping[Slot, str]) -> Slot | None:
         return free[0] if free else None
@@ -148,8 +149,8 @@ class NetworkPlacer(Placer):
         its lane links to the neighbours present, its own compute."""
         stage, lane = slot
         group = [p for (s, _), p in slots.items() if s == stage and p not in candidates]
-        near = {s: slots.get((s, lane)) for s in (stage - 1, stage + 1)}
-        peers = list(dict.fromkeys([*candidates, *group, *(p for p in near.values() if p is not None)]))
+        near = {s: p for s in (stage - 1, stage + 1) if (p := slots.get((s, lane))) is not None}
+        peers = list(dict.fromkeys([*candidates, *group, *near.values()]))
         m = self._model(peers, max(1, len(group) + 1))
         idx = {p: i for i, p in enumerate(peers)}
         g = np.array([idx[p] for p in group], dtype=np.intp)
@@ -160,9 +161,9 @@ class NetworkPlacer(Placer):
             members = np.append(g, i)
             dp = m.dp_pair[k][np.ix_(members, members)].sum(axis=1).max() if len(members) > 1 else 0.0
             pp = 0.0
-            if near.get(stage - 1) is not None:
+            if stage - 1 in near:
                 pp += m.pp_pair[m.pp_kind[stage - 1]][idx[near[stage - 1]], i]
-            if near.get(stage + 1) is not None:
+            if stage + 1 in near:
                 pp += m.pp_pair[m.pp_kind[stage]][i, idx[near[stage + 1]]]
             out.append(float(dp + pp + m.compute_s[stage, i]))
         return out
@@ -198,9 +199,10 @@ class NetworkPlacer(Placer):
         peers = list(dict.fromkeys(active + [b for b in seats.backups if b not in set(active)]))
         return _Job(seats, lanes, peers, self._model(peers, len(lanes)))
 
-    def decide(self, job: _Job) -> Change | None:
+    def decide(self, job: object) -> Change | None:
         """A re-plan over the prepared providers; the next lane move towards an adopted target, when one is due
         (see swarm/run/replan.py). Runs in a worker thread: touches only `job` and the replanner."""
+        assert isinstance(job, _Job)
         seats, lanes, peers, model = job.seats, job.lanes, job.peers, job.model
         S = seats.stages
         idx = {p: i for i, p in enumerate(peers)}

@@ -185,15 +185,15 @@ class Seating:
         old = {k: self.slots.get(k) for k in change.assign}
         for key, pid in change.assign.items():
             self.slots[key] = pid
-            p = self.providers[pid]
-            p.state, p.stage = ACTIVE, key[0]
+            seated = self.providers[pid]
+            seated.state, seated.stage = ACTIVE, key[0]
             self.empty_since.pop(key, None)
         for pid in change.to_pool:
             p = self.providers.get(pid)
             if p is not None and self.slot_of(pid) is None:
                 was = next((k for k, v in old.items() if v == pid), None)
                 p.state, p.stage = BACKUP, was[0] if was is not None else p.stage
-        log.info("re-planned: %s; %s", ", ".join(f"{slot_name(*k)} {old[k] and old[k][-8:]} -> {v[-8:]}"
+        log.info("re-planned: %s; %s", ", ".join(f"{slot_name(*k)} {(old[k] or "-")[-8:]} -> {v[-8:]}"
                                                    for k, v in sorted(change.assign.items())), change.why)
         return sorted({k[0] for k in change.assign})
 
