@@ -193,7 +193,7 @@ class Seating:
             if p is not None and self.slot_of(pid) is None:
                 was = next((k for k, v in old.items() if v == pid), None)
                 p.state, p.stage = BACKUP, was[0] if was is not None else p.stage
-        log.info("re-planned: %s; %s", ", ".join(f"{slot_name(*k)} {(old[k] or "-")[-8:]} -> {v[-8:]}"
+        log.info("re-planned: %s; %s", ", ".join(f"{slot_name(*k)} {(old[k] or '-')[-8:]} -> {v[-8:]}"
                                                    for k, v in sorted(change.assign.items())), change.why)
         return sorted({k[0] for k in change.assign})
 
