@@ -56,15 +56,8 @@ class SitesTopology(Topology):
                 run("ip", "-n", sw, "link", "set", a, *frames, "master", self.site_bridge(k), "up")
                 run("ip", "-n", sw, "link", "set", b, *frames, "master", self.site_bridge(j), "up")
                 self.between[(k, j)] = None
-            for i, ns in enumerate(self.node_ns):
-                e, s = c.veth_name(i, "e"), c.veth_name(i, "s")
-                run("ip", "netns", "add", ns)
-                run("ip", "link", "add", e, "netns", ns, "type", "veth", "peer", "name", s, "netns", sw)
-                run("ip", "-n", sw, "link", "set", s, *frames, "master", self.site_bridge(self.sites[i]), "up")
-                run("ip", "-n", ns, "link", "set", e, *frames)
-                run("ip", "-n", ns, "link", "set", "lo", "up")
-                run("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", e)
-                run("ip", "-n", ns, "link", "set", e, "up")
+            for i in range(c.nodes):
+                self._add_node(i, self.site_bridge(self.sites[i]))
         except BaseException:
             self.destroy()
             raise
