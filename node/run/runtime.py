@@ -22,10 +22,10 @@ import trio
 
 from shoal.node.run.config import RunConfig
 from shoal.node.run.lanes import StageLinks
-from shoal.node.run.preflight import UnknownRun, check_inputs, data_source, preflight
+from shoal.node.run.preflight import NotTheOwner, UnknownRun, check_inputs, data_source, preflight
 from shoal.node.run.pulls import StatePulls
 from shoal.node.run.snapshots import SnapshotStore
-from shoal.node.run.status import Throughput
+from shoal.node.run.status import Thinned, Throughput
 from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
 from shoal.node.run.votes import MIN_VOTERS, HashVotes
 from shoal.node.sync.interface import Synchronizer
@@ -33,7 +33,7 @@ from shoal.node.train.control import StepControl, StepResult
 from shoal.protocol.assignment import GONE, AssignmentTable
 from shoal.protocol.envelope import Signed
 from shoal.protocol.manifest import RunManifest
-from shoal.protocol.records import HardwareProfile
+from shoal.protocol.records import HISTORY_POINTS, HardwareProfile
 from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.run.authority import RunAuthority
 from shoal.swarm.run.broker import AdmissionError, Broker
@@ -77,6 +77,8 @@ class RunRuntime:
         self.pulls = StatePulls(node, config, self.snapshots)
         self.hashes: HashVotes | None = None
         self.throughput: Throughput | None = None
+        self.loss_history = Thinned(HISTORY_POINTS)  # for a dashboard that starts late (status record)
+        self.eval_history = Thinned(HISTORY_POINTS)
         self.entries: list[dict[str, Any]] = []  # each time this node entered a group: step, bytes, seconds
         self.at_step = 0  # optimizer steps the trainer has done (updated between steps, on the loop)
         self.state = "joining"
@@ -118,16 +120,26 @@ class RunRuntime:
                 loss = self.last.loss  # None at a stage that is not the last
                 fields["loss"] = loss if loss is not None and math.isfinite(loss) else None
                 fields["tokens_per_s"] = round(self.throughput.tokens_per_s(self.last.tokens_per_s), 1)
+                # the history is sampled here, as the status is taken (reading a loss waits for the GPU's step)
+                if fields["loss"] is not None:
+                    self.loss_history.add(self.at_step, fields["loss"])
+                if self.last.eval_loss is not None:
+                    self.eval_history.add(self.last.step, self.last.eval_loss)
             fields["eval_loss"] = t.last_eval_loss
+            fields.update(self.loss_history.fields("history_steps", "history_mloss", upto=self.at_step))
+            fields.update(self.eval_history.fields("eval_steps", "eval_mloss", upto=self.at_step))
         if self.links is not None:
             fields.update(self.links.status_fields())
         if s is not None:
             hashes = self.hashes.hashes
             # the hash recorded with the step published (once done, the final state's)
             state_hash = hashes[max(hashes)] if self.state == "done" and hashes else hashes.get(self.at_step)
-            up, down = self.throughput.rates(self.clock(), s.bytes_sent, s.bytes_recv)
+            link_sent, link_recv, link_fp32 = self.links.bytes() if self.links is not None else (0, 0, 0)
+            up, down, ratio_now = self.throughput.rates(self.clock(), s.bytes_sent + link_sent,
+                                                        s.bytes_recv + link_recv, s.fp32_bytes + link_fp32)
             fields.update(bytes_sent=s.bytes_sent, bytes_recv=s.bytes_recv, up_bytes_per_s=up, down_bytes_per_s=down,
-                          compression_ratio=round(s.compression_ratio, 2), state_hash=state_hash or None)
+                          compression_ratio=round(s.compression_ratio, 2), ratio_now=ratio_now,
+                          state_hash=state_hash or None)
         if self.error:
             fields["error"] = self.error[:200]
         return fields
@@ -437,6 +449,8 @@ class RunRuntime:
                     log.warning("final state hash disagreed with the majority: re-fetched the final state from one "
                                 "of %s", [p[-8:] for p in holders])
         t.last_eval_loss = await trio.to_thread.run_sync(t.evaluate)
+        if t.last_eval_loss is not None:
+            self.eval_history.add(self.at_step, t.last_eval_loss)
 
     def _live(self) -> set[str]:
         """The peers this node's membership view holds live."""
@@ -632,8 +646,9 @@ class RunRuntime:
                 for e in node.membership.live_peers())  # a peer trains this run: never start a second one
             found = await self._find_table(joined, patient=patient) if joined else None
             if found is None and self.manifest.owner not in ("", node.peer_id):
-                raise UnknownRun(f"nobody knows run {self.manifest.run_id[:16]}…, and only its owner "
-                                 f"{self.manifest.owner[:16]}… may start its broker")
+                raise NotTheOwner(f"nobody knows run {self.manifest.run_id[:16]}…, and only its owner "
+                                  f"{self.manifest.owner[:16]}… (the identity that signed it) may start its broker; "
+                                  f"this node is {node.peer_id[:16]}…")
             if found is None:  # nobody knows the run: the node started with the manifest hosts its broker
                 self.broker = Broker(ctx, self.config.broker, secret=self.config.secret)
                 await nursery.start(self.broker.run)
@@ -651,8 +666,14 @@ class RunRuntime:
             nursery.start_soon(self.pulls.keep_warm, self.client)
             await self._train()
 
-    async def leave(self) -> None:
-        if self.client is not None:
+    async def leave(self, *, tell_broker: bool = True) -> None:
+        """Leave the run: a round in progress ends now (the trainer thread is not held to its deadline), and the
+        broker hears of it (it moves a backup into the slot at once) unless `tell_broker` is false."""
+        if self.collective is not None:
+            self.collective.close()
+        if self.links is not None:
+            self.links.halt()
+        if self.client is not None and tell_broker:
             with trio.move_on_after(self.config.leave_timeout_s):
                 try:
                     await self.client.leave()

@@ -73,6 +73,7 @@ class LinkEnd:
         self.step: int | None = None  # the newest step a call was made for
         self._changed = trio.Event()
         self._aborted: dict[tuple[int, str], LinkError] = {}  # (step, phase) given up, by us or a neighbour
+        self._halted: LinkError | None = None  # this node is leaving: every wait fails with it
         s, prev, nxt = spec.stage, spec.prev_peer, spec.next_peer
         self.act_in = _Link(s - 1, FWD, prev, False) if prev else None
         self.grad_out = _Link(s - 1, BWD, prev, True) if prev else None
@@ -255,6 +256,12 @@ class LinkEnd:
                     except Exception as e:  # noqa: BLE001 - best effort: the neighbour times out instead
                         log.debug("abort of step %d to %s not sent: %s", step, link.peer, e)
 
+    def halt(self, why: str) -> None:
+        """This node is leaving: every wait of this end, in progress or to come, fails now (LinkError ABORTED), so a
+        trainer thread waiting on a neighbour that is leaving too is free at once, not at the link's deadline."""
+        self._halted = LinkError(LinkError.ABORTED, why)
+        self._wake()
+
     async def aclose(self) -> None:
         self.services.forget(self)
         for link in self.links:
@@ -297,6 +304,8 @@ class LinkEnd:
                     await self._reject(link, f"message for step {far[0][1]} while the lane is at step {step}", step)
 
     def _check(self, step: int, phase: str, links: list[_Link]) -> None:
+        if self._halted is not None:
+            raise self._halted
         if (step, phase) in self._aborted:
             raise self._aborted[step, phase]
         for link in links:
@@ -402,6 +411,7 @@ class LinkEnd:
         link.sent.messages += 1
         link.sent.wire_bytes += sum(4 + len(p) for p in parts)
         link.sent.payload_bytes += sum(h.nbytes for h in headers)
+        link.sent.fp32_bytes += sum(4 * h.numel for h in headers)
 
     @staticmethod
     async def _local(run, *args):
@@ -473,12 +483,12 @@ class LinkEnd:
                     raw = await read_exactly(stream, n)
                     rec = decode_message(raw, DATA_TYPES[link.direction])
                     kind = self._check_record(link, rec)
-                    tensor, wire, payload = None, 4 + n, 0
+                    tensor, wire, payload, fp32 = None, 4 + n, 0, 0
                     if rec.TYPE in TENSOR_TYPES and kind != AQ:
                         expected = payload_nbytes(kind, *self.spec.shape)
                         buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
                         tensor = await trio.to_thread.run_sync(decode_tensor_frame, buf, kind, self.spec.shape)
-                        wire, payload = wire + 4 + len(buf), expected
+                        wire, payload, fp32 = wire + 4 + len(buf), expected, 4 * tensor.numel()
                     elif rec.TYPE in TENSOR_TYPES:
                         groups = []
                         for rows, bits in self._aq_groups(rec):
@@ -490,6 +500,7 @@ class LinkEnd:
                             groups.append(await trio.to_thread.run_sync(
                                 decode_group, buf, rows, self.spec.seq_len, self.spec.d_model, bits))
                             wire, payload = wire + 4 + len(buf), payload + expected
+                            fp32 += 4 * groups[-1].numel()
                         tensor = tuple(groups) if isinstance(rec, Act) else groups[0]
             except (ProtocolError, trio.TooSlowError) as e:
                 if link.stream is stream:
@@ -509,6 +520,7 @@ class LinkEnd:
             link.recv.messages += 1
             link.recv.wire_bytes += wire
             link.recv.payload_bytes += payload
+            link.recv.fp32_bytes += fp32
             try:
                 await self._admit(link, rec, tensor)
             except Violation as e:
