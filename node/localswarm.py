@@ -22,8 +22,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 RUN_FIELDS = ("run_id", "slot", "warm_stage", "step", "loss", "eval_loss", "tokens_per_s", "bytes_sent", "bytes_recv",
               "compression_ratio", "link_bytes_sent", "link_bytes_recv", "state_hash", "recent_hashes", "refetches",
-              "entries",
-              "warm_revision", "lane_links", "error")
+              "entries", "warm_revision", "lane_links", "error")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LOCAL_SWARM_FILE = "local-swarm.json"  # in $SHOAL_HOME: the swarm `shoal swarm up` runs here, for --local
 

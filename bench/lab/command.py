@@ -1,4 +1,5 @@
-"""`shoal bench codecs|convergence|network`: codecs beside hivemind's; synchronizers side by side; shaped links."""
+"""`shoal bench codecs|convergence|pipeline|placement|network`: codecs beside hivemind's; synchronizers side by side;
+one lane's pipeline; placement planners on DT-FM's scenarios; shaped links."""
 
 from __future__ import annotations
 
@@ -80,6 +81,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="train on N samples epoch after epoch (AQ-SGD needs samples to come back; default: all)")
     pl.add_argument("--out", type=Path, default=RESULTS, help="folder for the result files")
     pl.add_argument("--name", default="pipeline", help="basename of the result files (default: pipeline)")
+    pc = sub.add_parser("placement", help="shoal's planner vs random, greedy and DT-FM's GCMA on DT-FM's scenarios",
+                        description="Places 64 devices into 8 stages x 8 lanes on each of DT-FM's five scenarios "
+                                    "with random partitions (mean of 100), nearest-neighbour lanes, a faithful GCMA "
+                                    "(DT-FM's memetic search; 100 + 4,900 candidates per seed, minutes per run) and "
+                                    "shoal's planner, all priced by one cost model. Prints per case the predicted "
+                                    "step time (DP, PP, total), the ratios to GCMA and to random, and the planning "
+                                    "time; writes JSON and Markdown.",
+                        epilog="example: shoal bench placement --cases 5_worldwide --seeds 0 (one GCMA run, ~2 min)")
+    pc.add_argument("--cases", default="", help="comma-separated case names (default: all five: "
+                                                "1_datacenter_on_demand, 2_datacenter_spot, 3_multi_university, "
+                                                "4_regional_us, 5_worldwide)")
+    pc.add_argument("--seeds", default="0,1,2", help="GCMA seeds, comma-separated; empty: no GCMA (default: 0,1,2)")
+    pc.add_argument("--offspring", type=int, default=4900, help="GCMA offspring per run (default: %(default)s)")
+    pc.add_argument("--population", type=int, default=100, help="GCMA population (default: %(default)s)")
+    pc.add_argument("--random", type=int, default=100, help="random partitions per case (default: %(default)s)")
+    pc.add_argument("--budget", type=float, default=1.5, help="shoal planner's time budget in seconds "
+                                                              "(default: %(default)s)")
+    pc.add_argument("--out", type=Path, default=RESULTS, help="folder for the result files (default: bench/results)")
+    pc.add_argument("--name", default="placement", help="basename of the result files (default: placement)")
+    pc.add_argument("--keep", action="store_true",
+                    help="take random and GCMA results of cases already in the result file (same seeds, population, "
+                         "offspring and random samples) instead of running them again, and keep its other cases: "
+                         "a long run one case at a time")
     n = sub.add_parser("network", help="nodes in network namespaces on shaped links, unshaped, and hivemind beside",
                        description="N shoal nodes, each in its own network namespace, train over links shaped by tbf "
                                    "(per node and direction) for each scenario, then unshaped (the limit), and "
@@ -122,6 +146,14 @@ def _scenario_names() -> list[str]:
     from shoal.bench.scenarios import available  # torch-free
 
     return available()
+
+
+def write_results(out: Path, name: str, doc: dict, md: str, *, indent: int = 1) -> None:
+    """A benchmark's result files, NAME.json and NAME.md under `out`; the Markdown is printed too."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=indent) + "\n")
+    (out / f"{name}.md").write_text(md)
+    print(md)
 
 
 def command_line() -> str:
@@ -259,6 +291,8 @@ def main(args: argparse.Namespace) -> int:
         return network(args)
     if args.bench == "pipeline":
         return pipeline(args)
+    if args.bench == "placement":
+        return placement(args)
     if args.bench != "codecs":
         return 2
     if args.threads > 0:
@@ -298,11 +332,42 @@ def main(args: argparse.Namespace) -> int:
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}", "hivemind": hm_info,
         "rows": rows, "targets": targets,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    md = markdown(result)
-    (args.out / f"{args.name}.md").write_text(md)
-    print(md)
+    write_results(args.out, args.name, result, markdown(result), indent=2)
+    return 0
+
+
+def placement(args: argparse.Namespace) -> int:
+    """`shoal bench placement`: the runner lives in bench/lab/placement_bench.py."""
+    import platform
+
+    from shoal.bench import placement_bench
+
+    try:
+        config = placement_bench.PlacementBenchConfig(
+            cases=tuple(x for x in args.cases.split(",") if x), gcma_seeds=tuple(int(x) for x in args.seeds.split(",")
+                                                                                 if x.strip()),
+            population=args.population, offspring=args.offspring, random_samples=args.random, budget_s=args.budget)
+        placement_bench.load_cases(config.cases)
+    except ValueError as e:
+        print(f"shoal bench placement: {e}", file=sys.stderr)
+        return 2
+
+    def progress(line: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+    earlier = None
+    path = args.out / f"{args.name}.json"
+    if args.keep and path.exists():
+        try:
+            earlier = json.loads(path.read_text())
+        except ValueError as e:
+            print(f"shoal bench placement: --keep: {path} is not a result file ({e})", file=sys.stderr)
+            return 2
+    doc = placement_bench.run(config, progress, earlier)
+    doc["command"] = command_line()
+    doc["commands"] = doc.pop("earlier_commands") + [doc["command"]]
+    doc["machine"] = f"{platform.machine()} {os.cpu_count()} CPUs, numpy single process"
+    write_results(args.out, args.name, doc, placement_bench.markdown(doc))
     return 0
 
 
@@ -349,11 +414,7 @@ def convergence(args: argparse.Namespace) -> int:
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, 1 torch thread per replica",
         "rows": rows, "targets": sync_bench.targets(rows),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    md = sync_bench.markdown(result)
-    (args.out / f"{args.name}.md").write_text(md)
-    print(md)
+    write_results(args.out, args.name, result, sync_bench.markdown(result), indent=2)
     return 0
 
 
@@ -402,9 +463,5 @@ def network(args: argparse.Namespace) -> int:
     doc["machine"] = f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, 1 torch thread per node"
     doc["targets"] = netreport.targets(doc["rows"])
     name = args.name or "-".join(config.scenarios)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    md = netreport.markdown(doc)
-    (args.out / f"{name}.md").write_text(md)
-    print(md)
+    write_results(args.out, name, doc, netreport.markdown(doc))
     return 0

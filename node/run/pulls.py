@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
 from shoal.node.run.config import RunConfig
 from shoal.node.run.snapshots import SnapshotStore
+from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.penalty import Penalties
+from shoal.swarm.run.client import RunClient
 from shoal.swarm.state.agreed import pull_agreed
 from shoal.swarm.state.snapshot import Snapshot
 from shoal.swarm.state.transfer import MAX_PREFIXES, StateTransferConfig, StateTransferError, pull_state
@@ -20,11 +24,23 @@ PULL_RETRY_S = 0.2  # the pause between rounds of pull attempts while no peer ha
 AGREED_DEFAULT = ("/model/",)  # a synchronizer keeping everything identical: agree on the parameters at least
 
 
-class StatePulls:
-    """A node's pulls of run state (`node`: its host, membership and penalties)."""
+class Sources(Protocol):
+    """What pulls need of the node: its host, who is live, and whom to penalize (node/run/context.NodeServices)."""
 
-    def __init__(self, node, config: RunConfig, snapshots: SnapshotStore):
-        self.node, self.config, self.snapshots = node, config, snapshots
+    @property
+    def sh(self) -> SwarmHost: ...
+
+    @property
+    def penalties(self) -> Penalties: ...
+
+    def live(self) -> set[str]: ...
+
+
+class StatePulls:
+    """A node's pulls of run state from the peers `sources` reaches."""
+
+    def __init__(self, sources: Sources, config: RunConfig, snapshots: SnapshotStore):
+        self.sources, self.config, self.snapshots = sources, config, snapshots
 
     async def revision(self, revision: int, peers: list[str], *, only: tuple[str, ...] | None = None,
                        agree_on: tuple[str, ...] | None = None,
@@ -39,12 +55,12 @@ class StatePulls:
         while trio.current_time() < deadline:
             if last is not None and wanted is not None and not wanted():
                 raise StateTransferError(f"revision {revision} is no longer wanted (this node's slot changed): {last}")
-            live = {e.peer_id for e in self.node.membership.live_peers()}
+            live = self.sources.live()
             if agree_on is not None:
                 try:
-                    return await pull_agreed(self.node.sh, [p for p in peers if p in live or last is None],
+                    return await pull_agreed(self.sources.sh, [p for p in peers if p in live or last is None],
                                              revision=revision, agree_on=agree_on, only=only, config=attempt,
-                                             penalties=self.node.penalties)
+                                             penalties=self.sources.penalties)
                 except StateTransferError as e:
                     last = e
                     log.debug("revision %d: %s", revision, e)
@@ -54,7 +70,7 @@ class StatePulls:
                 if p not in live and last is not None:
                     continue  # a silent peer gets one try, then only live ones
                 try:
-                    return await pull_state(self.node.sh, p, revision=revision, config=attempt, only=only)
+                    return await pull_state(self.sources.sh, p, revision=revision, config=attempt, only=only)
                 except StateTransferError as e:
                     last = e
                     log.debug("revision %d from %s: %s", revision, p, e)
@@ -86,7 +102,7 @@ class StatePulls:
         snap = await self.revision(revision, peers, agree_on=agree_on, wanted=wanted)
         return snap, snap.nbytes
 
-    async def keep_warm(self, client) -> None:
+    async def keep_warm(self, client: RunClient) -> None:
         """While this node is a backup (`client`: its run client), pull a fresh copy of its stage's state from an
         active replica every `backup_refresh_s`, so that a promotion is a short catch-up."""
         i = 0
@@ -97,7 +113,7 @@ class StatePulls:
                 peer = members[i % len(members)]
                 i += 1
                 try:
-                    self.snapshots.warm = await pull_state(self.node.sh, peer)
+                    self.snapshots.warm = await pull_state(self.sources.sh, peer)
                 except StateTransferError as e:
                     log.info("warm copy from %s failed: %s", peer, e)
             await trio.sleep(self.config.backup_refresh_s)

@@ -1,10 +1,13 @@
-"""What a training node says about itself in its status record: progress, throughput, byte rates (synchronization
-and lane links together) and the compression ratio over the same window."""
+"""What a training node says about itself beyond its status record (its status file), and what its status record
+carries of its throughput, byte rates (synchronization and lane links together), the compression ratio over the same
+window, and a thinned history of its losses."""
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
 
 RECENT_STEPS = 32  # tokens/s is measured over this many recent steps
 RATE_SMOOTHING = 0.5  # weight of the newest sample in the smoothed byte rates
@@ -72,3 +75,23 @@ class Thinned:
         """The points up to step `upto` as a status record carries them: steps, and values in thousandths."""
         kept = [(s, v) for s, v in self.points if s <= upto]
         return {steps: tuple(s for s, _ in kept), values: tuple(min(round(v * 1000), 10**9) for _, v in kept)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunDetail:
+    """What a node's status file adds about its run to what its status record says (local tools and tests read it;
+    it never travels): re-fetches and entries, the state hashes and link-store digests of the last steps, the warm
+    copy's revision, and each lane link's counters."""
+
+    refetches: int = 0  # states loaded from the group's majority after ours differed
+    entries: tuple[dict[str, Any], ...] = ()  # the last times this node entered a group: step, bytes, seconds
+    recent_hashes: dict[int, str] = field(default_factory=dict)  # step -> state hash, the last steps
+    warm_revision: int | None = None  # a backup's warm copy
+    links: dict[str, Any] = field(default_factory=dict)  # "b0/fwd" -> neighbour, messages and bytes each way
+    recent_link_digests: dict[str, dict[str, str]] = field(default_factory=dict)  # "b0/fwd/receiver" -> step -> digest
+
+    def to_json(self) -> dict[str, Any]:
+        return {"refetches": self.refetches, "entries": list(self.entries),
+                "recent_hashes": {str(k): v for k, v in sorted(self.recent_hashes.items())},
+                "warm_revision": self.warm_revision, "links": self.links,
+                "recent_link_digests": self.recent_link_digests}

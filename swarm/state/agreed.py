@@ -16,9 +16,8 @@ from collections import Counter
 
 import trio
 
-from shoal.protocol.errors import ProtocolError
 from shoal.protocol.wire import pack, unpack
-from shoal.swarm.net.framing import StreamClosed, close_quietly, read_frame, write_frame
+from shoal.swarm.net.framing import close_quietly, exchange_failures, read_frame, write_frame
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.state.snapshot import Snapshot, StateTransferError
@@ -31,21 +30,14 @@ HASH_REPLY_BYTES = 1024
 async def ask_hash(sh: SwarmHost, peer: str, *, revision: int, only: tuple[str, ...],
                    config: StateTransferConfig) -> str:
     """`part_hash` of `peer`'s state at `revision` over the `only` prefixes; raises StateTransferError."""
-    try:
-        with trio.fail_after(config.timeout_s):
-            stream = await sh.open_stream(peer, STATE_PROTOCOL)
-            try:
-                req = {"want": "hash", "revision": revision, "only": list(only)}
-                await write_frame(stream, pack(req))
-                h = unpack(await read_frame(stream, HASH_REPLY_BYTES), max_bytes=HASH_REPLY_BYTES)
-            finally:
-                await close_quietly(stream)
-    except trio.TooSlowError:
-        raise StateTransferError(f"no hash from {peer[:16]}… within {config.timeout_s} s") from None
-    except (ProtocolError, StreamClosed, OSError) as e:
-        raise StateTransferError(f"hash from {peer[:16]}…: {e}") from e
-    except Exception as e:  # noqa: BLE001 - a peer that cannot be dialed (gone) comes as many types from py-libp2p
-        raise StateTransferError(f"hash from {peer[:16]}…: {type(e).__name__}: {e}") from e
+    with exchange_failures(StateTransferError, f"hash from {peer[:16]}…", config.timeout_s):
+        stream = await sh.open_stream(peer, STATE_PROTOCOL)
+        try:
+            req = {"want": "hash", "revision": revision, "only": list(only)}
+            await write_frame(stream, pack(req))
+            h = unpack(await read_frame(stream, HASH_REPLY_BYTES), max_bytes=HASH_REPLY_BYTES)
+        finally:
+            await close_quietly(stream)
     if not isinstance(h, dict) or h.get("ok") is not True:
         raise StateTransferError(f"{peer[:16]}… has no hash for revision {revision}")
     hsh = h.get("hash")

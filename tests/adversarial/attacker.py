@@ -15,6 +15,8 @@ from shoal.node.daemon import Node
 from shoal.protocol.assignment import RUN_RECORD_TYPES, AssignmentTable, BrokerLease
 from shoal.protocol.envelope import open_envelope
 from shoal.protocol.manifest import JoinPolicy, ParallelPlan, RunManifest, SyncSpec
+from shoal.protocol.schema import SignedRecord
+from shoal.swarm.net.membership import verified_members
 from shoal.swarm.net.rpc import call
 from shoal.swarm.run.broker import Broker, BrokerConfig
 from shoal.swarm.run.client import RunClient, RunClientConfig
@@ -168,6 +170,23 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def rss_within(pid: int, limit: int, timeout_s: float) -> int:
+    """`pid`'s resident memory as soon as it is below `limit` bytes, or its last reading once `timeout_s` passed
+    (memory a process frees after a load shows up in its RSS a moment later)."""
+    rss = rss_bytes(pid)
+    with trio.move_on_after(timeout_s):
+        while rss >= limit:
+            await trio.sleep(0.2)
+            rss = rss_bytes(pid)
+    return rss
+
+
+async def records_held(sh, peer: str) -> list[SignedRecord]:
+    """The signed records `peer` holds of the swarm's live peers (its `members` answer), verified."""
+    rows = await call(sh, peer, "members", timeout_s=5.0)
+    return [signed.record for signed, _ in verified_members(rows, lambda why: None)]
 
 
 def table_of(env: bytes) -> AssignmentTable:

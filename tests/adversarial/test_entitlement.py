@@ -11,9 +11,11 @@ import pytest
 import trio
 
 from shoal.protocol.envelope import open_envelope
+from shoal.protocol.records import RunStatus, StatusRecord
 from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.state.transfer import StateTransferConfig, StateTransferError, pull_state
-from tests.adversarial.attacker import node_with, table_of
+from tests.adversarial.attacker import node_with, records_held, table_of
+from tests.helpers.progress import newest_step, wait_training
 from tests.swarm.test_run_swarm import active, done, make_swarm, write_run
 
 pytestmark = pytest.mark.slow
@@ -22,19 +24,23 @@ STEPS = 300  # long enough that the promotion takes effect within the run howeve
 HUGE = 2**60
 
 
+async def lie_held(x, peer: str) -> bool:
+    """Whether `peer` holds the liar `x`'s status record with the absurd step."""
+    return any(isinstance(r, StatusRecord) and r.peer_id == x.peer_id and r.step == HUGE
+               for r in await records_held(x.sh, peer))
+
+
 def liar(run_id: str) -> SimpleNamespace:
     """What a node's status loop publishes for a run it trains, with an absurd step and rate."""
-    return SimpleNamespace(client=None, status_fields=lambda: {
-        "run_id": run_id, "role": "active", "state": "training", "slot": "s0r0", "step": HUGE, "tokens_per_s": 1e12})
+    return SimpleNamespace(client=None, status=lambda: RunStatus(
+        run_id=run_id, role="active", state="training", slot="s0r0", step=HUGE, tokens_per_s=1e12))
 
 
 async def test_absurd_step_reports_cannot_stall_a_group_change_and_strangers_get_no_state(tmp_path):
     s = make_swarm(tmp_path, 3, write_run(tmp_path / "w", replicas=2, sync="allreduce"), STEPS)
     try:
         await trio.to_thread.run_sync(s.start)
-        with trio.fail_after(120):
-            while not (len(active(s)) == 2 and min(r.get("step") or 0 for r in active(s)) >= 5):
-                await trio.sleep(0.2)
+        await wait_training(s, 2, 5, 120, "training to get going")
         run_id = s.nodes[0].status()["run_id"]
         member = next(r for r in active(s) if r["index"] != 0)
         async with node_with(join=s.bootstrap_addrs()) as x:
@@ -44,12 +50,12 @@ async def test_absurd_step_reports_cannot_stall_a_group_change_and_strangers_get
                 await call(x.sh, member["peer_id"], "run.snapshot_at", HUGE)
             with pytest.raises(StateTransferError):
                 await pull_state(x.sh, member["peer_id"], config=StateTransferConfig(timeout_s=5.0))
-            await trio.sleep(2.0)  # the lie has been gossiped to every node
+            with trio.fail_after(30):  # every node holds the lie (x's status record claiming step 2^60)
+                while not all(await lie_held(x, r["peer_id"]) for r in s.summary() if r["alive"]):
+                    await trio.sleep(0.2)
             s.nodes[member["index"]].proc.send_signal(signal.SIGKILL)  # the backup must take its slot
-            step_at_kill = max(r.get("step") or 0 for r in active(s))
-            with trio.fail_after(90):
-                while not (len(active(s)) == 2 and min(r.get("step") or 0 for r in active(s)) > step_at_kill + 3):
-                    await trio.sleep(0.5)
+            step_at_kill = newest_step(s)
+            await wait_training(s, 2, step_at_kill + 4, 90, "the group going on after the kill")
             t = table_of((await call(x.sh, s.nodes[0].status()["peer_id"], "run.table", {"run_id": run_id}))["table"])
             switch = t.switch_step(0)
         with trio.fail_after(240):

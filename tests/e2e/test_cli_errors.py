@@ -170,7 +170,7 @@ def test_run_create_checks_data_where_it_is_typed(tmp_path):
     assert not (tmp_path / "a.toml").exists()  # nothing signed
     (tmp_path / "empty").mkdir()
     r = shoal(tmp_path, "run", "create", "--data", str(tmp_path / "empty"), "-o", str(tmp_path / "a.toml"))
-    assert_one_line(r, Exit.USAGE, "the folder holds no .txt")
+    assert_one_line(r, Exit.USAGE, "holds no .txt, .jsonl or .parquet file")
     (tmp_path / "mydata").mkdir()
     (tmp_path / "mydata" / "doc.txt").write_text("text")
     r = subprocess.run([*SHOAL, "run", "create", "--data", "./mydata", "-o", "b.toml"], capture_output=True,

@@ -34,7 +34,7 @@ def lane_peers(table: AssignmentTable, me: str) -> tuple[str | None, str | None]
     return prev, nxt
 
 
-class GroupSchedule:
+class GroupTimeline:
     """The tables one node has accepted, newest last (owned by the event loop)."""
 
     def __init__(self, me: str, *, keep: int = MAX_TABLES):
@@ -79,7 +79,9 @@ class GroupSchedule:
         """(switch step, stage, replica) of this node's slot in the newest table, or None when it has none."""
         t = self.latest
         slot = t.slot_of(self.me) if t is not None else None
-        return (t.switch_step(slot[0]), slot[0], slot[1]) if slot is not None else None
+        if t is None or slot is None:
+            return None
+        return t.switch_step(slot[0]), slot[0], slot[1]
 
     def switch_steps(self, table: AssignmentTable) -> set[int]:
         """The steps at which `table`'s groups take effect (members snapshot their state there for joiners)."""
