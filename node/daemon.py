@@ -109,6 +109,7 @@ class Node:
         self._remembered: dict[str, list[str]] = {}
         self._gossip_due = True  # publish the status at the next interval even if unchanged
         self._stop = trio.Event()
+        self._hurry = False
         self._revision = 0
         self._paths_for = None  # the run table whose replicas we last prepared direct paths to
 
@@ -321,7 +322,10 @@ class Node:
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, path)
 
-    def stop(self) -> None:
+    def stop(self, *, hurry: bool = False) -> None:
+        """Leave the swarm. `hurry`: the whole swarm is going (a local swarm's supervisor is gone): a leave notice,
+        no goodbye to the run's broker, which is leaving too."""
+        self._hurry = hurry
         self._stop.set()
 
     # -- recent peers --------------------------------------------------------------------------------------
@@ -454,7 +458,7 @@ class Node:
                         task_status.started(self)
                         await self._stop.wait()
                         if self.runtime is not None:
-                            await self.runtime.leave()
+                            await self.runtime.leave(tell_broker=not self._hurry)
                         periodic.cancel_scope.cancel()  # no status may follow the leave notice
                 except BaseException as e:  # refused, failed or interrupted: the swarm need not wait for silence
                     with trio.CancelScope(shield=True):

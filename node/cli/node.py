@@ -107,6 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and benchmarks on a fast machine; default: 0, no pacing)")
 
 
+PARENT_POLL_S = 0.2  # a node started with --parent notices within this long that its parent is gone
+
+
 def _say(text: str) -> None:
     """One line of the node's output; a closed stdout (`shoal node | head`) silences it, it does not stop the node."""
     try:
@@ -122,6 +125,10 @@ def main(args: argparse.Namespace) -> int:
 
     if args.parent is not None and os.getppid() != args.parent:
         raise CliError(f"the process that started this node (pid {args.parent}) is gone", Exit.INTERRUPTED, hint="")
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack, for a bug report
     home = shoal_home()
     join = expand_join(args.join, args.join_wait)  # typed input is checked before anything runs
     if args.data is not None:
@@ -270,9 +277,9 @@ def serve(args: argparse.Namespace, config, hardware, key, device: str | None, f
 
                 async def watch_parent() -> None:
                     while os.getppid() == args.parent:
-                        await trio.sleep(1.0)
+                        await trio.sleep(PARENT_POLL_S)
                     _say(f"the process that started this node (pid {args.parent}) is gone; leaving the swarm…")
-                    node.stop()
+                    node.stop(hurry=True)  # its swarm is going too
 
                 async def run_node(task_status=trio.TASK_STATUS_IGNORED) -> None:
                     await node.run(task_status=task_status)

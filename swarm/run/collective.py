@@ -78,7 +78,17 @@ class Collective:
         self._changed = trio.Event()
         self._out: dict[str, Any] = {}  # peer -> the (libp2p) stream our messages to it go on
         self._out_locks: dict[str, trio.Lock] = {}  # one message at a time on a stream
+        self._waiting: set[trio.CancelScope] = set()  # the deadlines of the exchanges in progress
+        self.closed = False
         sh.set_handler(COLLECTIVE_PROTOCOL, self._serve)
+
+    def close(self) -> None:
+        """This node is leaving: every exchange in progress returns now with what it has (the round counts the rest
+        missing, so a trainer thread waiting in it is free at once, not at the round's deadline), and later ones at
+        once. Its peers notice its leave notice, not a missed deadline."""
+        self.closed = True
+        for scope in self._waiting:
+            scope.cancel()
 
     # -- receiving ----------------------------------------------------------------------------------
 
@@ -248,7 +258,8 @@ class Collective:
         failed: set[str] = set()
         box: dict[str, bytes] = {}
         try:
-            with trio.move_on_after(timeout_s):
+            with trio.move_on_after(0 if self.closed else timeout_s) as deadline:
+                self._waiting.add(deadline)
                 async with trio.open_nursery() as nursery:
                     for p, b in sends.items():
                         if p != self.me:
@@ -256,6 +267,7 @@ class Collective:
                     while not others - failed <= self._inbox.get(tag, {}).keys():
                         await self._changed.wait()
         finally:
+            self._waiting.discard(deadline)
             box = self._drop(tag)
             self._finish(tag)
         if self.me in sends:
