@@ -414,6 +414,8 @@ class Node:
             self.sh = sh
             if hasattr(sh.dht.validator, "on_refuse"):  # a peer whose DHT puts are refused is penalized
                 sh.dht.validator.on_refuse, sh.dht.validator.banned = self.penalties.penalize, self.penalties.is_banned
+            if sh.nat is not None:  # so is a peer asking the relay past its limits
+                sh.nat.relay.penalize, sh.nat.relay.banned = self.penalties.penalize, self.penalties.is_banned
             self.membership = Membership(sh.peer_id, self.config.membership, self.pulse.clock, self.pulse)
             self.gossip = RecordGossip(sh, self.penalties, self.ingest)
             rpc = self.rpc = RpcServer(sh, self.penalties, later=("run.",))

@@ -163,16 +163,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="file holding the join secret; a new 256-bit secret is written there when the file does "
                         "not exist (the manifest stores nothing derived from it); nodes join with --secret")
     j.add_argument("--allow", action="append", metavar="PEER_ID", help="admit only these peers (repeat)")
+    c.add_argument("--allow-weak-secret", action="store_true",
+                   help="use the secret in --join-secret-file even if it looks easy to guess (fewer than 16 "
+                        "characters or about 80 bits); the broker limits guesses, but a weak secret still falls")
     s = sub.add_parser("show", help="print a manifest and verify its signature",
                        description="Print a run manifest, its run id, and whether its signature is valid.")
     s.add_argument("path", metavar="RUN.toml", help="the manifest file")
 
 
-def _secret_file(path: str) -> str:
-    """The join secret in `path`; a new high-entropy one written there (owner-only) when the file is missing."""
+def _secret_file(path: str, *, allow_weak: bool = False) -> str:
+    """The join secret in `path`; a new high-entropy one written there (owner-only) when the file is missing. A
+    secret the owner chose that looks easy to guess is refused (ValueError) unless `allow_weak`."""
     import os
+    import sys
 
-    from shoal.protocol.admission import new_secret
+    from shoal.protocol.admission import new_secret, weak_secret
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -184,6 +189,13 @@ def _secret_file(path: str) -> str:
             f.write(secret + "\n")
     if not secret:
         raise ValueError(f"{path} holds no join secret")
+    why = weak_secret(secret)
+    if why is not None and not allow_weak:
+        raise ValueError(f"the join secret in {path} is weak: {why}; anyone may try it online. Delete the file to "
+                         f"have a 256-bit secret made there, or pass --allow-weak-secret to use it anyway")
+    if why is not None:
+        print(f"WARNING: the join secret in {path} is weak ({why}); guesses are rate-limited, but it can fall",
+              file=sys.stderr)
     return secret
 
 
@@ -204,7 +216,7 @@ def build_manifest(args: argparse.Namespace):
         raise ValueError(f"--batch {args.batch} does not split into {micro_batches} micro-batches")
     micro_batch = args.micro_batch or args.batch // micro_batches
     if args.join_secret_file:
-        _secret_file(args.join_secret_file)
+        _secret_file(args.join_secret_file, allow_weak=args.allow_weak_secret)
         join = mf.JoinPolicy.private()
     elif args.allow:
         join = mf.JoinPolicy(mode="allowlist", allowlist=tuple(args.allow))

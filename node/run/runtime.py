@@ -32,6 +32,7 @@ from shoal.node.sync.interface import Synchronizer
 from shoal.node.train.control import StepControl, StepResult
 from shoal.protocol.assignment import GONE, AssignmentTable
 from shoal.protocol.envelope import Signed
+from shoal.protocol.lane import FWD, LinkHello
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HardwareProfile
 from shoal.swarm.net.rpc import RpcError, call
@@ -40,7 +41,7 @@ from shoal.swarm.run.broker import AdmissionError, Broker
 from shoal.swarm.run.context import RunContext
 from shoal.swarm.run.client import RunClient, fetch_table
 from shoal.swarm.run.collective import Collective
-from shoal.swarm.run.collective_gate import CollectiveGate
+from shoal.swarm.run.collective_gate import CollectiveGate, inbox_limits
 from shoal.swarm.run.group import Group
 from shoal.swarm.lane.hub import open_link_hub
 from shoal.swarm.lane.spec import LinkConfig
@@ -55,6 +56,7 @@ READY_POLL_S = 1.0  # a node waiting for a slot (or a backup) re-checks the tabl
 START_POLL_S = 0.5  # a new run's first members re-check whether the group is full this often
 FINAL_POLL_S = 0.5  # the end of a run: the pause between asks for the group's final hashes
 VOTE_EXTRA_STEPS = 2  # after a vote, the next one waits the switch lead plus this many steps
+RUN_CLAIM_WAIT_S = 10.0  # a joiner asks about its run this long even when no live peer says it trains it
 
 
 class RunRuntime:
@@ -181,6 +183,13 @@ class RunRuntime:
         per_step = self.manifest.batch.batch_size * self.manifest.batch.seq_len
         rate = tps / per_step if tps > 0 else 1.0
         return top + max(self.config.switch_lead_min_steps, math.ceil(self.config.switch_lead_s * rate))
+
+    def _lane_named(self, peer: str, hello: LinkHello) -> bool:
+        """Whether the tables this node follows (in force from the step before ours, or announced) name `peer` at
+        the dialing end of `hello`'s link and this node at the other (swarm/lane/hub.py asks, for every dial)."""
+        lower, upper = hello.boundary, hello.boundary + 1
+        dialer, mine = (lower, upper) if hello.direction == FWD else (upper, lower)
+        return self.schedule.names_on_lane(peer, dialer, hello.lane, mine, max(0, self.at_step - 1))
 
     # -- state between nodes -------------------------------------------------------------------------------
     async def _rpc_snapshot_at(self, caller: str, body: Any) -> Any:
@@ -469,11 +478,18 @@ class RunRuntime:
         statuses = [(e.peer_id, e.status_record) for e in self.node.membership.live_peers()
                     if e.status_record is not None]
         g = self.group_at(step)
-        if self._refetch is not None or step < self._vote_after or \
-                not self.hashes.disagrees(g, self.manifest.run_id, statuses):
+        self.hashes.note_claims(g, self.manifest.run_id, statuses)
+        claims = self.hashes.due_claims()
+        if self._refetch is not None or step < self._vote_after or not claims:
             return
         self._vote_after = step + self.config.switch_lead_min_steps + VOTE_EXTRA_STEPS
-        src = await self.hashes.vote(g)
+        src = await self.hashes.vote(g, claims)
+        offenders = self.hashes.take_offenders()
+        for peer, why in offenders.items():  # most members' reports evict it (the broker's rule)
+            self.node.penalties.penalize(peer, why)
+        if offenders and self.client is not None:
+            self._nursery.start_soon(lambda: self.client.report_missing(
+                [], epoch=g.epoch, stage=g.stage, offenders=sorted(offenders)))
         if src is not None:
             target = step + self.config.switch_lead_min_steps
             try:
@@ -553,39 +569,67 @@ class RunRuntime:
             raise ValueError("this node trains another run")
         return self.manifest.to_bytes()
 
-    async def fetch_manifest(self, run_id: str, peers: list[str]) -> RunManifest:
-        """The signed manifest of `run_id` from one of `peers`, verified and checked against the id."""
-        for p in peers:
-            try:
-                raw = await self.node_call(p, "run.manifest", run_id)
-                m = RunManifest.from_bytes(raw)
-                m.verify()
-                if m.run_id != run_id:
-                    raise ValueError("the manifest does not hash to the run id")
-                return m
-            except (RpcError, ValueError, TypeError) as e:
-                log.info("manifest from %s: %s", p, e)
-        raise UnknownRun(f"no joined peer gave the manifest of run {run_id[:16]}…")
+    def _training(self, run_id: str) -> list[str]:
+        """The live peers whose status says they train run `run_id`."""
+        return [e.peer_id for e in self.node.membership.live_peers()
+                if e.status_record is not None and e.status_record.run_id == run_id]
+
+    def _run_peers(self, run_id: str, joined: list[str]) -> list[str]:
+        """Whom to ask about run `run_id`: the peers this node joined through, then the live peers whose status
+        says they train it (one --join peer that denies the run must not keep a joiner from the others)."""
+        return list(dict.fromkeys([*joined, *self._training(run_id)]))
+
+    def _ask_again(self, run_id: str, since: float) -> bool:
+        """Whether to ask about run `run_id` once more: within `admit_timeout_s`, and past RUN_CLAIM_WAIT_S only
+        while a live peer says it trains the run (status records come by gossip within a few seconds: a run id
+        nobody trains is given up on then)."""
+        cfg, waited = self.config.client, self.clock() - since
+        return waited + cfg.retry_s <= cfg.admit_timeout_s and (waited < RUN_CLAIM_WAIT_S or
+                                                               bool(self._training(run_id)))
+
+    async def fetch_manifest(self, run_id: str, joined: list[str]) -> RunManifest:
+        """The signed manifest of `run_id`, verified and checked against the id, from one of the joined peers or
+        the live peers training the run, asking again for `admit_timeout_s` (the others' status records come by
+        gossip a little after the join)."""
+        cfg, t0 = self.config.client, self.clock()
+        while True:
+            for p in self._run_peers(run_id, joined):
+                try:
+                    raw = await self.node_call(p, "run.manifest", run_id)
+                    m = RunManifest.from_bytes(raw)
+                    m.verify()
+                    if m.run_id != run_id:
+                        raise ValueError("the manifest does not hash to the run id")
+                    return m
+                except (RpcError, ValueError, TypeError) as e:
+                    log.info("manifest from %s: %s", p, e)
+            if not self._ask_again(run_id, t0):
+                raise UnknownRun(f"no joined peer gave the manifest of run {run_id[:16]}…, nor any of the "
+                                 f"{len(self._training(run_id))} live peers that say they train it")
+            await trio.sleep(cfg.retry_s)
 
     async def _find_table(self, joined: list[str], *, patient: bool) -> tuple[Signed, str] | None:
-        """A table a joined peer holds (and that peer), asking again for `admit_timeout_s`. A node that is not
-        `patient` (it holds the manifest, has no --join and reached peers only from its recent-peers file, none of
-        which says it trains this run) asks once, and None means nobody knows the run: this node starts it."""
-        cfg = self.config.client
-        deadline = self.clock() + cfg.admit_timeout_s
+        """The newest table the joined peers and the live peers training the run hold (and a peer that served it),
+        asking again for `admit_timeout_s`. A node that is not `patient` (it holds the manifest, has no --join and
+        reached peers only from its recent-peers file, none of which says it trains this run) asks once, and None
+        means nobody knows the run: this node starts it."""
+        cfg, t0 = self.config.client, self.clock()
         while True:
-            for p in joined:
+            best: tuple[Signed, str] | None = None
+            for p in self._run_peers(self.manifest.run_id, joined):
                 try:
-                    return await fetch_table(self.node.sh, p, self.manifest.run_id, timeout_s=cfg.rpc_timeout_s,
-                                             authority=RunAuthority(self.manifest),
-                                             penalties=self.node.penalties), p
+                    got = await fetch_table(self.node.sh, p, self.manifest.run_id, timeout_s=cfg.rpc_timeout_s,
+                                            authority=RunAuthority(self.manifest), penalties=self.node.penalties)
                 except RpcError as e:
                     log.info("no run table from %s: %s", p, e)
-            if not patient:
-                return None
-            if self.clock() + cfg.retry_s > deadline:
-                raise UnknownRun(f"none of the joined peers knows run {self.manifest.run_id[:16]}… "
-                                 f"(asked for {cfg.admit_timeout_s:.0f} s)")
+                    continue
+                if best is None or got.record.newer_than(best[0].record):
+                    best = got, p
+            if best is not None or not patient:
+                return best
+            if not self._ask_again(self.manifest.run_id, t0):
+                raise UnknownRun(f"none of the joined peers knows run {self.manifest.run_id[:16]}…, nor any of "
+                                 f"the {len(self._training(self.manifest.run_id))} live peers that say they train it")
             await trio.sleep(cfg.retry_s)
 
     async def run(self, joined: list[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -609,8 +653,14 @@ class RunRuntime:
         ctx = RunContext(sh=node.sh, manifest=self.manifest, register=node.rpc.register, publish=node.publish,
                          membership=node.membership, penalties=node.penalties, switch_step=self.switch_step,
                          clock=self.clock, pulse=node.pulse)
+        lim = inbox_limits(self.manifest, self.config.round_timeout_s)
+        overlap = 1 + (sync.diloco.overlap_steps if sync.method == "diloco" else 0)  # a round runs on that long
         self.collective = Collective(node.sh, node.penalties,  # only members of known groups, under their tags
-                                     gate=CollectiveGate(self.manifest.run_id, lambda: self.schedule.tables))
+                                     gate=CollectiveGate(self.manifest.run_id, lambda: self.schedule.tables,
+                                                         step=lambda: max(0, self.at_step - overlap)),
+                                     max_frame_bytes=lim.max_frame_bytes, max_wait_s=lim.max_wait_s,
+                                     max_peer_buffer_bytes=lim.max_peer_buffer_bytes,
+                                     max_buffer_bytes=lim.max_buffer_bytes)
         StateServer(node.sh, lambda: self.snapshots.latest, penalties=node.penalties, by_revision=self.snapshots.at,
                     allow=self.entitled.member)  # model state for the run's members and backups only
         node.rpc.register("run.snapshot_at", self._rpc_snapshot_at)
@@ -620,7 +670,7 @@ class RunRuntime:
         node.rpc.register("run.hash_at", self.hashes.rpc_hash_at)
         plan = self.manifest.plan
         links = open_link_hub(node.sh, node.penalties, LinkConfig(), allow=self.entitled.member,
-                              plan=(self.manifest.run_id, plan.stages, plan.replicas)) \
+                              plan=(self.manifest.run_id, plan.stages, plan.replicas), named=self._lane_named) \
             if plan.stages > 1 else contextlib.nullcontext()  # a pipeline stage's links to its lane neighbours
         async with links as hub, trio.open_nursery() as nursery:
             self._nursery = nursery

@@ -158,7 +158,13 @@ class Trainer:
         self.boundary: Boundary = boundary if boundary is not None else SoloLane()
         self.device = resolve_device(device) if isinstance(device, str) else device
         self.sync = synchronizer or NoSync()
-        self.corpus = corpus or load_corpus(manifest.data.source, manifest.data.heldout_every)
+        src = manifest.data.source
+        if corpus is None and src != "stdlib" and not src.startswith("hf:"):
+            # a manifest may come from the network: its path names a file of this machine the owner chose. The
+            # caller that trusts it (its own manifest file, or a volunteer's --data) loads it and passes it in
+            raise ValueError(f"the manifest reads its data from a local path ({src!r}): pass the corpus in "
+                             f"(load_corpus(path)); a trainer never opens a path a manifest names by itself")
+        self.corpus = corpus or load_corpus(src, manifest.data.heldout_every)
         self.train_samples = Samples(self.corpus.train, b.seq_len)
         self.heldout_samples = Samples(self.corpus.heldout, b.seq_len)
         subset = manifest.data.train_subset  # the first N samples only (0: all): samples come back every epoch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -19,12 +19,13 @@ from shoal.swarm.net.membership import LEFT
 from shoal.swarm.net.rpc import RpcError, call, parse_body
 from shoal.swarm.run.authority import DELEGATES, RunAuthority
 from shoal.swarm.run.context import Handler, RunContext
-from shoal.swarm.run.gate import AdmissionGate
+from shoal.swarm.run.gate import AdmissionGate, AdmissionLimits
 from shoal.swarm.run.seating import Provider, Seating
 
 log = logging.getLogger(__name__)
 
 MAX_GONE_KEPT = 32  # gone providers listed in the table, newest first; older ones are forgotten
+NEW_BACKUP = 1 << 30  # a newly admitted backup's place: after every backup a taken-over table listed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,6 +44,7 @@ class BrokerConfig:
     # a pipeline lane with a slot empty this long and no backup of that stage to fill it is dissolved: its
     # members return to the backup pool (each keeping its stage warm)
     dissolve_after_s: float = 60.0
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)  # wrong join-secret proofs checked
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s <= self.fail_after_s:
@@ -108,7 +110,7 @@ class Broker:
         self._checking: set[tuple[int, int, str]] = set()  # (stage, epoch, peer) reported missing, being pinged
         self._dirty = trio.Event()
         self.authority = RunAuthority(ctx.manifest)
-        self.gate = AdmissionGate(ctx, secret)  # who may join
+        self.gate = AdmissionGate(ctx, secret, config.admission)  # who may join
         self.delegation_env: bytes | None = None  # the owner's delegation naming this broker and its standby
         self.handlers: dict[str, Handler] = {"run.admit": self._rpc_admit, "run.challenge": self._rpc_challenge,
                                              "run.table": self._rpc_table,
@@ -131,7 +133,7 @@ class Broker:
         backups = {pid: i for i, pid in enumerate(table.backups)}
         for p in table.providers:
             b.providers[p.peer_id] = b._provider(p.peer_id, p.state, stage=table.backup_stage(p.peer_id) or 0,
-                                                 score=(0, 0.0, backups.get(p.peer_id, len(backups))),
+                                                 score=(backups.get(p.peer_id, len(backups)),),
                                                  gone_at=b.clock() if p.state == GONE else 0.0)
         for s in table.slots:
             b.seating.slots[(s.stage, s.replica)] = s.peer_id
@@ -217,8 +219,9 @@ class Broker:
             return self._answer(p)
         if sum(1 for q in self.providers.values() if q.state != GONE) >= MAX_PROVIDERS:
             return AdmitResponse(admitted=False, error="the run has no room for more providers")
-        hw = req.hardware
-        p = self._provider(peer_id, REGISTERED, hardware=hw, score=(-hw.memory_bytes, -hw.matmul_tflops, 0))
+        # backups are promoted in admission order (after those a taken-over table listed): the hardware a provider
+        # reports is its own word, so it may decide what fits it, never whom it jumps in the queue
+        p = self._provider(peer_id, REGISTERED, hardware=req.hardware, score=(NEW_BACKUP,))
         self.providers[peer_id] = p
         p.state = BENCHMARKED  # the profile carries the node's measured compute and memory
         free = self.seating.seat(p, backup_only=req.backup_only)
