@@ -170,7 +170,9 @@ class RunRuntime:
         """(step, tokens/s) of this node and of the run's peers, from their status records."""
         statuses = [(e.peer_id, e.status_record) for e in self.node.membership.live_peers()
                     if e.status_record is not None]
-        return self.entitled.progress(self.at_step, self.manifest.run_id, statuses)  # members only, clamped
+        own_rate = self.throughput.tokens_per_s(self.last.tokens_per_s) \
+            if self.throughput is not None and self.last is not None else 0.0
+        return self.entitled.progress(self.at_step, self.manifest.run_id, statuses, own_rate)  # members, clamped
 
     def switch_step(self, stage: int) -> int:
         """Where a group change can take effect: the furthest step anyone reports, plus ~switch_lead_s of steps
@@ -652,7 +654,7 @@ class RunRuntime:
         node.rpc.register("run.manifest", self._rpc_manifest)
         ctx = RunContext(sh=node.sh, manifest=self.manifest, register=node.rpc.register, publish=node.publish,
                          membership=node.membership, penalties=node.penalties, switch_step=self.switch_step,
-                         clock=self.clock, pulse=node.pulse)
+                         step=lambda: self.at_step, clock=self.clock, pulse=node.pulse)
         lim = inbox_limits(self.manifest, self.config.round_timeout_s)
         overlap = 1 + (sync.diloco.overlap_steps if sync.method == "diloco" else 0)  # a round runs on that long
         self.collective = Collective(node.sh, node.penalties,  # only members of known groups, under their tags

@@ -35,3 +35,48 @@ async def test_a_backup_inflating_its_hardware_does_not_jump_the_promotion_queue
         print(f"slot of a killed member filled by the {'honest first backup' if promoted == honest.peer_id else 'liar'}")
         assert promoted == honest.peer_id
         n.cancel_scope.cancel()
+
+
+async def test_one_members_word_neither_demotes_nor_evicts_another_and_a_false_accuser_is_penalized():
+    """Three members and a backup: a member that keeps reporting an honest one as missing rounds (it answers its
+    pings, and nobody else reports it) gets it no miss counted, and after three unconfirmed reports is penalized and
+    no longer re-forms the group. Two members: one's offence report against the other evicts nobody."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from shoal.protocol.assignment import ACTIVE
+    from tests.adversarial.attacker import BCFG
+
+    owner = Ed25519PrivateKey.generate()
+    m = signed_manifest(owner, replicas=3)
+    async with trio.open_nursery() as n:
+        b = await start(n, m, key=owner, broker=True)
+        addrs, bid = b.addrs, b.peer_id
+        honest = await start(n, m, addrs, broker_id=bid)
+        liar = await start(n, m, addrs, broker_id=bid)
+        spare = await start(n, m, addrs, broker_id=bid)  # a backup: a demotion would have a taker
+        assert spare.client.role() == "backup"
+        reforms = []
+        for _ in range(BCFG.straggler_misses + 2):
+            await liar.client.report_missing([honest.peer_id], epoch=b.broker.epochs[0], stage=0)
+            reforms.append(b.broker.reforms)
+        t = b.broker.table
+        print(f"{BCFG.straggler_misses + 2} lone reports that a member missed a round: it is "
+              f"{t.provider_state(honest.peer_id)} in its slot; groups re-formed after each: {reforms}; the "
+              f"reporter's penalties: {b.node.penalties.reasons(liar.peer_id)}")
+        assert t.slot_of(honest.peer_id) is not None and t.provider_state(honest.peer_id) == ACTIVE
+        assert "unconfirmed" in b.node.penalties.reasons(liar.peer_id)[-1]
+        assert reforms[-1] == reforms[BCFG.straggler_misses - 1]  # a false accuser re-forms nothing more
+        n.cancel_scope.cancel()
+    owner = Ed25519PrivateKey.generate()
+    m = signed_manifest(owner, replicas=2)
+    async with trio.open_nursery() as n:
+        b = await start(n, m, key=owner, broker=True, admit=False)  # the broker holds no slot here
+        honest = await start(n, m, b.addrs, broker_id=b.peer_id)
+        liar = await start(n, m, b.addrs, broker_id=b.peer_id)
+        assert set(b.broker.table.members(0)) == {honest.peer_id, liar.peer_id}
+        for _ in range(3):
+            await liar.client.report_missing([], epoch=b.broker.epochs[0], stage=0, offenders=[honest.peer_id])
+        t = b.broker.table
+        print(f"two members, three offence reports by one against the other: it is {t.provider_state(honest.peer_id)}")
+        assert t.provider_state(honest.peer_id) == ACTIVE and not b.node.penalties.is_banned(honest.peer_id)
+        n.cancel_scope.cancel()

@@ -14,6 +14,7 @@ from shoal.protocol.envelope import open_envelope
 from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.state.transfer import StateTransferConfig, StateTransferError, pull_state
 from tests.adversarial.attacker import node_with, table_of
+from shoal.node.run.entitled import MAX_STEP_LEAD
 from tests.swarm.test_run_swarm import active, done, make_swarm, write_run
 
 pytestmark = pytest.mark.slow
@@ -97,7 +98,7 @@ def test_a_members_absurd_step_is_clamped_to_a_bounded_lead_and_strangers_do_not
 
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
+    from shoal.node.run.entitled import Entitlement
     from shoal.protocol.assignment import ACTIVE, AssignmentTable, ProviderEntry, SlotEntry
     from shoal.protocol.records import StatusRecord
     from shoal.swarm.net.identity import peer_id_of
@@ -120,3 +121,33 @@ def test_a_members_absurd_step_is_clamped_to_a_bounded_lead_and_strangers_do_not
     assert e.snapshot_refusal(members[1], 100 + 65, 100) is not None  # outside the window
     refusals = [e.snapshot_refusal(members[1], 101, 100) for _ in range(5)]
     assert refusals[:3] == [None] * 3 and refusals[3] is not None and refusals[3][1]  # the fifth in 10 s: penalized
+
+
+@pytest.mark.own_process
+@pytest.mark.usefixtures("one_torch_thread")
+async def test_one_of_two_members_lying_about_its_step_cannot_stall_a_joiner():
+    """Two members train (real in-process nodes, a real broker); one of them publishes step 2^60 at 10^12 tok/s. A
+    third replica joins: its group change takes effect within a bounded lead of the group's real step (the clamp
+    counts this node's own step: with two members the liar is half the group, not its median), and it enters."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from tests.helpers.swarm import running_node, wait_for
+    from tests.swarm.test_run_runtime import manifest, node_config
+
+    owner = Ed25519PrivateKey.generate()
+    m = manifest("allreduce", replicas=3).signed(owner)
+    cfg = node_config(m, 1000, start_wait_s=1.0)  # two members start without waiting for the third
+    async with running_node((), cfg, key=owner) as first, running_node(first.sh.addrs, cfg) as liar:
+        await wait_for(lambda: all(n.runtime.trainer is not None and n.runtime.trainer.step_count >= 5
+                                   for n in (first, liar)), 60, "two members to train")
+        fields = liar.runtime.status_fields
+        liar.runtime.status_fields = lambda: {**fields(), "step": HUGE, "tokens_per_s": 1e12}
+        await wait_for(lambda: any(e.status_record is not None and e.status_record.step == HUGE
+                                   for e in first.membership.live_peers()), 10, "the lie to reach the broker")
+        at_join = first.runtime.at_step
+        async with running_node(first.sh.addrs, cfg) as joiner:
+            await wait_for(lambda: joiner.runtime.entries, 60, "the joiner to enter the group")
+            lead = joiner.runtime.entries[0]["step"] - at_join
+            print(f"one of two members claims step 2^60: a joiner's group change took effect {lead} steps after "
+                  f"the group's step at its join (the issue measured 4,906,249 before the clamp counted our own)")
+            assert 0 < lead < 4 * MAX_STEP_LEAD  # the clamp (64), the switch lead and the steps its admission took
