@@ -29,6 +29,7 @@ from shoal.node.run.status import Throughput
 from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
 from shoal.node.run.votes import MIN_VOTERS, HashVotes
 from shoal.node.sync.interface import Synchronizer
+from shoal.node.train.checkpoint import CheckpointError
 from shoal.node.train.control import StepControl, StepResult
 from shoal.protocol.assignment import GONE, AssignmentTable
 from shoal.protocol.envelope import Signed
@@ -47,7 +48,7 @@ from shoal.swarm.lane.hub import open_link_hub
 from shoal.swarm.lane.spec import LinkConfig
 from shoal.swarm.run.schedule import GroupSchedule
 from shoal.swarm.state.blobs import BlobServer, BlobStore, pull_blob
-from shoal.swarm.state.snapshot import Snapshot
+from shoal.swarm.state.snapshot import Snapshot, flatten_state
 from shoal.swarm.state.transfer import StateServer, StateTransferError
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ START_POLL_S = 0.5  # a new run's first members re-check whether the group is fu
 FINAL_POLL_S = 0.5  # the end of a run: the pause between asks for the group's final hashes
 VOTE_EXTRA_STEPS = 2  # after a vote, the next one waits the switch lead plus this many steps
 RUN_CLAIM_WAIT_S = 10.0  # a joiner asks about its run this long even when no live peer says it trains it
+
+
+class _HalfLoaded(RuntimeError):
+    """Loading a state failed after it began: the trainer holds part of it."""
 
 
 class RunRuntime:
@@ -205,15 +210,38 @@ class RunRuntime:
         self.snapshots.request(body)
         return {"ok": True, "step": self.at_step}
 
+    async def _ask_snapshot(self, peer: str, step: int) -> int | None:
+        """Ask `peer` to keep its state at `step` (a backup's warm copy); its own step, or None."""
+        try:
+            ans = await self.node_call(peer, "run.snapshot_at", step)
+        except RpcError as e:
+            log.info("snapshot request to %s failed: %s", peer, e)
+            return None
+        got = ans.get("step") if isinstance(ans, dict) else None
+        return got if isinstance(got, int) and not isinstance(got, bool) else None
+
     async def _load(self, snap: Snapshot) -> None:
-        """Load the group's state, then let the synchronizer restart local state from the synchronized one."""
+        """Load the group's entry state (pulled with the hash the group agrees on), then let the synchronizer restart
+        local state from it. A state that does not fit this trainer is refused before any of it is loaded; one that
+        fails while loading leaves a trainer of unknown state, which is dropped (rebuilt before the next entry).
+        Either way StateTransferError: never an error that stops the node."""
         state = snap.state()
 
         def load() -> None:
-            self.trainer.load_state_dict(state)
-            self.sync.enter(self.trainer.model)
+            self.trainer.check_entry(state, snap.revision)  # CheckpointError: nothing loaded
+            try:
+                self.trainer.load_state_dict(state)
+                self.sync.enter(self.trainer.model)
+            except Exception as e:  # noqa: BLE001 - a half-loaded trainer must not train on
+                raise _HalfLoaded(f"{type(e).__name__}: {e}") from e
 
-        await trio.to_thread.run_sync(load)
+        try:
+            await trio.to_thread.run_sync(load)
+        except CheckpointError as e:
+            raise StateTransferError(f"the agreed state does not fit this trainer: {e}") from e
+        except _HalfLoaded as e:
+            self.trainer = self.sync = None
+            raise StateTransferError(f"loading the agreed state failed half way ({e}): the trainer is rebuilt") from e
         self.at_step = self.trainer.step_count
 
     def _blob_root(self):
@@ -300,20 +328,20 @@ class RunRuntime:
         t0 = self.clock()
         log.info("entering the group at step %d: pulling that revision from %s", step, [p[-8:] for p in peers])
         try:
-            snap, pulled = await self.pulls.group_state(
-                step, peers, self.sync.group_state, wanted=lambda: self.schedule.entry() == (step, stage, replica))
+            snap = await self.pulls.revision(step, peers, wanted=lambda: self.schedule.entry() == (step, stage, replica))
+            await self._load(snap)
         except StateTransferError as e:  # no majority state to enter with (the replicas differ until their vote
-            # settles it), or the slot changed: wait for the broker's next table and try its entry then
+            # settles it), a state that does not fit, or the slot changed: wait for the broker's next table and try
+            # its entry then
             log.warning("could not enter the group at step %d: %s", step, e)
             self.state = "ready"
             await self._wait_for_table(READY_POLL_S)
             return
-        await self._load(snap)
-        took = self.clock() - t0
-        self.entries.append({"step": step, "bytes_pulled": pulled, "state_bytes": snap.nbytes,
-                             "seconds": round(took, 3)})
-        log.info("entered the group at step %d with state from a replica: %d of %d bytes pulled (%.2f s)", step,
-                 pulled, snap.nbytes, took)
+        took, pulled = self.clock() - t0, snap.nbytes
+        whole = sum(t.numel() * t.element_size() for t in flatten_state(self.trainer.state_dict())[0].values())
+        self.entries.append({"step": step, "bytes_pulled": pulled, "state_bytes": whole, "seconds": round(took, 3)})
+        log.info("entered the group at step %d with the state its members agree on: %d bytes pulled for a state of "
+                 "%d (%.2f s)", step, pulled, whole, took)
 
     async def _enter_at_end(self, limit: int, stage: int, replica: int) -> None:
         """Our slot takes effect at or past the run's last step (a slot filled near the end): the run ends before
@@ -326,7 +354,10 @@ class RunRuntime:
         peers = sorted({m for t in tables for m in t.members(stage)} - {self.node.peer_id})
         log.info("our slot takes effect after the run's last step %d: pulling the final state from %s", limit,
                  [p[-8:] for p in peers])
-        await self._load(await self.pulls.revision(limit + 1, peers))
+        try:
+            await self._load(await self.pulls.revision(limit + 1, peers))
+        except StateTransferError as e:
+            log.warning("no final state the group agrees on (%s): this node ends with its own", e)
 
     def _left_behind(self, step: int) -> bool:
         """The other members of our stage report steps more than `switch_lead_min_steps` ahead of ours (we entered
@@ -433,20 +464,18 @@ class RunRuntime:
                     await trio.sleep(FINAL_POLL_S)  # the others are still on their last steps
             voters = self._voters(g) - abstained
             src = self.hashes.source(g, final_rev, votes, voters=len(voters)) if votes else None
-            if src is not None:  # any member holding the agreed hash serves it, should the one named be gone
-                me = self.node.peer_id
-                holders = [src] + sorted(p for p, h in votes.items() if h == votes[src] and p not in (src, me))
+            if src is not None:  # the final state the members agree on, from a random one holding it
+                others = sorted(voters - {self.node.peer_id})
                 try:
-                    snap = await self.pulls.revision(final_rev, holders)
+                    await self._load(await self.pulls.revision(final_rev, others))
                 except StateTransferError as e:
-                    log.warning("final state hash disagreed with the majority, and no member holding it served it "
-                                "(%s): this replica ends with its own state", e)
+                    log.warning("final state hash disagreed with the majority, and no state the members agree on "
+                                "could be loaded (%s): this replica ends with its own state", e)
                 else:
-                    await self._load(snap)
                     self.refetches += 1
                     self.hashes.record(final_rev, self.sync.state_hash())
-                    log.warning("final state hash disagreed with the majority: re-fetched the final state from one "
-                                "of %s", [p[-8:] for p in holders])
+                    log.warning("final state hash disagreed with the majority: loaded the final state the members "
+                                "agree on")
         t.last_eval_loss = await trio.to_thread.run_sync(t.evaluate)
 
     def _live(self) -> set[str]:
@@ -460,18 +489,21 @@ class RunRuntime:
         return {m for m in g.members if m == self.node.peer_id or m in live}
 
     async def _refetch_now(self, step: int) -> None:
-        """Load the majority's state at `step` from the peer the vote named. Should that peer go (killed after the
-        vote), the re-fetch is given up once it is no longer live, and the next vote names another."""
+        """Load the state the group agrees on at `step` (the vote said ours is not it): its members hash their whole
+        entry state there, and the one a majority holds is pulled from a random one of them. Given up (the next
+        vote decides again) when no majority state can be had, or the member the vote named is gone."""
         src, self._refetch = self._refetch[1], None
         self.state = "syncing"
+        g = self.group_at(step)
+        members = [m for m in (g.members if g is not None else (src,)) if m != self.node.peer_id]
         try:
-            snap = await self.pulls.revision(step, [src], wanted=lambda: src in self._live())
+            await self._load(await self.pulls.revision(step, members, wanted=lambda: src in self._live()))
         except StateTransferError as e:
-            log.warning("could not re-fetch step %d from %s (%s): voting again", step, src[-8:], e)
+            log.warning("could not re-fetch step %d (%s): voting again", step, e)
             return
-        await self._load(snap)
         self.refetches += 1
-        log.warning("state hash disagreed with the majority: re-fetched step %d from %s", step, src)
+        log.warning("state hash disagreed with the majority: re-fetched the state the members agree on at step %d",
+                    step)
 
     async def _check_consistency(self) -> None:
         """After a step: if a member published a different hash for a step we hold, vote; a minority replica asks
@@ -492,13 +524,19 @@ class RunRuntime:
         if offenders and self.client is not None:
             self._nursery.start_soon(lambda: self.client.report_missing(
                 [], epoch=g.epoch, stage=g.stage, offenders=sorted(offenders)))
-        if src is not None:
+        if src is not None:  # every member keeps its state a few steps ahead: the majority's is loaded there
             target = step + self.config.switch_lead_min_steps
-            try:
-                await self.node_call(src, "run.snapshot_at", target)
+            kept: list[str] = []
+
+            async def ask(peer: str) -> None:
+                if await self._ask_snapshot(peer, target) is not None:
+                    kept.append(peer)
+            async with trio.open_nursery() as n:
+                for peer in g.members:
+                    if peer != self.node.peer_id:
+                        n.start_soon(ask, peer)
+            if src in kept:
                 self._refetch = (target, src)
-            except RpcError as e:
-                log.info("snapshot request to %s failed: %s", src, e)
 
     async def _wait_for_table(self, timeout_s: float) -> None:
         with trio.move_on_after(timeout_s):
@@ -700,7 +738,7 @@ class RunRuntime:
             if self.client.table is not None:
                 self._on_table(self.client.table)
             task_status.started(self)
-            nursery.start_soon(self.pulls.keep_warm, self.client)
+            nursery.start_soon(self.pulls.keep_warm, self.client, self.switch_step, self._ask_snapshot)
             await self._train()
 
     async def leave(self) -> None:

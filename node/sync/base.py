@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -91,6 +92,14 @@ def decode_values(e: Encoded, codec: Codec | None) -> torch.Tensor:
     if not bool(torch.isfinite(x).all()):
         raise Rejected("non-finite values")
     return x
+
+
+def fresh_locals(state: dict[str, Any], sync: dict[str, Any]) -> dict[str, Any]:
+    """An entry state (Synchronizer.entry_state) for a synchronizer whose replicas keep local parameters: no model
+    (entering writes it from the synchronized state), an optimizer with no moments (its hyperparameters are the
+    run's), and `sync`, the synchronized part alone."""
+    groups = state["optimizer"]["param_groups"]
+    return {**state, "model": None, "optimizer": {"state": {}, "param_groups": groups}, "sync": sync}
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:

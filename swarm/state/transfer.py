@@ -89,7 +89,7 @@ class StateServer:
                 if only is not None and req["want"] == "state":  # hashing a part takes a while: not on the loop
                     snap = await trio.to_thread.run_sync(snap.only, tuple(only))
                 if req["want"] == "hash":  # what this replica holds, for a joiner to find the majority's state
-                    hsh = await trio.to_thread.run_sync(part_hash, snap, tuple(only or ("",)))
+                    hsh = snap.hash if only is None else await trio.to_thread.run_sync(part_hash, snap, tuple(only))
                     await write_frame(stream, pack({"ok": True, "revision": snap.revision, "hash": hsh}))
                     await stream.close()
                     return

@@ -172,9 +172,10 @@ async def _node(cfg, join, *, task_status=trio.TASK_STATUS_IGNORED):
 
 @pytest.mark.parametrize("sync", ["cocktail", "diloco"])
 async def test_a_warm_backup_takes_a_dead_members_slot_with_a_short_catch_up(sync):
-    """The backup keeps a warm copy; promoted, it pulls only what the group keeps bit-identical (cocktail's g,
-    DiLoCo's theta and outer momentum) at the exact revision, takes the rest from the copy, and the run ends with
-    every replica's synchronized state equal."""
+    """The backup keeps a warm copy (the state its group agrees on, verified like any other); promoted, it pulls
+    the entry state at the exact revision, which is only what the group keeps bit-identical (cocktail's g, DiLoCo's
+    theta and outer momentum: the model and a fresh optimizer derive from it), and the run ends with every
+    replica's synchronized state equal."""
     steps = 80
     m = manifest(sync)
     if sync == "diloco":
