@@ -156,6 +156,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "$SHOAL_HOME/aq/RUN/, removed when the node's links close (default: %(default)s)")
     p.add_argument("--aq-buffer-cap-mb", type=int, default=4096, metavar="MB",
                    help="AQ-SGD: buffer cap per link end (default: %(default)s)")
+    p.add_argument("--verify-stages", type=float, default=0.0, metavar="FRACTION",
+                   help="verified pipeline stages: the fraction of each lane's micro-batches a replica of the same "
+                        "stage in another lane re-executes and compares (0.06 catches a stage tampering with 1 %% of "
+                        "its micro-batches within 1,000 steps at 99 %%); needs --sync allreduce, "
+                        "--pipeline-compression none and 2+ lanes (docs/verified-stages.md) (default: off)")
     p.add_argument("--train-subset", type=int, default=0, metavar="N",
                    help="train on the first N samples only, epoch after epoch (default: all)")
     j = c.add_argument_group("who may join").add_mutually_exclusive_group()
@@ -241,7 +246,7 @@ def build_manifest(args: argparse.Namespace):
             pipeline=mf.PipelineSpec(compression=args.pipeline_compression or ("aqsgd" if args.stages > 1 else "none"),
                                      fwd_bits=args.fwd_bits, bwd_bits=args.bwd_bits, wire_dtype=args.wire_dtype,
                                      first_visit_bits=args.first_visit_bits, buffer=args.aq_buffer,
-                                     buffer_cap_mb=args.aq_buffer_cap_mb),
+                                     buffer_cap_mb=args.aq_buffer_cap_mb, verify_fraction=args.verify_stages),
         ),
         optim=mf.OptimSpec(
             lr=args.lr, warmup_steps=min(args.warmup, args.steps), total_steps=args.steps,

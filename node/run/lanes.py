@@ -10,6 +10,7 @@ from typing import Any
 
 import trio
 
+from shoal.node.train.transcript import RecordingBoundary, Transcript
 from shoal.protocol.assignment import AssignmentTable
 from shoal.protocol.manifest import RunManifest
 from shoal.swarm.lane.blocking import BlockingLinkEnd
@@ -25,8 +26,9 @@ class StageLinks:
     """This stage's links (several stages only): `connect` before each step, `close` when the slot changes."""
 
     def __init__(self, hub: LinkHub, token: trio.lowlevel.TrioToken, manifest: RunManifest, me: str,
-                 buffer_dir: str | None):
+                 buffer_dir: str | None, transcript: Transcript | None = None):
         self.hub, self._token, self.manifest, self.me = hub, token, manifest, me
+        self.transcript = transcript  # a verified run: what crosses the links is recorded there (evidence)
         #: this run's AQ-SGD disk buffers: under the node's configured folder (its data directory), by run
         self.buffer_dir = None if buffer_dir is None else os.path.join(buffer_dir, manifest.run_id[:16])
         self.end: LinkEnd | None = None
@@ -47,6 +49,8 @@ class StageLinks:
         self.peers = peers
         await self.end.adopt(step)  # AQ-SGD: a replacement pulls its links' stores from the survivors
         trainer.boundary = BlockingLinkEnd(self.end, self._token)
+        if self.transcript is not None:
+            trainer.boundary = RecordingBoundary(trainer.boundary, self.transcript, spec.kind)
         log.info("lane %d stage %d links: previous %s, next %s", trainer.replica, trainer.stage,
                  (peers[0] or "-")[-8:], (peers[1] or "-")[-8:])
 
@@ -55,6 +59,10 @@ class StageLinks:
         if end is not None:
             self._closed_bytes = self.bytes()
             await end.aclose()
+
+    def signatures(self, step: int, micro: int) -> dict[str, bytes]:
+        """The signatures the current links hold for a training micro-batch (a verified run; empty otherwise)."""
+        return self.end.signatures(step, micro) if self.end is not None else {}
 
     def counters(self) -> dict[str, Any]:
         """The current links ("b0/fwd"...): the neighbour and the messages and bytes each way."""

@@ -14,6 +14,7 @@ them. Replicas compare state hashes after every round and a minority replica re-
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from typing import Any
@@ -27,6 +28,7 @@ from shoal.node.run.pulls import StatePulls
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Throughput
 from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
+from shoal.node.run.verify import StageVerifier
 from shoal.node.run.votes import MIN_VOTERS, HashVotes
 from shoal.node.sync.interface import Synchronizer
 from shoal.node.train.checkpoint import CheckpointError
@@ -99,6 +101,7 @@ class RunRuntime:
         self._nursery: trio.Nursery | None = None
         self.links: StageLinks | None = None  # a pipeline stage's links to its lane neighbours (several stages)
         self._lane_broken_at: int | None = None  # the step at which this stage's lane failed, until re-formed
+        self.verifier: StageVerifier | None = None  # a pipeline stage's part in verified stages
         self._lane_report_at = 0.0
 
     @property
@@ -391,10 +394,13 @@ class RunRuntime:
         control = StepControl(step=self.at_step, group=group)
         if self.snapshots.wanted(control.step):
             self.snapshots.add(await trio.to_thread.run_sync(self._snapshot, control))
+        checks = await self._before_checks(t, control.step)
         t0 = self.clock()
         self.last = await trio.to_thread.run_sync(t.step, control)
         self.at_step = t.step_count
         self.throughput.step_done(self.clock())
+        if checks is not None:
+            self._nursery.start_soon(self._verify, t, group, *checks)
         self.hashes.record(self.at_step, control.state_hash)
         if control.missing and self._froze_since(t0):
             log.info("step %d: not reporting %d members missing: this process stood still during the step",
@@ -407,6 +413,58 @@ class RunRuntime:
         rest = self.config.min_step_s - (self.clock() - t0)
         if rest > 0:
             await trio.sleep(rest)  # paced: a step takes at least min_step_s (a slower model, emulated)
+
+    # -- verified stages (node/run/verify.py) -----------------------------------------------------------------
+    async def _before_checks(self, t, step: int) -> tuple[AssignmentTable, int, int, list[int]] | None:
+        """A verified run, before step `step`: keep the stage's weights (any replica of the stage may ask for a
+        re-execution of this step), and draw the micro-batches of the monitored lane to check; None: none."""
+        v = self.verifier
+        if v is None or not v.enabled:
+            return None
+        await trio.to_thread.run_sync(v.keep_weights, t, step)
+        table = self.schedule.table_at(step, t.stage)
+        lane = v.monitored_lane(table, t.replica) if table is not None else None
+        micros = v.draw(t.micro_batches) if lane is not None else []
+        return (table, step, lane, micros) if micros else None
+
+    async def _verify(self, t, group: Group, table: AssignmentTable, step: int, lane: int, micros: list[int], *,
+                      confirming: bool = False) -> None:
+        """Check the sampled micro-batches; act on a finding (see node/run/verify.py)."""
+        for micro in micros:
+            f = await self.verifier.check(t, table, step, micro, lane, confirming=confirming)
+            if f is None or f.why == "equivocation":
+                continue  # (a neighbour that signed two things is penalized here; its stage is not ours to report)
+            if self.sync is not None:
+                self.sync.distrust(f.suspect)
+            if self.client is not None:
+                await self.client.report_missing([], epoch=group.epoch, stage=group.stage, offenders=[f.suspect])
+            if not confirming:  # the other replicas of the stage re-execute it too: most of them evict it
+                for peer in group.members:
+                    if peer not in (self.node.peer_id, f.suspect):
+                        self._nursery.start_soon(self._ask_confirmation, peer, f)
+            return
+
+    async def _ask_confirmation(self, peer: str, f) -> None:
+        try:
+            await self.node_call(peer, "run.accuse", {"step": f.step, "micro": f.micro, "lane": f.lane})
+        except RpcError as e:
+            log.info("asking %s to re-check step %d #%d of lane %d: %s", peer[-8:], f.step, f.micro, f.lane, e)
+
+    async def _rpc_accuse(self, caller: str, body: Any) -> Any:
+        """Another replica of this stage found lane `lane`'s stage tampering at (step, micro): re-execute it here
+        with the weights this replica held at that step, and report it too when it agrees."""
+        t, g = self.trainer, self.group_at(self.at_step)
+        if t is None or g is None or caller not in g.members or self.verifier is None:
+            raise PermissionError("only a replica of this stage may ask for a re-check")
+        if not isinstance(body, dict) or not all(isinstance(body.get(k), int) and not isinstance(body.get(k), bool)
+                                                 for k in ("step", "micro", "lane")):
+            raise ValueError("a re-check is asked as {step, micro, lane}")
+        table = self.schedule.table_at(body["step"], t.stage)
+        if table is None or body["lane"] not in table.complete_lanes() or body["lane"] == t.replica:
+            raise ValueError("no such lane to re-check")
+        self._nursery.start_soon(functools.partial(self._verify, t, g, table, body["step"], body["lane"],
+                                                   [body["micro"]], confirming=True))
+        return {"ok": True}
 
     def _froze_since(self, t0: float) -> bool:
         """Whether this process stood still (SIGSTOP, suspend) since `t0`: the silence it saw then was its own."""
@@ -702,6 +760,7 @@ class RunRuntime:
                                      max_peer_buffer_bytes=lim.max_peer_buffer_bytes,
                                      max_buffer_bytes=lim.max_buffer_bytes)
         StateServer(node.sh, lambda: self.snapshots.latest, penalties=node.penalties, by_revision=self.snapshots.at,
+                    step=lambda: self.at_step,
                     allow=self.entitled.member)  # model state for the run's members and backups only
         node.rpc.register("run.snapshot_at", self._rpc_snapshot_at)
         self.blobs = BlobStore(self._blob_root())  # the run's weights and tokenizer, for peers that need them
@@ -715,7 +774,18 @@ class RunRuntime:
         async with links as hub, trio.open_nursery() as nursery:
             self._nursery = nursery
             if hub is not None:
-                self.links = StageLinks(hub, self._token, self.manifest, node.peer_id, self.config.aq_buffer_dir)
+                self.verifier = StageVerifier(
+                    me=node.peer_id, run_id=self.manifest.run_id, fraction=plan.pipeline.verify_fraction,
+                    kind=plan.pipeline.wire_dtype, penalize=node.penalties.penalize,
+                    weights_hash=lambda step: self.hashes.hashes.get(step),
+                    call=lambda p, m, b, max_response_bytes: call(node.sh, p, m, b, max_response_bytes=max_response_bytes,
+                                                                  timeout_s=self.config.client.rpc_timeout_s))
+                self.links = StageLinks(hub, self._token, self.manifest, node.peer_id, self.config.aq_buffer_dir,
+                                        self.verifier.transcript if self.verifier.enabled else None)
+                self.verifier.signatures = self.links.signatures
+                node.rpc.register("run.evidence", functools.partial(self.verifier.rpc_evidence,
+                                                                    member=self.entitled.member))
+                node.rpc.register("run.accuse", self._rpc_accuse)
             # a node that restarted finds its run again from its peers (the table may name this node as broker)
             patient = bool(node.config.host.join) or self.config.manifest is None or any(
                 e.status_record is not None and e.status_record.run_id == self.manifest.run_id

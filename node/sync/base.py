@@ -265,6 +265,9 @@ class GroupSync(Synchronizer):
                 out[p] = out[p] * (self.config.clip_factor * ref / v)
         return out
 
+    def distrust(self, peer: str) -> None:
+        self._distrusted.add(peer)  # read by this replica's rounds (a set's add is atomic in the worker thread)
+
     def robust_parts(self, group: Group, parts: dict[str, torch.Tensor], report: RoundReport) -> list[torch.Tensor]:
         """What goes into the owner's mean of one chunk, in member order: `robust_filter` (norm equalisation, a
         minority opposed to the coordinate-wise median left out); a member left out too often is an offender."""

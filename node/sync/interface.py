@@ -41,6 +41,10 @@ class Synchronizer(ABC):
     def enter(self, model: torch.nn.Module) -> None:
         """After a replica loads the group's state to enter it: restart local state from the synchronized one."""
 
+    def distrust(self, peer: str) -> None:
+        """Leave `peer`'s updates out of what this replica aggregates until the group changes (other evidence shows
+        it poisons the group: a verified stage's re-execution, docs/verified-stages.md)."""
+
     def state_hash(self) -> str:
         """Hash of the synchronized state after the last round, equal on every replica ("": none kept)."""
         return ""

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import trio
 
+from shoal.kernels.codec import wire_roundtrip
 from shoal.protocol.errors import DecodeError, ProtocolError, TooLargeError
 from shoal.protocol.frames import MAX_HEADER_BYTES
 from shoal.kernels.quant import NonFiniteError
@@ -23,6 +24,7 @@ from shoal.swarm.net.framing import close_quietly, read_exactly, read_frame
 from shoal.swarm.lane.aq_codec import decode_group, encode_group, group_nbytes, on_codec_device
 from shoal.swarm.lane.aq_handover import AQStores, StoreKey
 from shoal.swarm.lane.aq_link import AQReceiver, AQSender, link_status, store_config
+from shoal.swarm.lane.signing import SignatureRing, sign_tensor, tensor_signed_by
 from shoal.swarm.lane.spec import (LEN, MAX_CONTROL_BYTES, LaneSpec, LinkConfig, LinkCounters, LinkError, Violation,
                                    decode_tensor_frame, encode_tensor_frame, reset_quietly)
 from shoal.swarm.net.host import SwarmHost
@@ -87,6 +89,7 @@ class LinkEnd:
         self.recent: dict[tuple[str, str], deque[tuple[int, str]]] = {}
         self.checks: dict[tuple[str, str], dict[int, str]] = {}  # (link, side) -> digests at checkpoint steps
         self._fresh: list[tuple[StoreKey, Any, str]] = []  # stores new here: pulled from the other end (adopt)
+        self.sigs = SignatureRing()  # a verified run's signatures of the last steps' tensors (evidence)
         if spec.aq is not None:
             for boundary, side, peer in ((s, "sender", nxt), (s - 1, "receiver", prev)):
                 if peer is None:
@@ -101,6 +104,28 @@ class LinkEnd:
                     self.aq_out = AQSender(spec.aq, store)
                 else:
                     self.aq_in = AQReceiver(spec.aq, store)
+
+    def _where(self, link: _Link, step: int, micro: int, ids) -> dict[str, Any]:
+        return dict(run=self.spec.run_id, lane=self.spec.lane, boundary=link.boundary, direction=link.direction,
+                    step=step, micro=micro, ids=tuple(ids))
+
+    def _sign(self, decoded: torch.Tensor, link: _Link, step: int, micro: int, ids) -> bytes:
+        return sign_tensor(self.services.sh.key, decoded, **self._where(link, step, micro, ids))
+
+    async def _check_signed(self, link: _Link, rec: WireRecord, x: torch.Tensor, what: str, ids) -> None:
+        """A verified run's tensor must carry its sender's signature of what was decoded here: one that does not
+        is a violation (penalized, the step aborted); one that does is kept as evidence."""
+        ok = bool(rec.sig) and await trio.to_thread.run_sync(
+            lambda: tensor_signed_by(link.peer, rec.sig, x, **self._where(link, rec.step, rec.micro, ids)))
+        if not ok:
+            await self._reject(link, f"{what} of step {rec.step} #{rec.micro} without a valid signature", rec.step)
+            raise link.failed[1]
+        self.sigs.put(what, rec.step, rec.micro, rec.sig)
+
+    def signatures(self, step: int, micro: int) -> dict[str, bytes]:
+        """The signatures this end holds for a training micro-batch (a verified run): of what it sent (act_out,
+        grad_out, its own) and of what it received (act_in, grad_in, its neighbours')."""
+        return self.sigs.of(step, micro)
 
     def counters(self) -> dict[str, dict[str, Any]]:
         """Per link ("b0/fwd"...): the neighbour and what was sent and received on it, for status and benchmarks."""
@@ -160,8 +185,12 @@ class LinkEnd:
                              frames=enc.frames)
             return
         header, frame = await trio.to_thread.run_sync(encode_tensor_frame, kind, acts_BTD)
-        await self._send(link, Act(step=step, micro=micro, kind=kind, ids=tuple(ids), phase=phase), step, phase,
-                         headers=[header], frames=[frame])
+        sig = b""
+        if self.spec.signed and phase == TRAIN:  # what the next stage decodes, signed: evidence against us
+            sig = await trio.to_thread.run_sync(self._sign, wire_roundtrip(kind, acts_BTD), link, step, micro, ids)
+            self.sigs.put("act_out", step, micro, sig)
+        await self._send(link, Act(step=step, micro=micro, kind=kind, ids=tuple(ids), phase=phase, sig=sig), step,
+                         phase, headers=[header], frames=[frame])
 
     async def recv_act(self, step: int, micro: int, *, phase: str = TRAIN) -> tuple[torch.Tensor, torch.Tensor]:
         link = _need(self.act_in, "the first stage receives no activations")
@@ -169,6 +198,8 @@ class LinkEnd:
         while True:
             rec, x = await self._take(link, ("act", step, micro, phase), step, phase, f"activations {micro}")
             if rec.kind != AQ:
+                if self.spec.signed and phase == TRAIN:
+                    await self._check_signed(link, rec, x, "act_in", rec.ids)
                 return torch.tensor(rec.ids, dtype=torch.long), x
             try:
                 nack = self.aq_in.check(rec, step)
@@ -195,7 +226,12 @@ class LinkEnd:
                              frames=[frame])
             return
         header, frame = await trio.to_thread.run_sync(encode_tensor_frame, self.spec.kind, grad_BTD)
-        await self._send(link, Grad(step=step, micro=micro), step, TRAIN, headers=[header], frames=[frame])
+        sig = b""
+        if self.spec.signed:
+            sig = await trio.to_thread.run_sync(self._sign, wire_roundtrip(self.spec.kind, grad_BTD), link, step,
+                                                micro, ())
+            self.sigs.put("grad_out", step, micro, sig)
+        await self._send(link, Grad(step=step, micro=micro, sig=sig), step, TRAIN, headers=[header], frames=[frame])
 
     async def recv_grad(self, step: int, micro: int) -> torch.Tensor:
         link = _need(self.grad_in, "the last stage receives no gradients")
@@ -203,6 +239,8 @@ class LinkEnd:
         rec, g = await self._take(link, ("grad", step, micro, TRAIN), step, TRAIN, f"gradients {micro}")
         if rec.ack and self.aq_out is not None:
             self.aq_out.commit(step, micro)
+        if self.spec.signed:
+            await self._check_signed(link, rec, g, "grad_in", ())
         return g
 
     async def exchange_norms(self, step: int, norms: Sequence[float], finite: bool) -> list[tuple[list[float], bool]]:

@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 HASH_REPLY_BYTES = 1024
 
 
+class NeverHeld(StateTransferError):
+    """The member passed that revision without keeping it: it has no say about it (and never will)."""
+
+
 async def ask_hash(sh: SwarmHost, peer: str, *, revision: int, only: tuple[str, ...] | None = None,
                    config: StateTransferConfig) -> str:
     """The hash of `peer`'s whole state at `revision` (with `only`: `part_hash` over those prefixes); raises
@@ -49,6 +53,8 @@ async def ask_hash(sh: SwarmHost, peer: str, *, revision: int, only: tuple[str, 
         raise StateTransferError(f"hash from {peer[:16]}…: {e}") from e
     except Exception as e:  # noqa: BLE001 - a peer that cannot be dialed (gone) comes as many types from py-libp2p
         raise StateTransferError(f"hash from {peer[:16]}…: {type(e).__name__}: {e}") from e
+    if isinstance(h, dict) and h.get("ok") is False and h.get("never") is True:
+        raise NeverHeld(f"{peer[:16]}… passed revision {revision} without keeping it")
     if not isinstance(h, dict) or h.get("ok") is not True:
         raise StateTransferError(f"{peer[:16]}… has no hash for revision {revision}")
     hsh = h.get("hash")
@@ -62,19 +68,23 @@ async def majority_hash(sh: SwarmHost, peers: list[str], *, revision: int, voter
                         config: StateTransferConfig) -> tuple[str, list[str]]:
     """(the hash the group agrees on at `revision`, the peers reporting it): the rule of swarm/state/vote.py over
     the hashes of `peers`, counted against `voters` members (default: every peer asked; a peer that has not reached
-    the revision, or is gone, answers nothing and counts against every hash). StateTransferError when none is."""
+    the revision, or is gone, answers nothing and counts against every hash; one that passed it without keeping it
+    has no say, as in a vote). StateTransferError when none is."""
     answers: dict[str, str] = {}
+    never: set[str] = set()
 
     async def ask(p: str) -> None:
         try:
             answers[p] = await ask_hash(sh, p, revision=revision, config=config)
+        except NeverHeld:
+            never.add(p)
         except StateTransferError as e:
             log.debug("state hash from %s: %s", p, e)
 
     async with trio.open_nursery() as n:
         for p in peers:
             n.start_soon(ask, p)
-    top = agreed(answers, max(voters or len(peers), len(answers)))
+    top = agreed(answers, max((voters or len(peers)) - len(never), len(answers)))
     if top is None:
         raise StateTransferError(f"no majority of {voters or len(peers)} members holds one state at revision "
                                  f"{revision} ({len(answers)} answered, {len(set(answers.values()))} distinct hashes)")
