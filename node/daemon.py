@@ -310,6 +310,12 @@ class Node:
         if self.runtime is not None:
             doc.update(self._last_fields)  # what the last status record said
             doc["refetches"] = self.runtime.refetches
+            v = self.runtime.verifier
+            if v is not None and v.enabled:  # verified stages: what this stage re-executed and found
+                doc["verified"] = {"checked": v.stats.checked, "skipped": v.stats.skipped,
+                                   "confirmations": v.stats.confirmations,
+                                   "findings": [[f.step, f.micro, f.lane, f.stage, f.suspect, f.why]
+                                                for f in v.stats.findings[-16:]]}
             doc["entries"] = self.runtime.entries[-4:]
             # the state hashes of the last steps (step -> hash): replicas compare over a window, not one sampled step
             held = self.runtime.hashes.hashes if self.runtime.hashes is not None else {}
