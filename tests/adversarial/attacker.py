@@ -174,3 +174,19 @@ def rss_bytes(pid: int) -> int:
 
 def table_of(env: bytes) -> AssignmentTable:
     return open_envelope(env, RUN_RECORD_TYPES).record
+
+
+async def swarm_training(s, nodes: int, step: int = 5, timeout_s: float = 120) -> None:
+    """Wait until `nodes` node processes of a LocalSwarm hold slots and have trained past `step`."""
+    from tests.swarm.test_run_swarm import active
+
+    with trio.fail_after(timeout_s):
+        while not (len(active(s)) == nodes and min(r.get("step") or 0 for r in active(s)) >= step):
+            await trio.sleep(0.2)
+
+
+async def owner_broker(nursery: trio.Nursery, replicas: int, **kw) -> tuple[RunManifest, Member]:
+    """A run signed by a fresh owner, and the owner's node hosting its broker (`kw`: start's)."""
+    owner = Ed25519PrivateKey.generate()
+    m = signed_manifest(owner, replicas=replicas)
+    return m, await start(nursery, m, key=owner, broker=True, **kw)

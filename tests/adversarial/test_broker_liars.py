@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from shoal.protocol.records import HardwareProfile
-from tests.adversarial.attacker import signed_manifest, start
+from tests.adversarial.attacker import owner_broker, start
 from tests.helpers.swarm import HW, wait_for
 
 pytestmark = pytest.mark.slow
@@ -17,12 +17,8 @@ BIG = HardwareProfile(device_kind="cuda", device_name="H100 (says who)", memory_
 
 
 async def test_a_backup_inflating_its_hardware_does_not_jump_the_promotion_queue():
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    owner = Ed25519PrivateKey.generate()
-    m = signed_manifest(owner, replicas=2)
     async with trio.open_nursery() as n:
-        b = await start(n, m, key=owner, broker=True)
+        m, b = await owner_broker(n, 2)
         addrs, bid = b.addrs, b.peer_id
         a = await start(n, m, addrs, broker_id=bid)
         honest = await start(n, m, addrs, broker_id=bid, hardware=HW)  # the first backup
@@ -41,15 +37,11 @@ async def test_one_members_word_neither_demotes_nor_evicts_another_and_a_false_a
     """Three members and a backup: a member that keeps reporting an honest one as missing rounds (it answers its
     pings, and nobody else reports it) gets it no miss counted, and after three unconfirmed reports is penalized and
     no longer re-forms the group. Two members: one's offence report against the other evicts nobody."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     from shoal.protocol.assignment import ACTIVE
     from tests.adversarial.attacker import BCFG
 
-    owner = Ed25519PrivateKey.generate()
-    m = signed_manifest(owner, replicas=3)
     async with trio.open_nursery() as n:
-        b = await start(n, m, key=owner, broker=True)
+        m, b = await owner_broker(n, 3)
         addrs, bid = b.addrs, b.peer_id
         honest = await start(n, m, addrs, broker_id=bid)
         liar = await start(n, m, addrs, broker_id=bid)
@@ -67,10 +59,8 @@ async def test_one_members_word_neither_demotes_nor_evicts_another_and_a_false_a
         assert "unconfirmed" in b.node.penalties.reasons(liar.peer_id)[-1]
         assert reforms[-1] == reforms[BCFG.straggler_misses - 1]  # a false accuser re-forms nothing more
         n.cancel_scope.cancel()
-    owner = Ed25519PrivateKey.generate()
-    m = signed_manifest(owner, replicas=2)
     async with trio.open_nursery() as n:
-        b = await start(n, m, key=owner, broker=True, admit=False)  # the broker holds no slot here
+        m, b = await owner_broker(n, 2, admit=False)  # the broker holds no slot here
         honest = await start(n, m, b.addrs, broker_id=b.peer_id)
         liar = await start(n, m, b.addrs, broker_id=b.peer_id)
         assert set(b.broker.table.members(0)) == {honest.peer_id, liar.peer_id}
