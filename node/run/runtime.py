@@ -424,8 +424,42 @@ class RunRuntime:
         await trio.to_thread.run_sync(v.keep_weights, t, step)
         table = self.schedule.table_at(step, t.stage)
         lane = v.monitored_lane(table, t.replica) if table is not None else None
-        micros = v.draw(t.micro_batches) if lane is not None else []
+        if table is not None and self.sync is not None:
+            await self._lane_statistics(table, t)
+        micros = v.draw(t.micro_batches, lane) if lane is not None else []
         return (table, step, lane, micros) if micros else None
+
+    async def _lane_statistics(self, table: AssignmentTable, t) -> None:
+        """Cheap evidence between samples: a member this replica's aggregation left out or clipped points at its
+        lane (a stage of that lane may have fed it tampered values). Its lane is checked more often here, and the
+        lane neighbours of this stage (whose replicas check the stages it borders) are told."""
+        lanes = {table.slot_of(m)[1] for m in self.sync.take_outliers() if table.slot_of(m) is not None}
+        neighbours = [p for p in (self.links.peers or ()) if p is not None] if self.links is not None else []
+        for lane in lanes - {t.replica}:
+            await self._lane_hint(lane)
+            for peer in neighbours:
+                self._nursery.start_soon(self._send_hint, peer, lane)
+
+    async def _lane_hint(self, lane: int) -> None:
+        t = self.trainer
+        table = self.schedule.table_at(self.at_step, t.stage) if t is not None else None
+        if table is not None and self.verifier.monitored_lane(table, t.replica) == lane:
+            self.verifier.boost(lane)
+
+    async def _send_hint(self, peer: str, lane: int) -> None:
+        try:
+            await self.node_call(peer, "run.lane_hint", {"lane": lane})
+        except RpcError as e:
+            log.debug("lane hint to %s: %s", peer[-8:], e)
+
+    async def _rpc_lane_hint(self, caller: str, body: Any) -> Any:
+        """A lane neighbour's statistics point at `lane`: check it more often if this replica checks it."""
+        if self.links is None or caller not in (self.links.peers or ()):
+            raise PermissionError("lane hints come from this stage's lane neighbours only")
+        if not isinstance(body, dict) or not isinstance(body.get("lane"), int) or isinstance(body.get("lane"), bool):
+            raise ValueError("a lane hint names a lane")
+        await self._lane_hint(body["lane"])
+        return {"ok": True}
 
     async def _verify(self, t, group: Group, table: AssignmentTable, step: int, lane: int, micros: list[int], *,
                       confirming: bool = False) -> None:
@@ -786,6 +820,7 @@ class RunRuntime:
                 node.rpc.register("run.evidence", functools.partial(self.verifier.rpc_evidence,
                                                                     member=self.entitled.member))
                 node.rpc.register("run.accuse", self._rpc_accuse)
+                node.rpc.register("run.lane_hint", self._rpc_lane_hint)
             # a node that restarted finds its run again from its peers (the table may name this node as broker)
             patient = bool(node.config.host.join) or self.config.manifest is None or any(
                 e.status_record is not None and e.status_record.run_id == self.manifest.run_id

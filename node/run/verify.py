@@ -35,6 +35,8 @@ from shoal.swarm.net.rpc import RpcError
 log = logging.getLogger(__name__)
 
 KEEP_STEPS = 3  # steps whose weights and transcripts a stage keeps: a check or a confirmation comes within them
+BOOST_FACTOR = 8  # a lane the group statistics point at is checked this many times as often ...
+BOOST_STEPS = 16  # ... for this many steps
 EVIDENCE_WAIT_S = 10.0  # how long a check waits for the checked lane to finish the step and hold its records
 EVIDENCE_PER_MIN = 240  # evidence requests answered per asking peer per minute
 
@@ -103,6 +105,8 @@ class StageVerifier:
         self.signatures: Callable[[int, int], dict[str, bytes]] = lambda step, micro: {}  # the link end's
         self._asked = Allowance(EVIDENCE_PER_MIN, 60.0)
         self._convicted: set[str] = set()
+        self._boost: dict[int, int] = {}  # lane -> steps of boosted checks left
+        self.boosts = 0  # times the statistics raised a lane's checks
 
     @property
     def enabled(self) -> bool:
@@ -124,9 +128,21 @@ class StageVerifier:
             return None
         return lanes[lanes.index(my_lane) - 1]
 
-    def draw(self, micro_batches: int) -> list[int]:
-        """The micro-batches of one step to re-execute: each with probability `fraction`, privately drawn."""
-        return [m for m in range(micro_batches) if self.rng.random() < self.fraction]
+    def draw(self, micro_batches: int, lane: int | None = None) -> list[int]:
+        """The micro-batches of one step of `lane` to re-execute: each with probability `fraction` (BOOST_FACTOR
+        times it while the statistics point at the lane), privately drawn."""
+        p = self.fraction
+        if lane is not None and self._boost.get(lane, 0) > 0:
+            self._boost[lane] -= 1
+            p = min(1.0, BOOST_FACTOR * p)
+        return [m for m in range(micro_batches) if self.rng.random() < p]
+
+    def boost(self, lane: int) -> None:
+        """The group statistics point at `lane` (a member of it was left out of, or clipped in, a stage group's
+        aggregate): check it more often for a while. Cheap, continuous evidence; only a re-execution convicts."""
+        if self._boost.get(lane, 0) <= 0:
+            self.boosts += 1
+        self._boost[lane] = BOOST_STEPS
 
     # -- evidence -----------------------------------------------------------------------------------------------
     async def rpc_evidence(self, caller: str, body: Any, *, member: Callable[[str], bool]) -> Any:

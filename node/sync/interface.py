@@ -45,6 +45,11 @@ class Synchronizer(ABC):
         """Leave `peer`'s updates out of what this replica aggregates until the group changes (other evidence shows
         it poisons the group: a verified stage's re-execution, docs/verified-stages.md)."""
 
+    def take_outliers(self) -> set[str]:
+        """The members whose updates this replica left out or clipped since the last call (evidence against their
+        lanes, for verified stages)."""
+        return set()
+
     def state_hash(self) -> str:
         """Hash of the synchronized state after the last round, equal on every replica ("": none kept)."""
         return ""

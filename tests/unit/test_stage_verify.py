@@ -115,3 +115,18 @@ def _manifest(stages: int, wire: str):
 
     m = run_manifest(stages)
     return replace(m, plan=replace(m.plan, pipeline=replace(m.plan.pipeline, wire_dtype=wire)))
+
+
+def test_the_draw_is_private_and_a_lane_the_statistics_point_at_is_checked_more_often():
+    import random
+
+    from shoal.node.run.verify import BOOST_FACTOR, BOOST_STEPS, StageVerifier
+
+    v = StageVerifier(me="v", run_id="r", fraction=0.05, kind="fp32", call=None, penalize=lambda *a: None,
+                      rng=random.Random(1))
+    base = sum(len(v.draw(8, lane=1)) for _ in range(2000)) / (2000 * 8)
+    v.boost(1)
+    boosted = sum(len(v.draw(8, lane=1)) for _ in range(BOOST_STEPS)) / (BOOST_STEPS * 8)
+    after = sum(len(v.draw(8, lane=1)) for _ in range(2000)) / (2000 * 8)
+    assert abs(base - 0.05) < 0.01 and abs(after - 0.05) < 0.01 and v.boosts == 1
+    assert boosted > 4 * 0.05 and BOOST_FACTOR * 0.05 <= 1.0
