@@ -46,10 +46,7 @@ class Encoded:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def payload_bytes(self) -> memoryview:
         """The payload as a memoryview over the tensor's memory (no copy on CPU)."""

@@ -18,7 +18,7 @@ from shoal.node.failure import describe
 from shoal.node.version import shoal_version
 from shoal.protocol import PROTOCOL_VERSION
 from shoal.protocol.envelope import Signed, seal
-from shoal.protocol.records import Announcement, HardwareProfile, LeaveNotice, StatusRecord
+from shoal.protocol.records import Announcement, HardwareProfile, LeaveNotice, RunStatus, StatusRecord
 from shoal.swarm.net.dht_records import announcement_key
 from shoal.swarm.net.gossip import RecordGossip
 from shoal.swarm.net.host import HostConfig, SwarmHost, open_host
@@ -29,6 +29,8 @@ from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.pulse import Pulse, steady_clock
 from shoal.swarm.net.recent_peers import MAX_PEERS, load_recent_peers, save_recent_peers
 from shoal.swarm.net.rpc import RpcError, RpcServer, call
+
+from shoal.node.run.context import NodeServices
 
 if TYPE_CHECKING:
     from shoal.node.run.config import RunConfig
@@ -152,16 +154,19 @@ class Node:
 
     def status_record(self) -> StatusRecord:
         self._seq = max(self._seq + 1, int(time.time() * 1000))  # increasing across restarts too
-        fields: dict[str, Any] = {"role": self.role, "state": self.state}
+        run = RunStatus()
         if self.runtime is not None and self.state not in ("starting", "leaving"):
             try:
-                fields.update(self.runtime.status_fields())
+                run = self.runtime.status()
             except Exception:  # noqa: BLE001 - a bug in reporting must not stop the node: say so and go on
                 log.exception("run status unavailable")
-                fields["error"] = "run status unavailable (see the node's log)"
-        self._last_fields = fields
-        return StatusRecord(peer_id=self.peer_id, seq=self._seq, time=time.time(),
-                            peers_seen=len(self.membership.live_peers()) if self.membership else 0, **fields)
+                run = RunStatus(error="run status unavailable (see the node's log)")
+        record = StatusRecord(peer_id=self.peer_id, seq=self._seq, time=time.time(),
+                              peers_seen=len(self.membership.live_peers()) if self.membership else 0,
+                              **{"role": self.role, "state": self.state, **run.said()})
+        # what the status file repeats of it: the role and state it says, and the run's fields it said
+        self._last_fields = {"role": record.role, "state": record.state, **run.to_wire()}
+        return record
 
     def members_snapshot(self) -> list[list[Any]]:
         """[announcement envelope, status envelope, age in seconds] for every live peer, this one included."""
@@ -309,21 +314,10 @@ class Node:
                           "relay_bytes": nat.relay.bytes_relayed, "relay_cut": nat.relay.circuits_cut}
         if self.runtime is not None:
             doc.update(self._last_fields)  # what the last status record said
-            doc["refetches"] = self.runtime.refetches
-            v = self.runtime.verifier
-            if v is not None and v.enabled:  # verified stages: what this stage re-executed and found
-                doc["verified"] = {"checked": v.stats.checked, "skipped": v.stats.skipped,
-                                   "confirmations": v.stats.confirmations,
-                                   "findings": [[f.step, f.micro, f.lane, f.stage, f.suspect, f.why]
-                                                for f in v.stats.findings[-16:]]}
-            doc["entries"] = self.runtime.entries[-4:]
-            # the state hashes of the last steps (step -> hash): replicas compare over a window, not one sampled step
-            held = self.runtime.hashes.hashes if self.runtime.hashes is not None else {}
-            doc["recent_hashes"] = {str(k): v for k, v in sorted(held.items())[-16:]}
-            doc["warm_revision"] = self.runtime.warm.revision if self.runtime.warm is not None else None
-            doc["links"] = self.runtime.link_counters()
-            # AQ-SGD link ends' digests by step, over the last steps: the two ends compare at a step both hold
-            doc["recent_link_digests"] = self.runtime.link_digests()
+            # re-fetches, entries, the state hashes and the AQ-SGD link ends' digests of the last steps (replicas and
+            # link ends compare over a window, not one sampled step), the warm copy's revision, link counters, and in a
+            # verified run what this stage re-executed and found
+            doc.update(self.runtime.detail().to_json())
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, path)
@@ -458,7 +452,7 @@ class Node:
                         if self.config.run is not None:
                             from shoal.node.run.runtime import RunRuntime
 
-                            self.runtime = RunRuntime(self, self.config.run, self.hardware)
+                            self.runtime = RunRuntime(self.run_services(), self.config.run, self.hardware)
                             await periodic.start(self._run_training, joined)
                         task_status.started(self)
                         await self._stop.wait()
@@ -470,6 +464,13 @@ class Node:
                         await self.publish_leave(describe(e), wait_s=1.0)
                     raise
                 await self.leave(nursery)
+
+    def run_services(self) -> NodeServices:
+        """What this node's run may use of it."""
+        assert self.sh is not None and self.membership is not None and self.rpc is not None
+        return NodeServices(sh=self.sh, membership=self.membership, penalties=self.penalties,
+                            register=self.rpc.register, publish=self.publish, ingest=self.extra_ingest.append,
+                            pulse=self.pulse, joined_by_address=bool(self.config.host.join))
 
     async def _join(self) -> list[str]:
         """Connect to the --join addresses and the peers remembered from the last run; JoinError when none

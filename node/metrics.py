@@ -68,7 +68,8 @@ def sample_node(node) -> Sample:
         channels["control"] = list(sh.control_bytes)
     kw: dict[str, Any] = {}
     if rt is not None:
-        sync, trainer = rt.sync, rt.trainer
+        replica = rt.replica
+        sync, trainer = replica.sync, replica.trainer
         if sync is not None:
             channels["collective"] = [int(sync.bytes_sent), int(sync.bytes_recv)]
         if rt.links is not None:
@@ -82,13 +83,14 @@ def sample_node(node) -> Sample:
         slot = table.slot_of(node.peer_id) if table is not None else None
         if trainer is not None:
             kw["stage"], kw["replica"] = trainer.stage, trainer.replica
-            kw["samples"] = rt.at_step * rt.manifest.batch.batch_size
-            last = rt.last
+            kw["samples"] = replica.at_step * rt.manifest.batch.batch_size
+            last = replica.last
             if last is not None:
                 kw["step_seconds"], kw["wait_seconds"] = last.seconds, last.wait_s
         elif slot is not None:
             kw["stage"], kw["replica"] = slot
-        kw["state_pulls"], kw["refetches"] = len(rt.entries), rt.refetches
+        kw["state_pulls"] = len(rt.entry.entries) if rt.entry is not None else 0
+        kw["refetches"] = rt.consistency.refetches
     return Sample(time=time.time(), peer_id=node.peer_id, run_id=fields.get("run_id"), role=fields.get("role") or
                   node.role, state=fields.get("state") or node.state, step=fields.get("step") or 0,
                   loss=fields.get("loss"), eval_loss=fields.get("eval_loss"), tokens_per_s=fields.get("tokens_per_s"),

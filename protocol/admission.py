@@ -62,5 +62,5 @@ def admission_proof(key: bytes, *, run_id: str, broker: str, joiner: str, nonce:
     return hmac.new(key, msg, hashlib.sha256).digest()
 
 
-def proof_ok(key: bytes, proof: bytes, **bound: object) -> bool:
-    return hmac.compare_digest(admission_proof(key, **bound), proof)
+def proof_ok(key: bytes, proof: bytes, *, run_id: str, broker: str, joiner: str, nonce: bytes) -> bool:
+    return hmac.compare_digest(admission_proof(key, run_id=run_id, broker=broker, joiner=joiner, nonce=nonce), proof)

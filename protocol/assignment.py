@@ -7,14 +7,15 @@ from typing import ClassVar
 
 from shoal.protocol.errors import FieldError
 from shoal.protocol.records import PEER_ID, TIME_S, HardwareProfile
-from shoal.protocol.schema import Bool, Bytes, Choice, Int, Nested, Optional, Seq, Str, WireRecord, spec
+from shoal.protocol.schema import (Bool, Bytes, Choice, Int, Nested, Optional, Seq, SignedRecord, Str, WireRecord,
+                                   spec)
 
 RUN_ID = Str(80, allow_empty=False)
 MAX_STAGES = 64
 MAX_REPLICAS = 256
 MAX_PROVIDERS = 384  # keeps a full table (~75 bytes per provider) well under the gossip and DHT record limits
 
-# algorithms.md §4: REGISTERED -> BENCHMARKED -> BACKUP -> ACTIVE(stage) -> DRAINING -> GONE
+# docs/broker.md, "Providers and their states": REGISTERED -> BENCHMARKED -> BACKUP -> ACTIVE(stage) -> DRAINING -> GONE
 REGISTERED, BENCHMARKED, BACKUP, ACTIVE, DRAINING, GONE = (
     "registered", "benchmarked", "backup", "active", "draining", "gone")
 PROVIDER_STATES = frozenset({REGISTERED, BENCHMARKED, BACKUP, ACTIVE, DRAINING, GONE})
@@ -26,7 +27,7 @@ def slot_name(stage: int, replica: int) -> str:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class BrokerLease(WireRecord):
+class BrokerLease(SignedRecord):
     """The broker's claim on a run, renewed every few seconds; `peer_id` is the holder and the signer."""
 
     KIND: ClassVar[str] = "lease"
@@ -46,7 +47,7 @@ MAX_DELEGATES = 8
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class BrokerDelegation(WireRecord):
+class BrokerDelegation(SignedRecord):
     """The run owner's word on who besides itself may act as the run's broker (and so be named standby): signed
     by the owner (`peer_id`); a newer delegation (`time`) supersedes older ones."""
 
@@ -76,7 +77,7 @@ class ProviderEntry(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class AssignmentTable(WireRecord):
+class AssignmentTable(SignedRecord):
     """Who does what in a run. Signed by the broker (`peer_id`); (lease_epoch, version) only ever grows.
 
     `epochs[s]` is stage s's group epoch: it changes whenever the set of active members of that stage changes.
@@ -218,5 +219,5 @@ class MissingReport(WireRecord):
     neighbours: tuple[str, ...] = spec(Seq(PEER_ID, 2), default=())
 
 
-RUN_RECORD_TYPES: dict[str, type[WireRecord]] = {cls.KIND: cls for cls in (BrokerLease, AssignmentTable,
+RUN_RECORD_TYPES: dict[str, type[SignedRecord]] = {cls.KIND: cls for cls in (BrokerLease, AssignmentTable,
                                                                                    BrokerDelegation)}

@@ -8,7 +8,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.protocol import PROTOCOL_VERSION
 from shoal.protocol.errors import DecodeError, SignatureError, VersionError
-from shoal.protocol.schema import WireRecord
+from shoal.protocol.schema import SignedRecord
 from shoal.protocol.signing import SIGNATURE_BYTES, peer_id_from_public_key, public_key_bytes, sign, verify_peer
 from shoal.protocol.wire import MAX_RECORD_BYTES, pack, unpack
 
@@ -23,21 +23,21 @@ def signing_payload(kind: str, body: bytes) -> bytes:
 class Signed:
     """A verified record together with the exact bytes that were signed (so it can be relayed unchanged)."""
 
-    record: WireRecord
+    record: SignedRecord
     raw: bytes
 
 
-def seal(record: WireRecord, key: Ed25519PrivateKey) -> bytes:
+def seal(record: SignedRecord, key: Ed25519PrivateKey) -> bytes:
     """Encode and sign `record`; its `peer_id` must be the signing key's peer id."""
     signer = peer_id_from_public_key(public_key_bytes(key))
-    if getattr(record, "peer_id", signer) != signer:
+    if record.peer_id != signer:
         raise SignatureError(f"record names peer {record.peer_id}, but the key is {signer}")
     body = pack(record.to_wire())
     kind = type(record).KIND
     return pack({"v": PROTOCOL_VERSION, "kind": kind, "body": body, "sig": sign(key, signing_payload(kind, body))})
 
 
-def open_envelope(data: bytes, types: dict[str, type[WireRecord]], *, max_bytes: int = MAX_RECORD_BYTES) -> Signed:
+def open_envelope(data: bytes, types: dict[str, type[SignedRecord]], *, max_bytes: int = MAX_RECORD_BYTES) -> Signed:
     """Decode and verify an envelope from the network. Raises a ProtocolError subclass on any problem."""
     env = unpack(data, max_bytes=max_bytes)
     if not isinstance(env, dict):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -55,22 +56,18 @@ class TensorHeader:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def validate(self, *, max_numel: int = MAX_NUMEL, max_payload: int = MAX_PAYLOAD_BYTES) -> None:
         Choice(frozenset(CODECS)).check("codec", self.codec)
         Choice(frozenset(FLOAT_DTYPES)).check("dtype", self.dtype)
         if not isinstance(self.shape, tuple) or len(self.shape) > MAX_NDIM:
             raise FieldError("shape", f"at most {MAX_NDIM} dimensions")
-        n = 1
         for d in self.shape:
             Int(0, 1 << 62).check("shape", d)
-            n *= d
-            if n > max_numel:
-                raise TooLargeError(f"shape {self.shape} has more than {max_numel} elements")
+        n = self.numel
+        if n > max_numel:
+            raise TooLargeError(f"shape {self.shape} has more than {max_numel} elements")
         want_bits = {"none": (8 * ITEMSIZE[self.dtype],), "fp16": (16,), "bf16": (16,), "e3m0": (4,)}
         Int(1, 64).check("bits", self.bits)
         if self.bits not in want_bits.get(self.codec, QUANT_BITS):

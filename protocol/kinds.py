@@ -5,6 +5,6 @@ from __future__ import annotations
 
 from shoal.protocol.assignment import RUN_RECORD_TYPES
 from shoal.protocol.records import NODE_RECORD_TYPES
-from shoal.protocol.schema import WireRecord
+from shoal.protocol.schema import SignedRecord
 
-RECORD_TYPES: dict[str, type[WireRecord]] = {**NODE_RECORD_TYPES, **RUN_RECORD_TYPES}
+RECORD_TYPES: dict[str, type[SignedRecord]] = {**NODE_RECORD_TYPES, **RUN_RECORD_TYPES}

@@ -10,7 +10,7 @@ length-prefixed tensor frame (protocol/frames.py). `lane_message_nbytes` is the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from shoal.protocol.assignment import MAX_REPLICAS, MAX_STAGES, RUN_ID
 from shoal.protocol.errors import DecodeError, FieldError
@@ -24,7 +24,7 @@ FWD, BWD = "fwd", "bwd"  # activations s -> s+1; gradients s+1 -> s
 TRAIN, EVAL = "train", "eval"
 #: activation/gradient widths on the wire without compression
 DENSE_KINDS: dict[str, int] = {"fp32": 32, "fp16": 16}
-#: AQ-SGD (pipeline.md "AQ-SGD over a link"): first visits and deltas against the buffers both ends keep
+#: AQ-SGD (docs/pipeline.md, "AQ-SGD over a link"): first visits and deltas against the buffers both ends keep
 AQ = "aqsgd"
 ACT_KINDS = frozenset(DENSE_KINDS) | {AQ}
 AQ_DELTA_BITS = (2, 3, 4, 8)
@@ -47,8 +47,22 @@ class LaneAborted(Exception):
         self.peer = peer
 
 
+class LaneMessage(WireRecord):
+    """A record on a lane link, by its `TYPE` (the "t" of its frame)."""
+
+    __slots__ = ()
+    TYPE: ClassVar[str]
+
+
+class StepMessage(LaneMessage):
+    """A data message: it belongs to one step of the lane (`step`)."""
+
+    __slots__ = ()
+    step: int
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LinkHello(WireRecord):
+class LinkHello(LaneMessage):
     """The dialer's first message: which link this stream is. `peers` is (sender, receiver) of the data."""
 
     TYPE: ClassVar[str] = "hello"
@@ -67,7 +81,7 @@ class LinkHello(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Act(WireRecord):
+class Act(StepMessage):
     """Activations of one micro-batch (followed by its tensor frame); `ids` are its samples, in row order."""
 
     TYPE: ClassVar[str] = "act"
@@ -106,7 +120,7 @@ class Act(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Grad(WireRecord):
+class Grad(StepMessage):
     """The gradient of one micro-batch's activations (followed by its tensor frame)."""
 
     TYPE: ClassVar[str] = "grad"
@@ -117,7 +131,7 @@ class Grad(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Nack(WireRecord):
+class Nack(StepMessage):
     """AQ-SGD: rows of a micro-batch whose base version the receiver does not hold; resent as first visits."""
 
     TYPE: ClassVar[str] = "nack"
@@ -127,7 +141,7 @@ class Nack(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LaneNorm(WireRecord):
+class LaneNorm(StepMessage):
     """Stage `stage`'s gradient norms after its backward, one per parameter tensor in the stage's (global) order;
     relayed along the lane to every stage. Every stage combines all of them exactly as the unsplit model's
     `clip_grad_norm_` does, so the lane clips bit for bit like the whole model (one squared norm per stage would
@@ -146,7 +160,7 @@ class LaneNorm(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Abort(WireRecord):
+class Abort(StepMessage):
     """The sender gave up on `step` (its neighbours stop waiting for it). Needs no credit."""
 
     TYPE: ClassVar[str] = "abort"
@@ -156,7 +170,7 @@ class Abort(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Credit(WireRecord):
+class Credit(LaneMessage):
     """Receiver -> sender: `n` more data messages may be sent (the first one, after the hello, is the window)."""
 
     TYPE: ClassVar[str] = "credit"
@@ -164,26 +178,27 @@ class Credit(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Refuse(WireRecord):
+class Refuse(LaneMessage):
     """Receiver -> dialer, instead of the first credit: this link is not open here (yet)."""
 
     TYPE: ClassVar[str] = "refuse"
     reason: str = spec(Str(200))
 
 
-LANE_RECORDS: dict[str, type[WireRecord]] = {
+LANE_RECORDS: dict[str, type[LaneMessage]] = {
     c.TYPE: c for c in (LinkHello, Act, Grad, Nack, LaneNorm, Abort, Credit, Refuse)}
 #: data messages each direction may carry (anything else on a link is a violation)
 DATA_TYPES = {FWD: frozenset({"act", "norm", "abort"}), BWD: frozenset({"grad", "nack", "norm", "abort"})}
 TENSOR_TYPES = frozenset({"act", "grad"})  # followed by one tensor frame
+M = TypeVar("M", bound=LaneMessage)
 
 
-def encode_message(rec: WireRecord) -> bytes:
+def encode_message(rec: LaneMessage) -> bytes:
     """The body of one frame (the framing adds its 4-byte length)."""
     return pack({"t": type(rec).TYPE, "r": rec.to_wire()})
 
 
-def decode_message(raw: bytes, allowed: frozenset[str]) -> WireRecord:
+def decode_message(raw: bytes, allowed: frozenset[str]) -> LaneMessage:
     """One frame body from the network: a known record type the link allows, strictly validated."""
     m = expect_map(unpack(raw, max_bytes=MAX_RECORD_BYTES), "lane message")
     t = m.get("t")
@@ -192,8 +207,22 @@ def decode_message(raw: bytes, allowed: frozenset[str]) -> WireRecord:
     return LANE_RECORDS[t].from_wire(m.get("r"))
 
 
+def decode_data(raw: bytes, direction: str) -> StepMessage:
+    """One data message from the network (DATA_TYPES of the link's direction), strictly validated."""
+    rec = decode_message(raw, DATA_TYPES[direction])
+    assert isinstance(rec, StepMessage)  # every data type is
+    return rec
+
+
+def decode_one(raw: bytes, cls: type[M]) -> M:
+    """One frame body from the network that must be a `cls` record, strictly validated."""
+    rec = decode_message(raw, frozenset({cls.TYPE}))
+    assert isinstance(rec, cls)  # the only type allowed
+    return rec
+
+
 def payload_nbytes(kind: str, batch: int, seq: int, hidden: int) -> int:
-    """Tensor payload of one micro-batch at a dense kind: B·T·H·fb/8 (pipeline.md "Bytes per micro-batch")."""
+    """Tensor payload of one micro-batch at a dense kind: B·T·H·fb/8 (docs/pipeline.md, "The link protocol")."""
     return batch * seq * hidden * DENSE_KINDS[kind] // 8
 
 
@@ -207,7 +236,7 @@ def tensor_signing_payload(*, run: str, lane: int, boundary: int, direction: str
     return TENSOR_SIGNING_DOMAIN + pack([run, lane, boundary, direction, step, micro, list(ids), digest])
 
 
-def lane_message_nbytes(rec: WireRecord, *tensors: TensorHeader | None) -> int:
+def lane_message_nbytes(rec: LaneMessage, *tensors: TensorHeader | None) -> int:
     """Exact wire bytes of one message: the record's frame (h), plus its tensor frames (headers and payloads).
 
     forward = h + B·T·H·fb/8 and backward = h + B·T·H·bb/8 for the dense kinds, where h is this record's and its

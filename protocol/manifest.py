@@ -32,7 +32,7 @@ MODEL_PRESETS: dict[str, tuple[int, int, int, int]] = {
 SYNC_METHODS = ("none", "allreduce", "cocktail", "diloco")
 PIPELINE_COMPRESSION = ("none", "aqsgd")
 WIRE_DTYPES = ("fp32", "fp16")
-AQ_BITS = (2, 3, 4, 8)  # Q_b widths of activation deltas (algorithms.md §0)
+AQ_BITS = (2, 3, 4, 8)  # Q_b widths of activation deltas (docs/pipeline.md, "The quantizer Q_b")
 AQ_DIRECT_BITS = AQ_BITS + (16,)  # first visits and gradients: Q_b, or 16 = fp16 in full
 AQ_BUFFERS = ("memory", "disk")
 JOIN_MODES = ("open", "secret", "allowlist")
@@ -215,7 +215,7 @@ class SyncSpec(WireRecord):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineSpec(WireRecord):
     """What crosses a stage boundary: with compression "none", activations and gradients at `wire_dtype`; with
-    "aqsgd", activation deltas forward and quantized gradients backward (AQ-SGD, pipeline.md "AQ-SGD over a link"):
+    "aqsgd", activation deltas forward and quantized gradients backward (AQ-SGD, docs/pipeline.md "AQ-SGD over a link"):
     a sample's first visit on a link goes at `first_visit_bits` and both ends keep what was decoded; later visits
     send Q_fwd_bits(a - m); gradients go at `bwd_bits` (16: fp16). `warmup_epochs`: visits of a sample sent at
     first_visit_bits before deltas start (only 1, the first visit, is implemented). Each end keeps its buffer in

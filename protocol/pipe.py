@@ -7,18 +7,18 @@ from typing import BinaryIO
 
 from shoal.protocol.errors import DecodeError
 from shoal.protocol.kinds import RECORD_TYPES
-from shoal.protocol.schema import WireRecord
+from shoal.protocol.schema import SignedRecord
 from shoal.protocol.wire import MAX_RECORD_BYTES, pack, unpack
 
 _LEN = struct.Struct(">I")
 
 
-def encode_record(record: WireRecord) -> bytes:
+def encode_record(record: SignedRecord) -> bytes:
     body = pack({"kind": type(record).KIND, "record": record.to_wire()})
     return _LEN.pack(len(body)) + body
 
 
-def read_record(f: BinaryIO, types: dict[str, type[WireRecord]] = RECORD_TYPES) -> WireRecord | None:
+def read_record(f: BinaryIO, types: dict[str, type[SignedRecord]] = RECORD_TYPES) -> SignedRecord | None:
     """The next record from `f`, None at end of stream; DecodeError for a malformed or unknown one."""
     header = f.read(_LEN.size)
     if len(header) < _LEN.size:

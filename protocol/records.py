@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from shoal.protocol.errors import FieldError
-from shoal.protocol.schema import Bool, Choice, Float, Int, Nested, Optional, Seq, Str, WireRecord, spec
+from shoal.protocol.schema import Bool, Choice, Float, Int, Nested, Optional, Seq, SignedRecord, Str, WireRecord, spec
 
 PEER_ID = Str(64, allow_empty=False)
 MULTIADDR = Str(256, allow_empty=False)
@@ -30,7 +31,7 @@ class HardwareProfile(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Announcement(WireRecord):
+class Announcement(SignedRecord):
     KIND: ClassVar[str] = "announce"
     peer_id: str = spec(PEER_ID)
     addrs: tuple[str, ...] = spec(Seq(MULTIADDR, 16))
@@ -59,7 +60,7 @@ def checkpoint_steps(steps) -> list[int]:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkStatus(WireRecord):
     """One lane link end of a pipeline stage: what crosses it and, with AQ-SGD, this end's store digest after
-    `step` (the two ends of a link must agree; pipeline.md "AQ-SGD over a link", rule 5), and after a few earlier
+    `step` (the two ends of a link must agree; docs/pipeline.md, "AQ-SGD over a link", rule 5), and after a few earlier
     checkpoint steps: the last two multiples of 4, of 16 and of 64 (`check_steps`, oldest first, with
     `check_digests`), so that two ends whose records were taken at different steps still share steps to compare."""
 
@@ -81,7 +82,7 @@ class LinkStatus(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StatusRecord(WireRecord):
+class StatusRecord(SignedRecord):
     """What a node is doing now; published every few seconds over gossip, so it stays a few hundred bytes."""
 
     KIND: ClassVar[str] = "status"
@@ -111,12 +112,65 @@ class StatusRecord(WireRecord):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LeaveNotice(WireRecord):
+class RunStatus:
+    """The part of a node's `StatusRecord` that its run fills in. Each field is the record's field of the same name
+    and is checked by that field's spec when this is built (a bad value fails where it is made, not where the record
+    is sealed); None leaves the field unsaid: the record keeps its default, or the node's own role and state."""
+
+    state: str | None = None
+    role: str | None = None
+    run_id: str | None = None
+    slot: str | None = None
+    warm_stage: int | None = None
+    step: int | None = None  # said once the node has a trainer
+    loss: float | None = None
+    eval_loss: float | None = None
+    tokens_per_s: float | None = None
+    up_bytes_per_s: float | None = None
+    down_bytes_per_s: float | None = None
+    bytes_sent: int | None = None
+    bytes_recv: int | None = None
+    compression_ratio: float | None = None
+    link_bytes_sent: int | None = None
+    link_bytes_recv: int | None = None
+    lane_links: tuple[LinkStatus, ...] | None = None
+    state_hash: str | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                checked = _STATUS_SPECS[f.name].check(f.name, v)
+                if checked is not v:
+                    object.__setattr__(self, f.name, checked)
+
+    def said(self) -> dict[str, Any]:
+        """The fields this status sets, by name (the record's keyword arguments)."""
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+
+    def to_wire(self) -> dict[str, Any]:
+        """The fields this status sets, as the record encodes them (plain maps and lists: JSON-ready); once it names
+        a run, also None for each optional field it leaves unsaid (a run's status file always carries those)."""
+        out = {k: _STATUS_SPECS[k].to_wire(v) for k, v in self.said().items()}
+        if self.run_id is not None:
+            for f in dataclasses.fields(self):
+                if f.name not in out and isinstance(_STATUS_SPECS[f.name], Optional):
+                    out[f.name] = None
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LeaveNotice(SignedRecord):
     KIND: ClassVar[str] = "leave"
     peer_id: str = spec(PEER_ID)
     time: float = spec(TIME_S)
     reason: str = spec(Str(200), default="")
 
 
+_STATUS_SPECS = {f.name: f.metadata["spec"] for f in dataclasses.fields(StatusRecord)}
+_unknown = {f.name for f in dataclasses.fields(RunStatus)} - set(_STATUS_SPECS)
+assert not _unknown, f"RunStatus fields that StatusRecord lacks: {_unknown}"
+
 #: a node's own record kinds (protocol/kinds.py joins them with the run's into the table gossip and the DHT accept)
-NODE_RECORD_TYPES: dict[str, type[WireRecord]] = {cls.KIND: cls for cls in (Announcement, StatusRecord, LeaveNotice)}
+NODE_RECORD_TYPES: dict[str, type[SignedRecord]] = {cls.KIND: cls for cls in (Announcement, StatusRecord, LeaveNotice)}

@@ -155,6 +155,7 @@ class WireRecord:
     """
 
     __slots__ = ()
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # every WireRecord is a dataclass
     MAX_FIELDS: ClassVar[int] = 64
 
     def __post_init__(self) -> None:
@@ -187,3 +188,11 @@ class WireRecord:
             return cls(**kwargs)
         except TypeError as e:  # a check we did not foresee; never let it escape as anything but DecodeError
             raise DecodeError(f"{cls.__name__}: {e}") from e
+
+
+class SignedRecord(WireRecord):
+    """A record a peer signs (protocol/envelope.py): it names its signer, `peer_id`, and its kind, `KIND`."""
+
+    __slots__ = ()
+    KIND: ClassVar[str]
+    peer_id: str

@@ -17,7 +17,7 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(data: bytes, *, max_bytes: int = MAX_RECORD_BYTES) -> Any:
+def unpack(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_RECORD_BYTES) -> Any:
     """Decode msgpack from an untrusted peer with size limits on the whole and on every container."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise DecodeError(f"expected bytes, got {type(data).__name__}")

@@ -144,7 +144,8 @@ async def run_lane(m: mf.RunManifest, corpus, steps: int, *, label: str = "", de
     waited = [sum(r.wait_s for r in results[s][1:]) for s in range(S)]
     mb_payload = b.micro_batch_size * b.seq_len * m.model.d_model * BYTES[m.plan.pipeline.wire_dtype]
     p = m.plan.pipeline
-    if p.compression == "aqsgd":  # pipeline.md: n_first·T·H·fb/8 + n_delta·T·H·b/8 + H fp16 scales per group
+    # docs/pipeline.md, "The link protocol": n_first·T·H·fb/8 + n_delta·T·H·b/8 + H fp16 scales per group
+    if p.compression == "aqsgd":
         mb_payload = group_nbytes(b.micro_batch_size, b.seq_len, m.model.d_model, p.fwd_bits if deltas
                                   else p.first_visit_bits)
     per_link = []
@@ -206,7 +207,7 @@ def run(c: PipelineBenchConfig, out: Path, name: str, command: str) -> list[dict
 
 def markdown(doc: dict) -> str:
     c = doc["config"]
-    base = next(r for r in doc["rows"] if r["stages"] == 1)
+    base = next((r for r in doc["rows"] if r["stages"] == 1), None)  # None: no S=1 run (--stages without 1)
     lines = [
         "# shoal bench pipeline", "", f"Command: `{doc['command']}`", "",
         f"One lane of S stages, each a real libp2p host on 127.0.0.1 with its own trainer thread (1 torch thread), all "
@@ -222,10 +223,10 @@ def markdown(doc: dict) -> str:
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in doc["rows"]:
         link = r["links"][0] if r["links"] else None
+        vs_one = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         lines.append(
             f"| {r['stages']} | {r['wire'] if r['stages'] > 1 else '-'} | {r['micro_batches']} | {r['tokens_per_s']:,.0f} "
-            f"| {r['tokens_per_s'] / base['tokens_per_s']:.2f} | {r['heldout_loss']:.4f} | {r['bubble_measured']:.3f} "
-            f"| {r['bubble_gpipe']:.3f} | "
+            f"| {vs_one} | {r['heldout_loss']:.4f} | {r['bubble_measured']:.3f} | {r['bubble_gpipe']:.3f} | "
             + (f"{link['fwd_payload_bytes_per_micro']:,.0f} ({r['payload_bytes_per_micro_formula']:,}) | "
                f"{link['fwd_wire_bytes_per_micro']:,.0f} | {link['bwd_wire_bytes_per_micro']:,.0f} |" if link else
                "- | - | - |"))

@@ -36,7 +36,7 @@ class Workload:
     def manifest(self, *, size: str, nodes: int, steps: int, lr: float, eval_every: int, seed: int = 0,
                  warmup_steps: int = 10, layers: int | None = None) -> mf.RunManifest:
         """The run: `nodes` nodes, all of them active (S stages x D replicas), no backups; a pipeline splits each
-        step into M = 4 x S micro-batches (pipeline.md "Schedule"). `layers`: the preset's width with this many
+        step into M = 4 x S micro-batches (docs/pipeline.md, "Schedule"). `layers`: the preset's width with this many
         layers instead of its own."""
         extra = {}
         if layers is not None:

@@ -11,6 +11,7 @@ import trio
 
 from shoal.node.failure import one_line
 from shoal.protocol.display import nbytes, short_id, si
+from shoal.protocol.records import RunStatus
 
 POLL_S = 0.25  # start-up progress is checked this often
 UNCHANGED_EVERY_S = 60.0  # a status line that says nothing new is printed at most this often
@@ -25,9 +26,9 @@ def _run_members(node: Any, run_id: str | None) -> int:
                if e.status_record is not None and e.status_record.run_id == run_id and e.status_record.slot)
 
 
-def run_fields(node: Any) -> dict[str, Any]:
+def run_status(node: Any) -> RunStatus:
     rt = node.runtime
-    return rt.status_fields() if rt is not None else {}
+    return rt.status() if rt is not None else RunStatus()
 
 
 def startup_text(node: Any) -> str | None:
@@ -37,19 +38,19 @@ def startup_text(node: Any) -> str | None:
     rt = node.runtime
     if rt is None:
         return None
-    f = run_fields(node)
-    run = f"run {f['run_id'][:8]}…" if f.get("run_id") else "run"
-    state, role, slot = f.get("state"), f.get("role"), f.get("slot")
+    f = run_status(node)
+    run = f"run {f.run_id[:8]}…" if f.run_id else "run"
+    state, role, slot = f.state, f.role, f.slot
     if rt.manifest is None:
         return "joining the run: fetching its manifest…"
     if state == "joining" and not slot and role in (None, "idle"):
         return f"joining {run}: asking its broker for a place…"
-    if state == "joining" and "step" not in f:
+    if state == "joining" and f.step is None:
         return f"joining {run} as {slot or role}: loading the corpus and building the model…"
     if state == "joining":
         return f"joining {run} as {slot}: pulling the group's state…"
-    if state == "ready" and slot and not f.get("step"):
-        have = 1 + _run_members(node, f.get("run_id"))
+    if state == "ready" and slot and not f.step:
+        have = 1 + _run_members(node, f.run_id)
         return f"{run}: waiting for the group to fill, {have}/{rt.manifest.plan.replicas} replicas"
     return None
 
@@ -68,25 +69,25 @@ def status_line(node: Any, now: float | None = None) -> str:
     """One line: role and slot, step, loss, tokens/s, peers, bytes sent and the compression ratio."""
     now = time.time() if now is None else now
     peers = len(node.membership.live_peers()) if node.membership is not None else 0
-    f = run_fields(node)
-    role = f.get("role") or node.role
-    parts = [time.strftime("%H:%M:%S", time.localtime(now)), f"{role} {f['slot']}" if f.get("slot") else role]
+    f = run_status(node)
+    role = f.role or node.role
+    parts = [time.strftime("%H:%M:%S", time.localtime(now)), f"{role} {f.slot}" if f.slot else role]
     if node.runtime is not None:
-        parts.append(str(f.get("state", "joining")))
-        if "step" in f:
+        parts.append(str(f.state or "joining"))
+        if f.step is not None:
             total = node.runtime.manifest.optim.total_steps if node.runtime.manifest is not None else None
             limit = node.runtime.config.max_steps or total
-            parts.append(f"step {f['step']}" + (f"/{limit}" if limit else ""))
-        if f.get("loss") is not None:
-            parts.append(f"loss {f['loss']:.3f}")
-        if f.get("tokens_per_s"):
-            parts.append(f"{si(f['tokens_per_s'], digits=2)} tok/s")
+            parts.append(f"step {f.step}" + (f"/{limit}" if limit else ""))
+        if f.loss is not None:
+            parts.append(f"loss {f.loss:.3f}")
+        if f.tokens_per_s:
+            parts.append(f"{si(f.tokens_per_s, digits=2)} tok/s")
     parts.append(f"{peers} peer{'s' if peers != 1 else ''}")
-    if f.get("bytes_sent") is not None:
-        ratio = f.get("compression_ratio")
-        parts.append(f"sent {nbytes(f['bytes_sent'])}" + (f" ({ratio:.1f}x incl. warm-up)" if ratio else ""))
-    if f.get("error"):
-        parts.append(f"error: {f['error']}")
+    if f.bytes_sent is not None:
+        ratio = f.compression_ratio
+        parts.append(f"sent {nbytes(f.bytes_sent)}" + (f" ({ratio:.1f}x incl. warm-up)" if ratio else ""))
+    if f.error:
+        parts.append(f"error: {f.error}")
     return " · ".join(parts)
 
 

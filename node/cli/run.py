@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from shoal.node.cli.specflags import SpecFlag, add_spec_flags, field_default, spec_field, spec_values
+from shoal.protocol.manifest import PIPELINE_COMPRESSION, SYNC_METHODS
+
 HELP = "create or show a run manifest (model, data, parallel plan, compression, join policy)"
 DESCRIPTION = (
     "A run is a signed manifest; its content hash is the run id.\n\n"
@@ -52,18 +55,87 @@ the tokens the run can consume.
 """
 
 
+#: flags that set one manifest field each: type, choices and default come from the field's spec (protocol/manifest.py)
+NAME_FLAGS = (SpecFlag("--name", "name", "a name for people; not used by shoal"),)
+MODEL_FLAGS = (SpecFlag("--positions", "model.positions", "position encoding"),)
+DATA_FLAGS = (
+    SpecFlag("--data", "data.source", "'stdlib', a .txt/.jsonl file or a folder of them, or hf:NAME", "SOURCE"),
+)
+DATA_FIELD_FLAGS = (
+    SpecFlag("--text-field", "data.text_field", "the column (jsonl key) that holds the text", "NAME"),
+    SpecFlag("--data-config", "data.hf_config", "hf: dataset configuration (subset)", "NAME"),
+    SpecFlag("--data-split", "data.hf_split", "hf: dataset split", "NAME"),
+)
+OPTIM_FLAGS = (
+    SpecFlag("--batch", "batch.batch_size", "sequences per optimizer step per replica", "N"),
+    SpecFlag("--steps", "optim.total_steps", "total optimizer steps, the schedule's length", "N"),
+    SpecFlag("--lr", "optim.lr", "peak learning rate"),
+    SpecFlag("--optimizer", "optim.optimizer", "the inner (local) optimizer"),
+    SpecFlag("--warmup", "optim.warmup_steps", "learning-rate warm-up steps", "N"),
+    SpecFlag("--weight-decay", "optim.weight_decay", "AdamW weight decay"),
+    SpecFlag("--grad-clip", "optim.grad_clip", "gradient norm clipping"),
+    SpecFlag("--seed", "seed", "model initialization and data order"),
+    SpecFlag("--eval-every", "eval.every_steps", "held-out evaluation every N steps", "N"),
+    SpecFlag("--ckpt-every", "checkpoint.every_steps", "checkpoint every N steps", "N"),
+    SpecFlag("--keep", "checkpoint.keep_last", "checkpoints to keep", "N"),
+)
+PLAN_FLAGS = (
+    SpecFlag("--stages", "plan.stages", "pipeline stages S: the model split into S consecutive pieces on different "
+                                        "nodes", "S"),
+    SpecFlag("--replicas", "plan.replicas", "data-parallel replicas D per stage", "D"),
+)
+SYNC_FLAGS = (
+    SpecFlag("--cocktail-p", "plan.sync.cocktail.p", "CocktailSGD: share of coordinates kept by the random mask", "P"),
+    SpecFlag("--cocktail-r", "plan.sync.cocktail.r", "CocktailSGD: share of those kept by top-k", "R"),
+    SpecFlag("--cocktail-bits", "plan.sync.cocktail.bits", "CocktailSGD: bits per quantized value", "B"),
+    SpecFlag("--cocktail-warmup", "plan.sync.cocktail.warmup_steps", "CocktailSGD: steps synchronized uncompressed "
+                                                                      "first", "N"),
+    SpecFlag("--diloco-h", "plan.sync.diloco.inner_steps", "DiLoCo: inner steps between outer steps", "H"),
+    SpecFlag("--diloco-fragments", "plan.sync.diloco.fragments", "Streaming DiLoCo: fragments synchronized in turn",
+             "N"),
+    SpecFlag("--diloco-e3m0", "plan.sync.diloco.e3m0", "DiLoCo: 4-bit (E3M0) outer gradients"),
+    SpecFlag("--diloco-overlap", "plan.sync.diloco.overlap_steps", "Streaming DiLoCo: inner steps trained while a "
+                                                                   "fragment's outer gradient is on the wire "
+                                                                   "(< H / fragments)", "TAU"),
+    SpecFlag("--diloco-alpha", "plan.sync.diloco.merge_alpha", "after an outer step keep this share of the local "
+                                                               "parameters (Streaming DiLoCo uses 0.5)", "ALPHA"),
+)
+PIPELINE_FLAGS = (
+    SpecFlag("--wire-dtype", "plan.pipeline.wire_dtype", "activations and gradients between stages without "
+                                                         "compression"),
+    SpecFlag("--fwd-bits", "plan.pipeline.fwd_bits", "AQ-SGD: bits of forward activation deltas", "B"),
+    SpecFlag("--bwd-bits", "plan.pipeline.bwd_bits", "AQ-SGD: bits of backward gradients", "B"),
+    SpecFlag("--first-visit-bits", "plan.pipeline.first_visit_bits", "AQ-SGD: bits of a sample's first visit on a "
+                                                                     "link, 16 = fp16", "B"),
+    SpecFlag("--aq-buffer", "plan.pipeline.buffer", "AQ-SGD: where each link end keeps its buffer; disk: one file "
+                                                    "per link end under $SHOAL_HOME/aq/RUN/, removed when the "
+                                                    "node's links close"),
+    SpecFlag("--aq-buffer-cap-mb", "plan.pipeline.buffer_cap_mb", "AQ-SGD: buffer cap per link end", "MB"),
+    SpecFlag("--verify-stages", "plan.pipeline.verify_fraction", "verified pipeline stages: the fraction of each "
+             "lane's micro-batches a replica of the same stage in another lane re-executes and compares (0.06 "
+             "catches a stage tampering with 1 %% of its micro-batches within 1,000 steps at 99 %%); needs --sync "
+             "allreduce, --pipeline-compression none and 2+ lanes (docs/verified-stages.md); 0: off", "FRACTION"),
+    SpecFlag("--train-subset", "data.train_subset", "train on the first N samples only, epoch after epoch (0: all)",
+             "N"),
+)
+SPEC_FLAGS = (NAME_FLAGS + MODEL_FLAGS + DATA_FLAGS + DATA_FIELD_FLAGS + OPTIM_FLAGS + PLAN_FLAGS + SYNC_FLAGS
+              + PIPELINE_FLAGS)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from shoal.protocol.manifest import MODEL_SIZES, RunManifest
+
     sub = parser.add_subparsers(dest="run_command", metavar="ACTION", required=True)
     c = sub.add_parser("create", help="write a new signed manifest", description=CREATE_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("-o", "--output", required=True, metavar="PATH", help="where to write the manifest (TOML)")
     c.add_argument("--if-missing", action="store_true",
                    help="keep a manifest already at --output (verified) instead of writing a new one")
-    c.add_argument("--name", default="shoal-run", help="a name for people; not used by shoal (default: %(default)s)")
+    add_spec_flags(c, RunManifest, NAME_FLAGS)
     c.add_argument("--identity", default=None, metavar="PATH",
                    help="Ed25519 key file that signs (created if missing; default: $SHOAL_HOME/identity.key)")
     m = c.add_argument_group("model and data")
-    m.add_argument("--size", choices=("tiny", "small", "base"), default="tiny",
+    m.add_argument("--size", choices=MODEL_SIZES, default=field_default(spec_field(RunManifest, "model.size")),
                    help="built-in GPT preset (default: %(default)s)")
     m.add_argument("--model", metavar="hf:PATH",
                    help="a Hugging Face causal LM: a folder (config.json, *.safetensors, tokenizer.json) or a "
@@ -77,92 +149,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--layers", type=int, metavar="N", help="override the preset's layer count")
     m.add_argument("--d-model", type=int, metavar="N", help="override the preset's width")
     m.add_argument("--heads", type=int, metavar="N", help="override the preset's head count")
-    m.add_argument("--positions", choices=("rope", "learned"), default="rope",
-                   help="position encoding (default: %(default)s)")
-    m.add_argument("--data", default="stdlib", metavar="SOURCE",
-                   help="'stdlib', a .txt/.jsonl file or a folder of them, or hf:NAME (default: %(default)s)")
+    add_spec_flags(m, RunManifest, MODEL_FLAGS + DATA_FLAGS)
     m.add_argument("--seq-len", type=int, metavar="N",
                    help="tokens per sequence (default: the preset's; 512 for a Hugging Face model, at most its "
                         "positions)")
-    m.add_argument("--text-field", default="text", metavar="NAME",
-                   help="the column (jsonl key) that holds the text (default: %(default)s)")
-    m.add_argument("--data-config", default="", metavar="NAME", help="hf: dataset configuration (subset)")
-    m.add_argument("--data-split", default="train", metavar="NAME", help="hf: dataset split (default: %(default)s)")
+    add_spec_flags(m, RunManifest, DATA_FIELD_FLAGS)
     o = c.add_argument_group("optimization")
-    o.add_argument("--batch", type=int, default=16, metavar="N",
-                   help="sequences per optimizer step per replica (default: %(default)s)")
+    add_spec_flags(o, RunManifest, OPTIM_FLAGS[:1])
     o.add_argument("--micro-batch", type=int, metavar="N", help="sequences per micro-batch (default: --batch)")
-    o.add_argument("--steps", type=int, default=2000, metavar="N",
-                   help="total optimizer steps, the schedule's length (default: %(default)s)")
-    o.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)g)")
-    o.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
-                   help="the inner (local) optimizer (default: %(default)s)")
-    o.add_argument("--warmup", type=int, default=50, metavar="N",
-                   help="learning-rate warm-up steps (default: %(default)s)")
-    o.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: %(default)g)")
-    o.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clipping (default: %(default)g)")
-    o.add_argument("--seed", type=int, default=0, help="model initialization and data order (default: %(default)s)")
-    o.add_argument("--eval-every", type=int, default=100, metavar="N",
-                   help="held-out evaluation every N steps (default: %(default)s)")
-    o.add_argument("--ckpt-every", type=int, default=100, metavar="N",
-                   help="checkpoint every N steps (default: %(default)s)")
-    o.add_argument("--keep", type=int, default=3, metavar="N", help="checkpoints to keep (default: %(default)s)")
+    add_spec_flags(o, RunManifest, OPTIM_FLAGS[1:])
     p = c.add_argument_group("parallel plan and synchronization")
-    p.add_argument("--stages", type=int, default=1, metavar="S",
-                   help="pipeline stages S: the model split into S consecutive pieces on different nodes "
-                        "(default: %(default)s)")
-    p.add_argument("--replicas", type=int, default=1, metavar="D",
-                   help="data-parallel replicas D per stage (default: %(default)s)")
-    p.add_argument("--sync", choices=("none", "allreduce", "cocktail", "diloco"),
+    add_spec_flags(p, RunManifest, PLAN_FLAGS)
+    p.add_argument("--sync", choices=SYNC_METHODS,
                    help="how replicas stay together (default: none for D=1, else cocktail)")
-    p.add_argument("--cocktail-p", type=float, default=0.1, metavar="P",
-                   help="CocktailSGD: share of coordinates kept by the random mask (default: %(default)g)")
-    p.add_argument("--cocktail-r", type=float, default=0.2, metavar="R",
-                   help="CocktailSGD: share of those kept by top-k (default: %(default)g)")
-    p.add_argument("--cocktail-bits", type=int, default=4, metavar="B",
-                   help="CocktailSGD: bits per quantized value (default: %(default)s)")
-    p.add_argument("--cocktail-warmup", type=int, default=100, metavar="N",
-                   help="CocktailSGD: steps synchronized uncompressed first (default: %(default)s)")
-    p.add_argument("--diloco-h", type=int, default=100, metavar="H",
-                   help="DiLoCo: inner steps between outer steps (default: %(default)s)")
-    p.add_argument("--diloco-fragments", type=int, default=1, metavar="N",
-                   help="Streaming DiLoCo: fragments synchronized in turn (default: %(default)s)")
-    p.add_argument("--diloco-e3m0", action="store_true", help="DiLoCo: 4-bit (E3M0) outer gradients")
-    p.add_argument("--diloco-overlap", type=int, default=0, metavar="TAU",
-                   help="Streaming DiLoCo: inner steps trained while a fragment's outer gradient is on the wire "
-                        "(< H / fragments; default: %(default)s)")
-    p.add_argument("--diloco-alpha", type=float, default=0.0, metavar="ALPHA",
-                   help="after an outer step keep this share of the local parameters (Streaming DiLoCo uses 0.5; "
-                        "default: %(default)g)")
+    add_spec_flags(p, RunManifest, SYNC_FLAGS)
     p.add_argument("--micro-batches", type=int, default=None, metavar="M",
                    help="micro-batches per step (default: 4 x stages with several stages, else one; "
                         "--micro-batch sets their size instead)")
     p.add_argument("--tie-embeddings", choices=("auto", "tied", "untied"), default="auto",
                    help="whether the head shares the embedding matrix (auto: tied with one stage, untied when split; "
                         "a split model must be untied; default: %(default)s)")
-    p.add_argument("--pipeline-compression", choices=("none", "aqsgd"), default=None,
+    p.add_argument("--pipeline-compression", choices=PIPELINE_COMPRESSION, default=None,
                    help="what crosses a stage boundary: none (activations at --wire-dtype) or aqsgd "
                         "(default: aqsgd with several stages)")
-    p.add_argument("--wire-dtype", choices=("fp32", "fp16"), default="fp32",
-                   help="activations and gradients between stages without compression (default: %(default)s)")
-    p.add_argument("--fwd-bits", type=int, default=4, metavar="B",
-                   help="AQ-SGD: bits of forward activation deltas (default: %(default)s)")
-    p.add_argument("--bwd-bits", type=int, default=8, metavar="B",
-                   help="AQ-SGD: bits of backward gradients (default: %(default)s)")
-    p.add_argument("--first-visit-bits", type=int, default=8, metavar="B",
-                   help="AQ-SGD: bits of a sample's first visit on a link, 16 = fp16 (default: %(default)s)")
-    p.add_argument("--aq-buffer", choices=("memory", "disk"), default="memory",
-                   help="AQ-SGD: where each link end keeps its buffer; disk: one file per link end under "
-                        "$SHOAL_HOME/aq/RUN/, removed when the node's links close (default: %(default)s)")
-    p.add_argument("--aq-buffer-cap-mb", type=int, default=4096, metavar="MB",
-                   help="AQ-SGD: buffer cap per link end (default: %(default)s)")
-    p.add_argument("--verify-stages", type=float, default=0.0, metavar="FRACTION",
-                   help="verified pipeline stages: the fraction of each lane's micro-batches a replica of the same "
-                        "stage in another lane re-executes and compares (0.06 catches a stage tampering with 1 %% of "
-                        "its micro-batches within 1,000 steps at 99 %%); needs --sync allreduce, "
-                        "--pipeline-compression none and 2+ lanes (docs/verified-stages.md) (default: off)")
-    p.add_argument("--train-subset", type=int, default=0, metavar="N",
-                   help="train on the first N samples only, epoch after epoch (default: all)")
+    add_spec_flags(p, RunManifest, PIPELINE_FLAGS)
     j = c.add_argument_group("who may join").add_mutually_exclusive_group()
     j.add_argument("--join-secret-file", metavar="PATH",
                    help="file holding the join secret; a new 256-bit secret is written there when the file does "
@@ -205,6 +215,7 @@ def _secret_file(path: str, *, allow_weak: bool = False) -> str:
 
 
 def build_manifest(args: argparse.Namespace):
+    import functools
     import time
 
     from shoal.protocol import manifest as mf
@@ -227,34 +238,23 @@ def build_manifest(args: argparse.Namespace):
         join = mf.JoinPolicy(mode="allowlist", allowlist=tuple(args.allow))
     else:
         join = mf.JoinPolicy()
+    given = functools.partial(spec_values, args, SPEC_FLAGS)  # the manifest's fields set by flags, by record
     return mf.RunManifest(
-        name=args.name,
+        **given(""),
         created_at=int(time.time()),
-        seed=args.seed,
         model=model,
-        data=mf.DataSpec(source=args.data, train_subset=args.train_subset, tokenizer=tokenizer,
-                         hf_config=args.data_config, hf_split=args.data_split, text_field=args.text_field),
+        data=mf.DataSpec(**given("data"), tokenizer=tokenizer),
         plan=mf.ParallelPlan(
-            stages=args.stages,
-            replicas=args.replicas,
-            sync=mf.SyncSpec(
-                method=sync_method,
-                cocktail=mf.CocktailSpec(p=args.cocktail_p, r=args.cocktail_r, bits=args.cocktail_bits, warmup_steps=args.cocktail_warmup),
-                diloco=mf.DilocoSpec(inner_steps=args.diloco_h, fragments=args.diloco_fragments, e3m0=args.diloco_e3m0,
-                                     overlap_steps=args.diloco_overlap, merge_alpha=args.diloco_alpha),
-            ),
+            **given("plan"),
+            sync=mf.SyncSpec(method=sync_method, cocktail=mf.CocktailSpec(**given("plan.sync.cocktail")),
+                             diloco=mf.DilocoSpec(**given("plan.sync.diloco"))),
             pipeline=mf.PipelineSpec(compression=args.pipeline_compression or ("aqsgd" if args.stages > 1 else "none"),
-                                     fwd_bits=args.fwd_bits, bwd_bits=args.bwd_bits, wire_dtype=args.wire_dtype,
-                                     first_visit_bits=args.first_visit_bits, buffer=args.aq_buffer,
-                                     buffer_cap_mb=args.aq_buffer_cap_mb, verify_fraction=args.verify_stages),
+                                     **given("plan.pipeline")),
         ),
-        optim=mf.OptimSpec(
-            lr=args.lr, warmup_steps=min(args.warmup, args.steps), total_steps=args.steps,
-            weight_decay=args.weight_decay, grad_clip=args.grad_clip, optimizer=args.optimizer,
-        ),
+        optim=mf.OptimSpec(**{**given("optim"), "warmup_steps": min(args.warmup, args.steps)}),
         batch=mf.BatchSpec(batch_size=args.batch, micro_batch_size=micro_batch, seq_len=seq),
-        eval=mf.EvalSpec(every_steps=args.eval_every),
-        checkpoint=mf.CheckpointSpec(every_steps=args.ckpt_every, keep_last=args.keep),
+        eval=mf.EvalSpec(**given("eval")),
+        checkpoint=mf.CheckpointSpec(**given("checkpoint")),
         join=join,
     )
 

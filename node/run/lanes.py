@@ -13,11 +13,12 @@ import trio
 from shoal.node.train.transcript import RecordingBoundary, Transcript
 from shoal.protocol.assignment import AssignmentTable
 from shoal.protocol.manifest import RunManifest
+from shoal.protocol.records import LinkStatus
 from shoal.swarm.lane.blocking import BlockingLinkEnd
 from shoal.swarm.lane.end import LinkEnd
 from shoal.swarm.lane.hub import LinkHub
 from shoal.swarm.lane.spec import LaneSpec
-from shoal.swarm.run.schedule import lane_peers
+from shoal.swarm.run.timeline import lane_peers
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +80,10 @@ class StageLinks:
             sent, recv = sent + c["sent"]["wire_bytes"], recv + c["recv"]["wire_bytes"]
         return sent, recv
 
-    def status_fields(self) -> dict[str, Any]:
-        """What the node's status record says of its links: bytes since the start, and each link's state."""
-        fields: dict[str, Any] = {}
-        if self.end is not None or any(self._closed_bytes):
-            fields["link_bytes_sent"], fields["link_bytes_recv"] = self.bytes()
-        if self.end is not None:
-            fields["lane_links"] = self.end.link_statuses()
-        return fields
+    def total_bytes(self) -> tuple[int, int] | None:
+        """Wire bytes (sent, received) on this stage's links since the start; None before any link was opened."""
+        return self.bytes() if self.end is not None or any(self._closed_bytes) else None
+
+    def statuses(self) -> tuple[LinkStatus, ...] | None:
+        """What the status record says of each current link (None: no links open)."""
+        return self.end.link_statuses() if self.end is not None else None

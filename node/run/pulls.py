@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
 from shoal.node.run.config import RunConfig
 from shoal.node.run.snapshots import SnapshotStore
+from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.penalty import Penalties
+from shoal.swarm.run.client import RunClient
 from shoal.swarm.state.agreed import pull_agreed
 from shoal.swarm.state.snapshot import Snapshot
 from shoal.swarm.state.transfer import StateTransferConfig, StateTransferError
@@ -20,14 +24,23 @@ PULL_RETRY_S = 0.2  # the pause between rounds of pull attempts while no majorit
 WARM_LEAD_STEPS = 4  # a backup asks the group to keep its state this many steps past the group's newest step
 
 
+class Sources(Protocol):
+    """What pulls need of the node: its host, who is live, and whom to penalize (node/run/context.NodeServices)."""
+
+    @property
+    def sh(self) -> SwarmHost: ...
+
+    @property
+    def penalties(self) -> Penalties: ...
+
+    def live(self) -> set[str]: ...
+
+
 class StatePulls:
-    """A node's pulls of run state (`node`: its host, membership and penalties)."""
+    """A node's pulls of run state from the peers `sources` reaches."""
 
-    def __init__(self, node, config: RunConfig, snapshots: SnapshotStore):
-        self.node, self.config, self.snapshots = node, config, snapshots
-
-    def live(self) -> set[str]:
-        return {e.peer_id for e in self.node.membership.live_peers()}
+    def __init__(self, sources: Sources, config: RunConfig, snapshots: SnapshotStore):
+        self.sources, self.config, self.snapshots = sources, config, snapshots
 
     async def revision(self, revision: int, peers: list[str], *,
                        wanted: Callable[[], bool] | None = None) -> Snapshot:
@@ -41,11 +54,11 @@ class StatePulls:
         while trio.current_time() < deadline:
             if last is not None and wanted is not None and not wanted():
                 raise StateTransferError(f"revision {revision} is no longer wanted (this node's slot changed): {last}")
-            live = self.live()
+            live = self.sources.live()
             voters = [p for p in peers if p in live or last is None]  # a silent member gets one try
             try:
-                return await pull_agreed(self.node.sh, voters, revision=revision, voters=len(voters),
-                                         config=attempt, penalties=self.node.penalties)
+                return await pull_agreed(self.sources.sh, voters, revision=revision, voters=len(voters),
+                                         config=attempt, penalties=self.sources.penalties)
             except StateTransferError as e:
                 last = e
                 log.debug("revision %d: %s", revision, e)
@@ -53,7 +66,7 @@ class StatePulls:
         raise StateTransferError(f"no majority of the members served revision {revision} within "
                                  f"{self.config.state_pull_timeout_s} s: {last}")
 
-    async def keep_warm(self, client, target: Callable[[int], int], ask: Callable[[str, int], object]) -> None:
+    async def keep_warm(self, client: RunClient, target: Callable[[int], int], ask: Callable[[str, int], object]) -> None:
         """While this node is a backup (`client`: its run client), keep a warm copy of its stage's state: every
         `backup_refresh_s`, the whole entry state at a revision just ahead of the group (`target(stage)`), which
         each member is asked to keep (`ask(peer, step)` answers the member's own step, or None), verified like any
@@ -66,7 +79,7 @@ class StatePulls:
                 await self._refresh_warm(client, stage, members, target(stage), ask)
             await trio.sleep(self.config.backup_refresh_s)
 
-    async def _refresh_warm(self, client, stage: int, members: list[str], step: int,
+    async def _refresh_warm(self, client: RunClient, stage: int, members: list[str], step: int,
                             ask: Callable[[str, int], object]) -> None:
         for _ in range(2):
             answers: list[int] = []

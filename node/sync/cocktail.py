@@ -1,4 +1,4 @@
-"""CocktailSGD (algorithms.md §1): a sharded parameter server over the group, compressed model differences, overlap.
+"""CocktailSGD (docs/sync.md): a sharded parameter server over the group, compressed model differences, overlap.
 
 Each replica keeps its parameters x and g, an fp16 copy of the last synchronized parameters that is bitwise equal
 on every replica; member c of the round's group serves chunk c of the flattened parameters and keeps that chunk's

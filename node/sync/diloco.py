@@ -1,4 +1,5 @@
-"""DiLoCo and Streaming DiLoCo (algorithms.md §5): H local steps, then an outer Nesterov step on the mean outer gradient.
+"""DiLoCo and Streaming DiLoCo (docs/sync.md): H local steps, then an outer Nesterov step on the mean outer
+gradient.
 
 Every replica keeps theta, the global parameters after the last outer step (bitwise equal everywhere), and the outer
 momentum. Every `inner_steps` steps the outer gradient delta = theta - x is averaged over the group by the sharded

@@ -1,6 +1,7 @@
 """The step loop of one stage of one lane: micro-batches, AdamW or SGD, warm-up + cosine, clipping, eval, hooks, a
-synchronizer slot. A one-stage plan is a lane of one stage: the whole model, each micro-batch's backward right after
-its forward (today's gradient accumulation). A stage of a split model runs GPipe with a flush per step through its
+synchronizer slot. The order of a step's micro-batches is the lane's pipeline schedule, an object the trainer holds
+(node/train/pipeline.py): a one-stage plan is a lane of one stage, the whole model, each micro-batch's backward right
+after its forward (gradient accumulation); a stage of a split model runs GPipe with a flush per step through its
 lane's `Boundary`: M micro-batches forward through every stage, then backward in micro-batch order 0..M-1, so a
 one-stage lane and the unsplit model agree bit for bit. The last stage computes the loss (divided by M); clipping is
 lane-wide (every stage's parameter norms, combined as `clip_grad_norm_` combines the whole model's); a lane with a
@@ -30,6 +31,7 @@ from shoal.node.train.control import StepControl, StepResult, StepStage
 from shoal.node.train.data import Corpus, Samples, ShardedSampler, heldout_batches, load_corpus
 from shoal.node.train.device import resolve_device
 from shoal.node.train.lane import Boundary, SoloLane
+from shoal.node.train.pipeline import PipelineSchedule, schedule_for
 from shoal.node.train.stages import build_stage_model, lm_loss
 from shoal.protocol.lane import EVAL, TRAIN, LaneAborted
 from shoal.protocol.manifest import OptimSpec, RunManifest
@@ -174,6 +176,7 @@ class Trainer:
                                       seed=manifest.seed, replica=replica, replicas=plan.replicas)
         self.eval_ids = heldout_batches(self.heldout_samples, b.micro_batch_size, manifest.eval.batches)
         self.micro_batches = b.batch_size // b.micro_batch_size
+        self.schedule: PipelineSchedule = schedule_for(plan.stages)  # the order of each step's micro-batches
         # the built-in GPT or a Hugging Face model (node/train/stages.py); `weights`: the run's initial weights file
         self.model = build_stage_model(manifest, stage, weights=weights).to(self.device)
         cuda = self.device.type == "cuda"
@@ -274,10 +277,9 @@ class Trainer:
             self._waiting(self.boundary.send_grad, step, micro, inp.grad)
 
     def _pass(self, step: int) -> torch.Tensor | None:
-        """The step's M micro-batches through this stage: one stage does each backward right after its forward; a
-        stage of a longer lane does all forwards, then the backwards in order 0..M-1. The summed loss at the last
-        stage."""
-        b, M = self.manifest.batch, self.micro_batches
+        """The step's M micro-batches through this stage, in the order of the lane's pipeline schedule
+        (node/train/pipeline.py). The summed loss at the last stage."""
+        b = self.manifest.batch
         batches = None
         if self.is_first:
             pos = self.sampler.position
@@ -285,22 +287,9 @@ class Trainer:
             batches = staged[1] if staged is not None and staged[0] == pos else \
                 self._micro_batches(self.sampler.ids_at(pos, b.batch_size), self.train_samples)
             self.sampler.position = pos + b.batch_size
-        loss_sum = torch.zeros((), device=self.device) if self.is_last else None
-        kept = []
-        for m in range(M):
-            inp, out = self._forward(step, m, batches[m] if batches else None, self.train_samples, TRAIN)
-            if self.is_last:
-                out = out / M
-                loss_sum += out.detach()
-            if self.num_stages == 1:
-                self._backward(step, m, inp, out)
-            else:
-                kept.append((inp, out))
-        for m in range(len(kept)):
-            inp, out = kept[m]
-            kept[m] = None  # frees the micro-batch's graph as soon as it is done
-            self._backward(step, m, inp, out)
-        return loss_sum
+        micro = _StagePass(self, step, batches)
+        self.schedule.run(micro, self.micro_batches)
+        return micro.loss_sum
 
     def _clip(self, step: int) -> torch.Tensor:
         """Clip to the lane's gradient norm (exchanged with the lane's other stages); returns it as a 0-d tensor
@@ -569,3 +558,23 @@ class Trainer:
             return None
         self.load_state_dict(found[1])
         return found[0]
+
+
+class _StagePass:
+    """One step's micro-batches at one stage, as its pipeline schedule runs them: a forward leaves (input leaf or
+    None, output) for its backward; the last stage's output is the micro-batch's loss divided by M, summed here."""
+
+    def __init__(self, trainer: Trainer, step: int, batches: list | None):
+        self.trainer, self.step, self.batches = trainer, step, batches
+        self.loss_sum = torch.zeros((), device=trainer.device) if trainer.is_last else None
+
+    def forward(self, micro: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        t = self.trainer
+        inp, out = t._forward(self.step, micro, self.batches[micro] if self.batches else None, t.train_samples, TRAIN)
+        if t.is_last:
+            out = out / t.micro_batches
+            self.loss_sum += out.detach()
+        return inp, out
+
+    def backward(self, micro: int, kept: tuple[torch.Tensor | None, torch.Tensor]) -> None:
+        self.trainer._backward(self.step, micro, *kept)

@@ -3,9 +3,9 @@ micro-batch, or fp16), and the encoding of a micro-batch's activations against t
 
 A group of n rows of (seq T, hidden H) travels as one tensor frame: at 16 bits, codec "fp16" of shape (n, T, H); at
 b < 16 bits, codec "qb" of the (H, n·T) transpose with buckets of n·T, i.e. one fp16 scale per hidden channel over
-the group (algorithms.md §0 and §2: scale axes (0, 1) of the micro-batch). An activation message has up to two
-groups: its first visits (at first_bits) and its deltas (at fwd_bits); a gradient message has one (at bwd_bits).
-Both ends reconstruct from the same bytes with the same functions, so their stores stay bit-identical.
+the group (docs/pipeline.md, "The quantizer Q_b": scale axes (0, 1) of the micro-batch). An activation message has
+up to two groups: its first visits (at first_bits) and its deltas (at fwd_bits); a gradient message has one (at
+bwd_bits). Both ends reconstruct from the same bytes with the same functions, so their stores stay bit-identical.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def encode_acts(spec: AQSpec, store: LinkStore, ids: list[int], acts: torch.Tens
             base.append(v if delta else 0)
             seen.add(sid)
         first = [i for i, v in enumerate(base) if v == 0]
-        delta = [i for i, v in enumerate(base) if v != 0]
+        deltas = [i for i, v in enumerate(base) if v != 0]
         _, seq, hidden = acts.shape
         out = torch.empty(acts.shape, dtype=torch.float16)
         frames, headers = [], []
@@ -149,17 +149,17 @@ def encode_acts(spec: AQSpec, store: LinkStore, ids: list[int], acts: torch.Tens
             frames.append(f)
             headers.append(h)
             out[first] = dec.to("cpu", torch.float16)
-        if delta:
-            m_old = torch.stack([store.get(ids[i]) for i in delta]).to(acts.device).float()
-            h, f, dec = encode_group(acts[delta] - m_old, spec.fwd_bits)
+        if deltas:
+            m_old = torch.stack([store.get(ids[i]) for i in deltas]).to(acts.device).float()
+            h, f, dec = encode_group(acts[deltas] - m_old, spec.fwd_bits)
             m_new = (m_old + dec).to("cpu", torch.float16)
-            bad = [delta[k] for k in range(len(delta)) if not bool(torch.isfinite(m_new[k]).all())]
+            bad = [deltas[k] for k in range(len(deltas)) if not bool(torch.isfinite(m_new[k]).all())]
             if bad:
                 force_first = force_first | set(bad)
                 continue
             frames.append(f)
             headers.append(h)
-            out[delta] = m_new
+            out[deltas] = m_new
         rows = [(sid, out[i]) for i, sid in enumerate(ids) if store.holds(sid)]
         return Encoding(tuple(base), frames, headers, rows)
 
@@ -171,10 +171,11 @@ def apply_acts(store: LinkStore, ids: list[int], base_versions: tuple[int, ...],
     fi = [i for i, v in enumerate(base_versions) if v == 0]
     di = [i for i, v in enumerate(base_versions) if v != 0]
     ref = first if first is not None else delta
+    assert ref is not None and (first is not None or not fi) and (delta is not None or not di)  # checked on receipt
     out = torch.empty((len(ids), *ref.shape[1:]), dtype=torch.float16)
-    if fi:
+    if fi and first is not None:
         out[fi] = first.to(torch.float16)
-    if di:
+    if di and delta is not None:
         m_old = torch.stack([store.get(ids[i]) for i in di]).float()
         out[di] = (m_old + delta).to(torch.float16)
         if not bool(torch.isfinite(out[di]).all()):

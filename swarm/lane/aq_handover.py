@@ -2,7 +2,7 @@
 keeps its rows when the peer across the link changes), served through the state-transfer machinery on their own
 protocol, and pulled by a replacement at the switch revision with every row validated and the digest checked.
 
-pipeline.md "AQ-SGD over a link", rule 7: a replacement entering slot (s, r) at switch step R pulls the incoming
+docs/pipeline.md, "AQ-SGD over a link", rule 7: a replacement entering slot (s, r) at switch step R pulls the incoming
 boundary's store from (s-1, r) and the outgoing one from (s+1, r) at revision R; the new side always pulls from the
 surviving side; a link whose two ends are both new starts empty (its partner has no store to give). "At revision R"
 means no row written at step R or later (versions are write step + 1, so every version is at most R).

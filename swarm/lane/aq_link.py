@@ -1,7 +1,7 @@
 """AQ-SGD state of one stage's ends of its lane links: the sender's store with its pending rows (committed on the
 backward ACK, dropped when the step is given up) and the receiver's store with its version checks and NACKs.
 
-pipeline.md "AQ-SGD over a link", rules 3-5: the receiver accepts a delta only against the version it holds, else
+docs/pipeline.md, "AQ-SGD over a link", rules 3-5: the receiver accepts a delta only against the version it holds, else
 it NACKs those rows once and the sender resends them as first visits; the receiver commits on decode, the sender on
 the ACK; each end keeps a digest of its store. A sender that breaks these rules (a delta against a version from the
 future, a delta for a sample that has no slot, a delta again for a row it was NACKed, a NACK for rows it did not send
@@ -11,6 +11,7 @@ as deltas) is a violation (swarm/lane/end.py rejects and penalizes it).
 from __future__ import annotations
 
 import os
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ def store_config(spec: AQSpec, row_shape: tuple[int, int], train_samples: int, n
     """Where and how big one link end's store is (`name`: unique on this machine, for a disk file)."""
     path = None
     if spec.buffer == "disk":
+        assert spec.buffer_dir is not None  # AQSpec: a disk buffer has its folder
         os.makedirs(spec.buffer_dir, exist_ok=True)
         path = os.path.join(spec.buffer_dir, f"{name}.fp16")
     return StoreConfig(row_shape=row_shape, cap_mb=spec.cap_mb, train_samples=train_samples, disk_path=path)
@@ -52,7 +54,7 @@ class AQSender:
         """Samples of this step's earlier micro-batches, not yet committed: they go as first visits again."""
         return {sid for (s, m), p in self.pending.items() if s == step and m < micro for sid in p.ids}
 
-    def encode(self, ids: list[int], acts: torch.Tensor, busy: set[int], force_first: set[int] = frozenset()
+    def encode(self, ids: list[int], acts: torch.Tensor, busy: set[int], force_first: Set[int] = frozenset()
                ) -> Encoding:
         """(Off the event loop.)"""
         return encode_acts(self.spec, self.store, ids, acts, set(force_first), busy)

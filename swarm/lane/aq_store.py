@@ -1,7 +1,7 @@
 """One end's AQ-SGD store of one link: m(sample) rows in fp16, each with its version, and the store's digest.
 
-pipeline.md "AQ-SGD over a link": a row's version is the step of its last write plus one (0 means "no row", which is
-how a first visit is marked on the wire), and the digest is the XOR of blake2b(sample, version, row bytes) over
+docs/pipeline.md, "AQ-SGD over a link": a row's version is the step of its last write plus one (0 means "no row",
+which is how a first visit is marked on the wire), and the digest is the XOR of blake2b(sample, version, row bytes) over
 every row, updated on every write, so the two ends of a link can compare their stores with 32 bytes. The store holds
 samples whose id is below its capacity (slots indexed by sample id: both ends decide alike with no coordination,
 and nothing is ever evicted); samples beyond it always travel as first visits. Rows live in memory or in one disk
@@ -84,7 +84,10 @@ class LinkStore:
         """The row (fp16, row_shape); the sample must have one."""
         if sid not in self._versions:
             raise KeyError(sid)
-        return self._mem[sid] if self._mem is not None else self._disk[sid]
+        if self._mem is not None:
+            return self._mem[sid]
+        assert self._disk is not None  # a store keeps its rows in memory or on disk
+        return self._disk[sid]
 
     def put(self, sid: int, version: int, row: torch.Tensor) -> None:
         if not self.holds(sid) or version < 1:
@@ -95,6 +98,7 @@ class LinkStore:
         if self._mem is not None:
             self._mem[sid] = row.clone()
         else:
+            assert self._disk is not None  # a store keeps its rows in memory or on disk
             self._disk[sid].copy_(row)
         h = row_hash(sid, version, row)
         self._digest ^= self._hashes.get(sid, 0) ^ h
@@ -162,7 +166,7 @@ class LinkStore:
     def close(self) -> None:
         """The link end is over: a disk store's file is removed (its mapping stays readable until the store is
         dropped, so nothing is left on disk however the node ends its links)."""
-        if self._disk is not None:
+        if self._disk is not None and self.config.disk_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.fspath(self.config.disk_path))
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import trio
@@ -14,24 +15,24 @@ import trio
 from shoal.kernels.codec import wire_roundtrip
 from shoal.protocol.errors import DecodeError, ProtocolError, TooLargeError
 from shoal.protocol.frames import MAX_HEADER_BYTES
-from shoal.kernels.quant import NonFiniteError
-from shoal.protocol.records import checkpoint_steps
-from shoal.protocol.lane import (AQ, BWD, DATA_TYPES, FWD, LANE_PROTOCOL, MAX_RECORD_BYTES, TENSOR_TYPES, TRAIN, Abort,
-                                 Act, Credit, Grad, LaneNorm, LinkHello, Nack, Refuse, decode_message, encode_message,
-                                 payload_nbytes)
-from shoal.protocol.schema import WireRecord
+from shoal.protocol.records import LinkStatus, checkpoint_steps
+from shoal.protocol.lane import (AQ, BWD, FWD, LANE_PROTOCOL, MAX_RECORD_BYTES, TENSOR_TYPES, TRAIN, Abort, Act, Credit,
+                                 Grad, LaneMessage, LaneNorm, LinkHello, Nack, Refuse, StepMessage, decode_data,
+                                 decode_message, decode_one, encode_message, payload_nbytes)
 from shoal.swarm.net.framing import close_quietly, read_exactly, read_frame
-from shoal.swarm.lane.aq_codec import decode_group, encode_group, group_nbytes, on_codec_device
+from shoal.swarm.lane.aq_codec import group_nbytes
 from shoal.swarm.lane.aq_handover import AQStores, StoreKey
 from shoal.swarm.lane.aq_link import AQReceiver, AQSender, link_status, store_config
+from shoal.swarm.lane.payload import Outgoing, decode_acts, decode_grads, encode_acts, encode_grads, resend_encoding
 from shoal.swarm.lane.signing import SignatureRing, sign_tensor, tensor_signed_by
 from shoal.swarm.lane.spec import (LEN, MAX_CONTROL_BYTES, LaneSpec, LinkConfig, LinkCounters, LinkError, Violation,
-                                   decode_tensor_frame, encode_tensor_frame, reset_quietly)
+                                   aq_groups, check_record, reset_quietly)
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 DIGEST_HISTORY = 16  # steps of store digests each AQ-SGD link end keeps for its status file
 
 
@@ -46,7 +47,8 @@ class _Link:
         self.write_lock = trio.Lock()
         self.credits = 0  # outbound: messages we may still send
         self.window = 0  # outbound: the receiver's window (its first credit)
-        self.inbox: dict[tuple, tuple[WireRecord, torch.Tensor | None]] = {}  # inbound: arrived, not consumed
+        #: inbound: arrived, not consumed: each record with its raw tensor frames (the consumer decodes them)
+        self.inbox: dict[tuple, tuple[StepMessage, Any]] = {}
         # broke: every step up to this one fails here (None: the next step a call is made for)
         self.failed: tuple[int | None, LinkError] | None = None
 
@@ -105,22 +107,39 @@ class LinkEnd:
                 else:
                     self.aq_in = AQReceiver(spec.aq, store)
 
+    # -- a verified run's signatures (swarm/lane/signing.py): made and checked in the caller's thread, as the coding
+    # is (reading only the spec and the links' fixed ends; the ring takes its own lock)
+
     def _where(self, link: _Link, step: int, micro: int, ids) -> dict[str, Any]:
         return dict(run=self.spec.run_id, lane=self.spec.lane, boundary=link.boundary, direction=link.direction,
                     step=step, micro=micro, ids=tuple(ids))
 
-    def _sign(self, decoded: torch.Tensor, link: _Link, step: int, micro: int, ids) -> bytes:
-        return sign_tensor(self.services.sh.key, decoded, **self._where(link, step, micro, ids))
+    def seal(self, direction: str, step: int, micro: int, out: Outgoing, x: torch.Tensor, *,
+             phase: str = TRAIN) -> Outgoing:
+        """`out` (the encoding of `x`, activations for FWD or gradients for BWD) signed by this stage, a verified
+        run's training tensors only: the signature covers what the receiver decodes, and is evidence against us."""
+        if not self.spec.signed or phase != TRAIN:
+            return out
+        link = _need(self.act_out if direction == FWD else self.grad_out, f"no outbound {direction} link here")
+        ids = out.ids if direction == FWD else ()
+        decoded = wire_roundtrip(out.kind, x)
+        assert decoded is not None  # a signed spec has a dense wire (LaneSpec checks it)
+        out.sig = sign_tensor(self.services.sh.key, decoded, **self._where(link, step, micro, ids))
+        self.sigs.put("act_out" if direction == FWD else "grad_out", step, micro, out.sig)
+        return out
 
-    async def _check_signed(self, link: _Link, rec: WireRecord, x: torch.Tensor, what: str, ids) -> None:
-        """A verified run's tensor must carry its sender's signature of what was decoded here: one that does not
-        is a violation (penalized, the step aborted); one that does is kept as evidence."""
-        ok = bool(rec.sig) and await trio.to_thread.run_sync(
-            lambda: tensor_signed_by(link.peer, rec.sig, x, **self._where(link, rec.step, rec.micro, ids)))
-        if not ok:
-            await self._reject(link, f"{what} of step {rec.step} #{rec.micro} without a valid signature", rec.step)
-            raise link.failed[1]
+    def unseal(self, direction: str, rec: Act | Grad, x: torch.Tensor) -> str | None:
+        """A verified run's training tensor must carry its sender's signature of what was decoded here (`x`): None
+        when it does (kept as evidence), else why not (the caller refuses it: penalized, the step aborted)."""
+        if not self.spec.signed or (isinstance(rec, Act) and rec.phase != TRAIN):
+            return None
+        link = _need(self.act_in if direction == FWD else self.grad_in, f"no inbound {direction} link here")
+        what = "act_in" if direction == FWD else "grad_in"
+        ids = rec.ids if isinstance(rec, Act) else ()
+        if not rec.sig or not tensor_signed_by(link.peer, rec.sig, x, **self._where(link, rec.step, rec.micro, ids)):
+            return f"{what} of step {rec.step} #{rec.micro} without a valid signature"
         self.sigs.put(what, rec.step, rec.micro, rec.sig)
+        return None
 
     def signatures(self, step: int, micro: int) -> dict[str, bytes]:
         """The signatures this end holds for a training micro-batch (a verified run): of what it sent (act_out,
@@ -140,21 +159,21 @@ class LinkEnd:
             filled += await self.services.aq_stores.pull(peer, key, store, revision)
         return filled
 
-    def link_statuses(self) -> list[dict[str, Any]]:
-        """What the status record says about this stage's activation links (protocol.records.LinkStatus fields):
-        the compression, and with AQ-SGD the store digest after the last finished step."""
+    def link_statuses(self) -> tuple[LinkStatus, ...]:
+        """What the status record says about this stage's activation links: the compression, and with AQ-SGD the
+        store digest after the last finished step."""
         out = []
-        stores = self.settled[1] if self.settled is not None else {}
+        settled_at, stores = self.settled if self.settled is not None else (None, {})
         for link, side in ((self.act_in, "receiver"), (self.act_out, "sender")):
             if link is None:
                 continue
             st = stores.get(link.name)
             checks = sorted(self.checks.get((link.name, side), {}).items())
-            out.append({"link": link.name, "peer": link.peer, "side": side, "compression": self.spec.kind,
-                        **({"step": self.settled[0], "digest": st["digest"][:16], "rows": st["rows"],
-                            "nacks": st["nacks"], "check_steps": [s for s, _ in checks],
-                            "check_digests": [d for _, d in checks]} if st else {})})
-        return out
+            out.append(LinkStatus(link=link.name, peer=link.peer, side=side, compression=self.spec.kind,
+                                  **({"step": settled_at, "digest": st["digest"][:16], "rows": st["rows"],
+                                      "nacks": st["nacks"], "check_steps": tuple(s for s, _ in checks),
+                                      "check_digests": tuple(d for _, d in checks)} if st else {})))
+        return tuple(out)
 
     def recent_digests(self) -> dict[str, dict[str, str]]:
         """"link/side" -> {step: digest} of this end's stores after each of the last steps (AQ-SGD)."""
@@ -163,85 +182,108 @@ class LinkEnd:
     def stores(self) -> dict[str, dict[str, Any]]:
         """Per activation link ("b0/fwd"...) with AQ-SGD: this end's store (compression, digest, rows, NACKs)."""
         out = {}
-        if self.aq_in is not None:
+        if self.aq_in is not None and self.act_in is not None:
             out[self.act_in.name] = {"peer": self.act_in.peer, "side": "receiver", **link_status(None, self.aq_in)}
-        if self.aq_out is not None:
+        if self.aq_out is not None and self.act_out is not None:
             out[self.act_out.name] = {"peer": self.act_out.peer, "side": "sender", **link_status(self.aq_out, None)}
         return out
 
     # -- the calls -----------------------------------------------------------------------------------------
+    # Each tensor message is two halves: encoding or decoding (swarm/lane/payload.py, in the caller's thread: a
+    # BlockingLinkEnd's is the trainer's) and moving its bytes (`post_*`, `take_*`, here on the loop). The async
+    # calls below do both, the coding in a worker thread, for callers on the loop.
 
     async def send_act(self, step: int, micro: int, ids: Sequence[int] | torch.Tensor, acts_BTD: torch.Tensor, *,
                        phase: str = TRAIN) -> None:
+        _need(self.act_out, "the last stage sends no activations")
+        out = await trio.to_thread.run_sync(encode_acts, self.spec, self.aq_out, step, micro, ids, acts_BTD, phase)
+        out = await trio.to_thread.run_sync(functools.partial(self.seal, FWD, step, micro, out, acts_BTD, phase=phase))
+        await self.post_act(step, micro, out, phase=phase)
+
+    async def post_act(self, step: int, micro: int, out: Outgoing, *, phase: str = TRAIN) -> None:
+        """Send one micro-batch's encoded activations (`payload.encode_acts`)."""
         link = _need(self.act_out, "the last stage sends no activations")
         await self._enter(step)
-        kind = self.spec.kind if phase == TRAIN else self.spec.eval_kind
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        if kind == AQ:
-            aq = self.aq_out
-            acts = on_codec_device(acts_BTD)  # kept on a CUDA device until committed: no copy to the host
-            enc = await self._local(trio.to_thread.run_sync, aq.encode, ids, acts, aq.busy(step, micro))
-            await self._send(link, aq.record(step, micro, ids, acts, enc), step, phase, headers=enc.headers,
-                             frames=enc.frames)
-            return
-        header, frame = await trio.to_thread.run_sync(encode_tensor_frame, kind, acts_BTD)
-        sig = b""
-        if self.spec.signed and phase == TRAIN:  # what the next stage decodes, signed: evidence against us
-            sig = await trio.to_thread.run_sync(self._sign, wire_roundtrip(kind, acts_BTD), link, step, micro, ids)
-            self.sigs.put("act_out", step, micro, sig)
-        await self._send(link, Act(step=step, micro=micro, kind=kind, ids=tuple(ids), phase=phase, sig=sig), step,
-                         phase, headers=[header], frames=[frame])
+        if out.encoding is not None:
+            rec = _need(self.aq_out, "activations encoded by AQ-SGD").record(step, micro, out.ids, out.acts,
+                                                                              out.encoding)
+        else:
+            rec = Act(step=step, micro=micro, kind=out.kind, ids=tuple(out.ids), phase=phase, sig=out.sig)
+        await self._send(link, rec, step, phase, headers=out.headers, frames=out.frames)
 
     async def recv_act(self, step: int, micro: int, *, phase: str = TRAIN) -> tuple[torch.Tensor, torch.Tensor]:
+        while True:
+            rec, frames = await self.take_act(step, micro, phase=phase)
+            try:
+                got = await trio.to_thread.run_sync(decode_acts, self.spec, self.aq_in, rec, frames, step)
+            except ProtocolError as e:
+                raise await self.refuse(FWD, str(e), step) from None
+            if isinstance(got, tuple):
+                why = await trio.to_thread.run_sync(self.unseal, FWD, rec, got[1])
+                if why is not None:
+                    raise await self.refuse(FWD, why, step)
+                return got
+            await self.nack(rec, got)
+
+    async def take_act(self, step: int, micro: int, *, phase: str = TRAIN) -> tuple[Act, list[bytes | None]]:
+        """The record and raw tensor frames of one micro-batch's activations, as they arrived (decode them with
+        `payload.decode_acts`)."""
         link = _need(self.act_in, "the first stage receives no activations")
         await self._enter(step)
-        while True:
-            rec, x = await self._take(link, ("act", step, micro, phase), step, phase, f"activations {micro}")
-            if rec.kind != AQ:
-                if self.spec.signed and phase == TRAIN:
-                    await self._check_signed(link, rec, x, "act_in", rec.ids)
-                return torch.tensor(rec.ids, dtype=torch.long), x
-            try:
-                nack = self.aq_in.check(rec, step)
-                if not nack:
-                    x = await trio.to_thread.run_sync(self.aq_in.apply, rec, x)
-                    return torch.tensor(rec.ids, dtype=torch.long), x
-            except Violation as e:
-                await self._reject(link, str(e), step)
-                raise link.failed[1] from None
-            self.aq_in.note_nack(rec)  # the sender resends these rows as first visits
-            log.info("%s: step %d micro-batch %d: %d rows NACKed (base versions this end lacks)", link.name, step,
-                     micro, len(nack))
-            out = _need(self.grad_out, "a receiving stage sends gradients")
-            await self._send(out, Nack(step=step, micro=micro, rows=tuple(nack)), step, phase)
-            out.sent.nacks += 1
+        return await self._take(link, ("act", step, micro, phase), step, phase, f"activations {micro}")
+
+    async def nack(self, rec: Act, rows: list[int]) -> None:
+        """Answer a micro-batch's deltas against versions this end lacks: the sender resends those rows as first
+        visits (docs/pipeline.md, "AQ-SGD over a link", rule 3)."""
+        _need(self.aq_in, "only AQ-SGD NACKs").note_nack(rec)
+        log.info("%s: step %d micro-batch %d: %d rows NACKed (base versions this end lacks)",
+                 _need(self.act_in, "a receiving stage").name, rec.step, rec.micro, len(rows))
+        out = _need(self.grad_out, "a receiving stage sends gradients")
+        await self._send(out, Nack(step=rec.step, micro=rec.micro, rows=tuple(rows)), rec.step, rec.phase)
+        out.sent.nacks += 1
+
+    async def refuse(self, direction: str, reason: str, step: int) -> LinkError:
+        """What arrived on the inbound link of `direction` (FWD: activations, BWD: gradients) breaks the protocol
+        (found when it was decoded): the sender is penalized and its stream dropped; returns the error the step
+        fails with."""
+        link = _need(self.act_in if direction == FWD else self.grad_in, f"no inbound {direction} link here")
+        await self._reject(link, reason, step)
+        assert link.failed is not None  # _reject records it
+        return link.failed[1]
 
     async def send_grad(self, step: int, micro: int, grad_BTD: torch.Tensor) -> None:
+        _need(self.grad_out, "the first stage sends no gradients")
+        out = await trio.to_thread.run_sync(encode_grads, self.spec, grad_BTD)
+        await self.post_grad(step, micro, await trio.to_thread.run_sync(self.seal, BWD, step, micro, out, grad_BTD))
+
+    async def post_grad(self, step: int, micro: int, out: Outgoing) -> None:
+        """Send the encoded gradient of one micro-batch's activations (`payload.encode_grads`); with AQ-SGD it is the
+        ACK of the micro-batch's rows."""
         link = _need(self.grad_out, "the first stage sends no gradients")
         await self._enter(step)
-        if self.spec.kind == AQ:
-            header, frame, _ = await self._local(trio.to_thread.run_sync, encode_group, grad_BTD,
-                                                 self.spec.aq.bwd_bits)
-            await self._send(link, Grad(step=step, micro=micro, ack=True), step, TRAIN, headers=[header],
-                             frames=[frame])
-            return
-        header, frame = await trio.to_thread.run_sync(encode_tensor_frame, self.spec.kind, grad_BTD)
-        sig = b""
-        if self.spec.signed:
-            sig = await trio.to_thread.run_sync(self._sign, wire_roundtrip(self.spec.kind, grad_BTD), link, step,
-                                                micro, ())
-            self.sigs.put("grad_out", step, micro, sig)
-        await self._send(link, Grad(step=step, micro=micro, sig=sig), step, TRAIN, headers=[header], frames=[frame])
+        await self._send(link, Grad(step=step, micro=micro, ack=self.spec.kind == AQ, sig=out.sig), step, TRAIN,
+                         headers=out.headers, frames=out.frames)
 
     async def recv_grad(self, step: int, micro: int) -> torch.Tensor:
+        rec, frame = await self.take_grad(step, micro)
+        try:
+            g = await trio.to_thread.run_sync(decode_grads, self.spec, frame)
+        except ProtocolError as e:
+            raise await self.refuse(BWD, str(e), step) from None
+        why = await trio.to_thread.run_sync(self.unseal, BWD, rec, g)
+        if why is not None:
+            raise await self.refuse(BWD, why, step)
+        return g
+
+    async def take_grad(self, step: int, micro: int) -> tuple[Grad, bytes]:
+        """The record and raw tensor frame of one micro-batch's gradient, as they arrived (decode it with
+        `payload.decode_grads`). Its arrival is the ACK: the micro-batch's rows become this end's store."""
         link = _need(self.grad_in, "the last stage receives no gradients")
         await self._enter(step)
-        rec, g = await self._take(link, ("grad", step, micro, TRAIN), step, TRAIN, f"gradients {micro}")
-        if rec.ack and self.aq_out is not None:
+        rec, frame = await self._take(link, ("grad", step, micro, TRAIN), step, TRAIN, f"gradients {micro}")
+        if isinstance(rec, Grad) and rec.ack and self.aq_out is not None:
             self.aq_out.commit(step, micro)
-        if self.spec.signed:
-            await self._check_signed(link, rec, g, "grad_in", ())
-        return g
+        return rec, frame
 
     async def exchange_norms(self, step: int, norms: Sequence[float], finite: bool) -> list[tuple[list[float], bool]]:
         """Send this stage's norms both ways, relay what arrives from one side to the other, return all stages'."""
@@ -257,7 +299,9 @@ class LinkEnd:
             for link in inbound:
                 for key in link.inbox:
                     if key[0] == "norm" and key[1] == step:
-                        return link, link.inbox.pop(key)[0]
+                        rec = link.inbox.pop(key)[0]
+                        assert isinstance(rec, LaneNorm)  # the inbox key names its type
+                        return link, rec
             return None
 
         while len(got) < self.spec.num_stages:
@@ -388,7 +432,7 @@ class LinkEnd:
                     body = encode_message(hello)
                     await stream.write(LEN.pack(len(body)) + body)
                     raw = await read_frame(stream, MAX_CONTROL_BYTES)
-                    reply = decode_message(raw, frozenset({Credit.TYPE, Refuse.TYPE}))
+                    reply: LaneMessage = decode_message(raw, frozenset({Credit.TYPE, Refuse.TYPE}))
             except trio.TooSlowError:
                 await reset_quietly(stream)
                 why = f"refused: {refused}" if refused else f"no answer within {self.config.dial_timeout_s:g} s"
@@ -407,7 +451,7 @@ class LinkEnd:
                 self.services.nursery.start_soon(self._read_credits, link, stream)
                 return
             await close_quietly(stream)
-            refused = reply.reason
+            refused = reply.reason if isinstance(reply, Refuse) else ""
             if trio.current_time() + self.config.retry_interval_s >= deadline:
                 raise LinkError(LinkError.DIAL, f"refused: {refused}", link.peer)
             await trio.sleep(self.config.retry_interval_s)
@@ -416,7 +460,7 @@ class LinkEnd:
         try:
             while link.stream is stream:
                 raw = await read_frame(stream, MAX_CONTROL_BYTES)
-                rec = decode_message(raw, frozenset({Credit.TYPE}))
+                rec = decode_one(raw, Credit)
                 if link.credits + rec.n > link.window:
                     raise Violation(f"credit {link.credits} + {rec.n} beyond its window {link.window}")
                 link.credits += rec.n
@@ -429,8 +473,8 @@ class LinkEnd:
             if link.stream is stream:
                 await self._lost(link, f"{type(e).__name__}: {e}")
 
-    async def _send(self, link: _Link, rec: WireRecord, step: int, phase: str, *, headers=(),
-                    frames: list[bytes] = ()) -> None:
+    async def _send(self, link: _Link, rec: LaneMessage, step: int, phase: str, *, headers: Sequence[Any] = (),
+                    frames: Sequence[bytes] = ()) -> None:
         await self._open(link)
         await self._wait(f"credit on {link.name}", step, phase, [link], lambda: link.credits > 0 or None,
                          self.config.send_timeout_s)
@@ -441,20 +485,12 @@ class LinkEnd:
         link.sent.wire_bytes += sum(4 + len(p) for p in parts)
         link.sent.payload_bytes += sum(h.nbytes for h in headers)
 
-    @staticmethod
-    async def _local(run, *args):
-        """Encode on a worker thread; values the wire cannot carry fail the step here (LinkError LOCAL)."""
-        try:
-            return await run(*args)
-        except NonFiniteError as e:
-            raise LinkError(LinkError.LOCAL, f"non-finite values: not sent ({e})") from e
-
     async def _resend(self, rec: Nack, pending) -> None:
         """Answer a NACK: the micro-batch again, the NACKed rows as first visits (a task of the hub's nursery)."""
-        aq, link = self.aq_out, self.act_out
+        aq, link = _need(self.aq_out, "a NACK answers AQ-SGD deltas"), _need(self.act_out, "a sending stage")
         try:
-            enc = await self._local(trio.to_thread.run_sync, aq.encode, pending.ids, pending.acts,
-                                    aq.busy(rec.step, rec.micro), set(rec.rows))
+            enc = await trio.to_thread.run_sync(resend_encoding, aq, pending.ids, pending.acts,
+                                                aq.busy(rec.step, rec.micro), rec.rows)
             act = aq.record(rec.step, rec.micro, pending.ids, pending.acts, enc)
             await self._send(link, act, rec.step, TRAIN, headers=enc.headers, frames=enc.frames)
         except Exception as e:  # noqa: BLE001 - the step fails at the receiver's deadline or by an abort
@@ -509,26 +545,28 @@ class LinkEnd:
                     if n == 0:
                         raise DecodeError("empty frame")
                     raw = await read_exactly(stream, n)
-                    rec = decode_message(raw, DATA_TYPES[link.direction])
-                    kind = self._check_record(link, rec)
-                    tensor, wire, payload = None, 4 + n, 0
+                    rec = decode_data(raw, link.direction)
+                    kind = check_record(self.spec, link.direction, rec)
+                    # tensor frames stay bytes (the consumer decodes them); an Act's are a list (AQ-SGD: two)
+                    frames: list[bytes | None] | bytes | None = None
+                    wire, payload = 4 + n, 0
                     if rec.TYPE in TENSOR_TYPES and kind != AQ:
+                        assert kind is not None  # a tensor message's kind
                         expected = payload_nbytes(kind, *self.spec.shape)
                         buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
-                        tensor = await trio.to_thread.run_sync(decode_tensor_frame, buf, kind, self.spec.shape)
+                        frames = [buf] if isinstance(rec, Act) else buf
                         wire, payload = wire + 4 + len(buf), expected
                     elif rec.TYPE in TENSOR_TYPES:
-                        groups = []
-                        for rows, bits in self._aq_groups(rec):
+                        groups: list[bytes | None] = []
+                        for rows, bits in aq_groups(self.spec, rec):
                             if not rows:
                                 groups.append(None)
                                 continue
                             expected = group_nbytes(rows, self.spec.seq_len, self.spec.d_model, bits)
                             buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
-                            groups.append(await trio.to_thread.run_sync(
-                                decode_group, buf, rows, self.spec.seq_len, self.spec.d_model, bits))
+                            groups.append(buf)
                             wire, payload = wire + 4 + len(buf), payload + expected
-                        tensor = tuple(groups) if isinstance(rec, Act) else groups[0]
+                        frames = groups if isinstance(rec, Act) else groups[0]
             except (ProtocolError, trio.TooSlowError) as e:
                 if link.stream is stream:
                     await self._reject(link, f"{type(e).__name__}: {e}", None if rec is None else rec.step)
@@ -548,72 +586,35 @@ class LinkEnd:
             link.recv.wire_bytes += wire
             link.recv.payload_bytes += payload
             try:
-                await self._admit(link, rec, tensor)
+                await self._admit(link, rec, frames)
             except Violation as e:
                 await self._reject(link, str(e), rec.step)
                 return
 
-    def _check_record(self, link: _Link, rec: WireRecord) -> str | None:
-        """Checks that need this lane's spec; returns the tensor kind that follows (None: no tensor)."""
-        sp = self.spec
-        if isinstance(rec, Act):
-            train = rec.phase == TRAIN
-            kind, count, n_ids = (sp.kind, sp.micro_batches, sp.train_samples) if train else (
-                sp.eval_kind, sp.eval_batches, sp.eval_samples)
-            if rec.kind != kind:
-                raise Violation(f"{rec.phase} activations at {rec.kind}, this run sends {kind}")
-            if kind == AQ and rec.bits != sp.aq.fwd_bits:
-                raise Violation(f"deltas at {rec.bits} bits, this run sends {sp.aq.fwd_bits}")
-            if rec.micro >= count:
-                raise Violation(f"{rec.phase} micro-batch {rec.micro} of {count}")
-            if len(rec.ids) != sp.micro_batch or max(rec.ids) >= n_ids:
-                raise Violation(f"sample ids: {len(rec.ids)} of them (expected {sp.micro_batch}), "
-                                f"largest {max(rec.ids)} (the {rec.phase} set has {n_ids})")
-            return kind
-        if isinstance(rec, Grad):
-            if rec.micro >= sp.micro_batches:
-                raise Violation(f"gradients of micro-batch {rec.micro} of {sp.micro_batches}")
-            return sp.kind
-        if isinstance(rec, LaneNorm):
-            ok = rec.stage < sp.stage if link.direction == FWD else sp.stage < rec.stage < sp.num_stages
-            if not ok:
-                raise Violation(f"norms of stage {rec.stage} cannot come from this side of stage {sp.stage}")
-            return None
-        if isinstance(rec, Abort):
-            return None
-        if isinstance(rec, Nack) and sp.kind == AQ:
-            if rec.micro >= sp.micro_batches:
-                raise Violation(f"NACK of micro-batch {rec.micro} of {sp.micro_batches}")
-            return None
-        raise Violation(f"{rec.TYPE} is not used on a {sp.kind} link")
-
-    def _aq_groups(self, rec: WireRecord) -> list[tuple[int, int]]:
-        """The AQ-SGD row groups (rows, bits) whose tensor frames follow a record (0 rows: no frame)."""
-        aq = self.spec.aq
-        if isinstance(rec, Act):
-            return [(rec.n_first, aq.first_bits), (rec.n_delta, aq.fwd_bits)]
-        return [(self.spec.micro_batch, aq.bwd_bits)]
-
-    async def _admit(self, link: _Link, rec: WireRecord, tensor: torch.Tensor | None) -> None:
+    async def _admit(self, link: _Link, rec: StepMessage, frames: list[bytes | None] | bytes | None) -> None:
         phase = rec.phase if isinstance(rec, Act) else TRAIN
         if (self.step is not None and rec.step < self.step) or (rec.step, phase) in self._aborted:
             await self._grant(link, 1)  # a step already over or given up: dropped, its credit returned
             return
         if isinstance(rec, Nack):
-            pending = self.aq_out.nacked(rec)  # raises Violation
+            pending = _need(self.aq_out, "NACKs come on AQ-SGD links only").nacked(rec)  # raises Violation
             link.recv.nacks += 1
             await self._grant(link, 1)
             self.services.nursery.start_soon(self._resend, rec, pending)
             return
         if self.step is not None and rec.step > self.step + 1:
             raise Violation(f"message for step {rec.step} while the lane is at step {self.step}")
-        key = ((rec.TYPE, rec.step, rec.stage, TRAIN) if isinstance(rec, LaneNorm)
-               else (rec.TYPE, rec.step, rec.micro, phase))
+        if isinstance(rec, LaneNorm):
+            key: tuple = (rec.TYPE, rec.step, rec.stage, TRAIN)
+        elif isinstance(rec, (Act, Grad)):
+            key = (rec.TYPE, rec.step, rec.micro, phase)
+        else:  # (aborts and NACKs are taken above)
+            raise Violation(f"{rec.TYPE} is not queued")
         if key in link.inbox:
             raise Violation(f"{rec.TYPE} for step {rec.step} #{key[2]} sent twice")
         if len(link.inbox) >= self.config.credit_window:
             raise Violation(f"more than its credit of {self.config.credit_window} unconsumed messages")
-        link.inbox[key] = (rec, tensor)
+        link.inbox[key] = (rec, frames)
         self._wake()
 
     async def _reject(self, link: _Link, reason: str, claimed_step: int | None) -> None:
@@ -640,7 +641,8 @@ class LinkEnd:
         self._wake()
 
 
-def _need(link: _Link | None, why: str) -> _Link:
-    if link is None:
+def _need(x: T | None, why: str) -> T:
+    """`x`, which this end must have for the call (a link, a store): a caller's error (ValueError) without it."""
+    if x is None:
         raise ValueError(why)
-    return link
+    return x

@@ -22,8 +22,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from shoal.protocol.errors import ProtocolError
-from shoal.protocol.lane import (LANE_PROTOCOL, MAX_RECORD_BYTES, TRAIN, LinkHello, Refuse, decode_message,
-                                 encode_message)
+from shoal.protocol.lane import LANE_PROTOCOL, MAX_RECORD_BYTES, LinkHello, Refuse, decode_one, encode_message
 from shoal.swarm.net.framing import close_quietly, read_frame
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Allowance, Penalties
@@ -52,6 +51,7 @@ class LinkHub:
         self._early = Allowance(EARLY_FREE, EARLY_WINDOW_S)
         self._inbound: dict[tuple[str, int, int, str], tuple[LinkEnd, _Link]] = {}
         self._ends: list[LinkEnd] = []
+        self.refused = 0  # honest dials refused because their link was not open here (yet): the dialer retries
         # AQ-SGD stores by link position (they outlive the ends), served to `allow`ed peers (the run's members)
         self.aq_stores = AQStores(sh, penalties, allow=allow)
         self.services = LinkServices(sh=sh, penalties=penalties, config=config, nursery=nursery,
@@ -93,7 +93,7 @@ class LinkHub:
         try:
             with trio.fail_after(self.config.dial_timeout_s):
                 raw = await read_frame(stream, MAX_RECORD_BYTES)
-                hello = decode_message(raw, frozenset({LinkHello.TYPE}))
+                hello = decode_one(raw, LinkHello)
         except (ProtocolError, trio.TooSlowError) as e:
             self.penalties.penalize(peer, f"lane link: bad hello: {type(e).__name__}: {e}")
             await reset_quietly(stream)
@@ -125,6 +125,7 @@ class LinkHub:
             why = "not open here" if found is None else "open here to another peer (yet)"
             log.info("lane link b%d/%s lane %d from %s refused: %s", hello.boundary, hello.direction, hello.lane,
                      peer, why)
+            self.refused += 1
             await _refuse(stream, f"this link is {why}")
             return
         if not honest:
@@ -134,6 +135,7 @@ class LinkHub:
                                           f"{hello.direction} lane {hello.lane}: {why}")
             await reset_quietly(stream)
             return
+        assert found is not None  # an honest dialer's link is open here (refused above otherwise)
         end, link = found
         await end.attach(link, stream, 4 + len(raw))
 

@@ -6,6 +6,7 @@ change afterwards (docs/verified-stages.md). `SignatureRing` keeps the last step
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 
 import torch
@@ -45,16 +46,20 @@ def tensor_signed_by(peer: str, sig: bytes, x: torch.Tensor, **where) -> bool:
 
 class SignatureRing:
     """(what, step, micro) -> signature for the last SIG_STEPS_KEPT steps (`what`: act_in, act_out, grad_in,
-    grad_out, as node/train/transcript.py names them)."""
+    grad_out, as node/train/transcript.py names them). The trainer's thread puts (where tensors are coded), the
+    event loop reads (evidence asked for): a lock keeps the two apart."""
 
     def __init__(self, keep_steps: int = SIG_STEPS_KEPT):
         self.keep_steps = keep_steps
         self._sigs: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
+        self._lock = threading.Lock()
 
     def put(self, what: str, step: int, micro: int, sig: bytes) -> None:
-        self._sigs[what, step, micro] = sig
-        while self._sigs and next(iter(self._sigs))[1] <= step - self.keep_steps:
-            self._sigs.popitem(last=False)
+        with self._lock:
+            self._sigs[what, step, micro] = sig
+            while self._sigs and next(iter(self._sigs))[1] <= step - self.keep_steps:
+                self._sigs.popitem(last=False)
 
     def of(self, step: int, micro: int) -> dict[str, bytes]:
-        return {w: s for (w, st, mi), s in self._sigs.items() if (st, mi) == (step, micro)}
+        with self._lock:
+            return {w: s for (w, st, mi), s in self._sigs.items() if (st, mi) == (step, micro)}

@@ -1,4 +1,4 @@
-"""What a lane link is made of: its config and spec, its errors, its byte counters, and the tensor frames it carries."""
+"""What a lane link is made of: its config and spec, what may cross it, its errors, byte counters and tensor frames."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from shoal.kernels.codec import CastCodec, Encoded, NoCompression, tensor_from_b
 from shoal.kernels.quant import NonFiniteError
 from shoal.protocol.errors import FieldError, ProtocolError
 from shoal.protocol.frames import decode_frame, encode_frame, make_header
-from shoal.protocol.lane import AQ, DENSE_KINDS, LaneAborted
+from shoal.protocol.lane import AQ, DENSE_KINDS, FWD, TRAIN, Abort, Act, Grad, LaneAborted, LaneNorm, Nack, StepMessage
 from shoal.protocol.manifest import RunManifest
 from shoal.swarm.lane.aq_codec import AQSpec
 
@@ -125,6 +125,53 @@ class LinkCounters:
     payload_bytes: int = 0  # of which tensor payload
     nacks: int = 0  # AQ-SGD NACK messages (part of the data messages)
     control_bytes: int = 0  # hello, credits, refusals, aborts (with length prefixes)
+
+
+def check_record(sp: LaneSpec, direction: str, rec: StepMessage) -> str | None:
+    """What may cross a link of `direction` (FWD, BWD) into stage `sp.stage`, beyond the record's own validation:
+    its kind, bits, micro-batch, sample ids, which side norms come from. Returns the tensor kind that follows (None:
+    no tensor); raises Violation."""
+    if isinstance(rec, Act):
+        train = rec.phase == TRAIN
+        kind, count, n_ids = (sp.kind, sp.micro_batches, sp.train_samples) if train else (
+            sp.eval_kind, sp.eval_batches, sp.eval_samples)
+        if rec.kind != kind:
+            raise Violation(f"{rec.phase} activations at {rec.kind}, this run sends {kind}")
+        if kind == AQ and sp.aq is not None and rec.bits != sp.aq.fwd_bits:
+            raise Violation(f"deltas at {rec.bits} bits, this run sends {sp.aq.fwd_bits}")
+        if rec.micro >= count:
+            raise Violation(f"{rec.phase} micro-batch {rec.micro} of {count}")
+        if len(rec.ids) != sp.micro_batch or max(rec.ids) >= n_ids:
+            raise Violation(f"sample ids: {len(rec.ids)} of them (expected {sp.micro_batch}), "
+                            f"largest {max(rec.ids)} (the {rec.phase} set has {n_ids})")
+        return kind
+    if isinstance(rec, Grad):
+        if rec.micro >= sp.micro_batches:
+            raise Violation(f"gradients of micro-batch {rec.micro} of {sp.micro_batches}")
+        return sp.kind
+    if isinstance(rec, LaneNorm):
+        ok = rec.stage < sp.stage if direction == FWD else sp.stage < rec.stage < sp.num_stages
+        if not ok:
+            raise Violation(f"norms of stage {rec.stage} cannot come from this side of stage {sp.stage}")
+        return None
+    if isinstance(rec, Abort):
+        return None
+    if isinstance(rec, Nack) and sp.kind == AQ:
+        if rec.micro >= sp.micro_batches:
+            raise Violation(f"NACK of micro-batch {rec.micro} of {sp.micro_batches}")
+        return None
+    raise Violation(f"{rec.TYPE} is not used on a {sp.kind} link")
+
+
+
+def aq_groups(sp: LaneSpec, rec: StepMessage) -> list[tuple[int, int]]:
+    """The AQ-SGD row groups (rows, bits) whose tensor frames follow a record on an AQ-SGD link (0 rows: no frame)."""
+    aq = sp.aq
+    if aq is None:
+        raise ValueError("AQ-SGD row groups come on AQ-SGD links only")
+    if isinstance(rec, Act):
+        return [(rec.n_first, aq.first_bits), (rec.n_delta, aq.fwd_bits)]
+    return [(sp.micro_batch, aq.bwd_bits)]
 
 
 def encode_tensor_frame(kind: str, x: torch.Tensor) -> tuple[Any, bytes]:

@@ -56,7 +56,7 @@ def local_ipv4() -> list[str]:
             found.setdefault(socket.inet_ntoa(raw[20:24]), name)
     if not found:  # other systems: whatever the host name resolves to
         try:
-            found.update((ai[4][0], "") for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET))
+            found.update((str(ai[4][0]), "") for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET))
         except OSError as e:
             log.debug("no addresses from the host name: %s", e)
         found.setdefault("127.0.0.1", "lo")

@@ -7,6 +7,7 @@ from libp2p.records.validator import Validator
 from shoal.protocol.envelope import open_envelope
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.kinds import RECORD_TYPES
+from shoal.protocol.records import Announcement
 from shoal.protocol.wire import MAX_RECORD_BYTES
 
 NAMESPACE = "shoal"
@@ -37,7 +38,7 @@ class ShoalRecordValidator(Validator):
                 rec = open_envelope(v, RECORD_TYPES).record
             except ProtocolError:
                 continue
-            t = getattr(rec, "started_at", None) or getattr(rec, "time", 0.0)
+            t = rec.started_at if isinstance(rec, Announcement) else float(getattr(rec, "time", 0.0))
             if t > best_t:
                 best, best_t = i, t
         return best

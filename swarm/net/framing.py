@@ -1,10 +1,15 @@
-"""Length-prefixed messages on a libp2p stream, with a hard size limit checked before any allocation."""
+"""Length-prefixed messages on a libp2p stream, with a hard size limit checked before any allocation; and the one
+error a failed request/response exchange becomes."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
+from collections.abc import Iterator
 
-from shoal.protocol.errors import DecodeError, TooLargeError
+import trio
+
+from shoal.protocol.errors import DecodeError, ProtocolError, TooLargeError
 
 _LEN = struct.Struct(">I")
 PREFIX_BYTES = _LEN.size  # the length prefix in front of every frame
@@ -12,6 +17,24 @@ PREFIX_BYTES = _LEN.size  # the length prefix in front of every frame
 
 class StreamClosed(ConnectionError):
     """The peer closed or reset the stream before a whole message arrived."""
+
+
+@contextlib.contextmanager
+def exchange_failures(error: type[Exception], what: str, timeout_s: float) -> Iterator[None]:
+    """An exchange with a peer under a deadline of `timeout_s`, whose every failure is raised as one `error` naming
+    `what` (the peer and what was asked): the deadline passing, a malformed or cut-off answer, or whatever the
+    transport raises (py-libp2p's dial failures come as many types). An `error` raised inside passes as it is."""
+    try:
+        with trio.fail_after(timeout_s):
+            yield
+    except trio.TooSlowError:
+        raise error(f"{what}: no answer within {timeout_s} s") from None
+    except (ProtocolError, StreamClosed) as e:
+        raise error(f"{what}: bad answer: {e}") from e
+    except error:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything else the transport raised
+        raise error(f"{what}: {type(e).__name__}: {e}") from e
 
 
 async def read_exactly(stream, n: int) -> bytes:

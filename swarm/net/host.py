@@ -255,7 +255,8 @@ class SwarmHost:
 def dial_failure(exc: BaseException) -> str:
     """The root cause of a failed dial, short ("connection refused"), from py-libp2p's chain of wrapped errors."""
     seen: set[int] = set()
-    stack, deepest = [exc], exc
+    stack: list[BaseException | None] = [exc]
+    deepest = exc
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:

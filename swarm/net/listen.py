@@ -22,7 +22,7 @@ class AddressInUse(OSError):
         super().__init__(errno.EADDRINUSE, f"--listen {listen}: address already in use{detail}")
 
     def __str__(self) -> str:
-        return self.strerror
+        return self.strerror or ""
 
 
 def tcp_endpoint(listen: str) -> tuple[int, str, int] | None:

@@ -45,11 +45,13 @@ class PeerEntry:
 
     @property
     def status_record(self) -> StatusRecord | None:
-        return self.status.record if self.status else None
+        rec = self.status.record if self.status else None
+        return rec if isinstance(rec, StatusRecord) else None
 
     @property
     def announcement_record(self) -> Announcement | None:
-        return self.announcement.record if self.announcement else None
+        rec = self.announcement.record if self.announcement else None
+        return rec if isinstance(rec, Announcement) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +90,8 @@ class Membership:
         elif isinstance(rec, StatusRecord) and e.state == LEFT and rec.time <= e.left_at_unix:
             return []  # a status sent before the leave notice, delivered late
         if isinstance(rec, StatusRecord):
-            old = e.status_record
-            if old is not None and rec.seq <= old.seq:
+            status = e.status_record
+            if status is not None and rec.seq <= status.seq:
                 return events
             e.status = signed
         elif isinstance(rec, Announcement):

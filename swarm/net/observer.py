@@ -39,20 +39,26 @@ class Observer:
         self.sh: SwarmHost | None = None
 
     def _ingest(self, signed: Signed, age_s: float = 0.0) -> None:
+        assert self.membership is not None  # records come in once `run` started
         self.membership.observe(signed, age_s=age_s)
         if self.on_signed is not None:
             self.on_signed(signed)
 
     async def refresh(self) -> int:
         """Pull a members snapshot from every peer we are connected to; returns the records accepted."""
-        n = 0
-        for pid in self.sh.connected_peers():
+        n, sh = 0, self.sh
+        assert sh is not None, "refresh runs once `run` opened the host"
+        for pid in sh.connected_peers():
             try:
-                rows = await call(self.sh, pid, "members", timeout_s=self.rpc_timeout_s)
+                rows = await call(sh, pid, "members", timeout_s=self.rpc_timeout_s)
             except RpcError as e:
                 log.info("members from %s: %s", pid, e)
                 continue
-            for signed, age in verified_members(rows, lambda why, pid=pid: self.penalties.penalize(pid, why)):
+
+            def penalize(why: str, pid: str = pid) -> None:
+                self.penalties.penalize(pid, why)
+
+            for signed, age in verified_members(rows, penalize):
                 self._ingest(signed, age_s=age)
                 n += 1
         return n

@@ -217,15 +217,15 @@ class Paths(INotifee):
         if peer in self._punching or self._nursery is None or self.puncher is None:
             return
         self._punching[peer] = trio.Event()
-        self._nursery.start_soon(self._punch, peer)
+        self._nursery.start_soon(self._punch, peer, self.puncher)
 
-    async def _punch(self, peer: ID) -> None:
+    async def _punch(self, peer: ID, puncher: HolePuncher) -> None:
         t0 = self.clock()
         self.stats.attempts += 1
         ok = False
         try:
             with trio.move_on_after(60):
-                ok = await self.puncher.initiate_hole_punch(peer)
+                ok = await puncher.initiate_hole_punch(peer)
         except Exception as e:  # noqa: BLE001 - a failed punch leaves the relayed path
             log.info("hole punch to %s failed: %s: %s", peer, type(e).__name__, e)
         finally:

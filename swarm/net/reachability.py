@@ -156,7 +156,7 @@ class DialBackService(AutoNATService):
         return None
 
 
-def _status(code: int, text: str) -> Message:
+def _status(code: Message.ResponseStatus.ValueType, text: str) -> Message:
     m = Message()
     m.type = Message.DIAL_RESPONSE
     m.dialResponse.status = code

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from shoal.protocol.errors import ProtocolError
+from shoal.protocol.schema import WireRecord
 from shoal.protocol.wire import pack, unpack
-from shoal.swarm.net.framing import StreamClosed, close_quietly, read_frame, write_frame
+from shoal.swarm.net.framing import StreamClosed, close_quietly, exchange_failures, read_frame, write_frame
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 
@@ -20,6 +21,7 @@ RPC_PROTOCOL = "/shoal/rpc/1.0.0"
 MAX_REQUEST_BYTES = 256 * 1024
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 
+R = TypeVar("R", bound=WireRecord)
 Handler = Callable[[str, Any], Awaitable[Any]]  # (caller peer id, request body) -> response body
 
 
@@ -31,7 +33,7 @@ class BadRequest(ProtocolError):
     """Raised by a handler to reject a request as malformed (the caller is penalized)."""
 
 
-def parse_body(cls: type, body: Any) -> Any:
+def parse_body(cls: type[R], body: Any) -> R:
     """`cls.from_wire(body)` for a handler: a malformed body is the caller's fault (BadRequest, penalized)."""
     try:
         return cls.from_wire(body)
@@ -106,26 +108,17 @@ async def call(sh: SwarmHost, peer_id: str, method: str, body: Any = None, *, ti
     (never anything else: a libp2p failure to open the stream is one of them)."""
     if peer_id == sh.peer_id:
         raise RpcError(f"{method}: refusing to call this node itself over the network")
-    try:
-        with trio.fail_after(timeout_s):
-            stream = await sh.open_stream(peer_id, RPC_PROTOCOL)
-            try:
-                req = pack({"m": method, "b": body})
-                sh.control_bytes[0] += len(req)
-                await write_frame(stream, req)
-                raw = await read_frame(stream, max_response_bytes)
-                sh.control_bytes[1] += len(raw)
-                resp = unpack(raw, max_bytes=max_response_bytes)
-            finally:
-                await close_quietly(stream)
-    except trio.TooSlowError:
-        raise RpcError(f"{method} on {peer_id[:16]}…: no answer within {timeout_s} s") from None
-    except (ProtocolError, StreamClosed) as e:
-        raise RpcError(f"{method} on {peer_id[:16]}…: bad answer: {e}") from e
-    except RpcError:
-        raise
-    except Exception as e:
-        raise RpcError(f"{method} on {peer_id[:16]}…: {type(e).__name__}: {e}") from e
+    with exchange_failures(RpcError, f"{method} on {peer_id[:16]}…", timeout_s):
+        stream = await sh.open_stream(peer_id, RPC_PROTOCOL)
+        try:
+            req = pack({"m": method, "b": body})
+            sh.control_bytes[0] += len(req)
+            await write_frame(stream, req)
+            raw = await read_frame(stream, max_response_bytes)
+            sh.control_bytes[1] += len(raw)
+            resp = unpack(raw, max_bytes=max_response_bytes)
+        finally:
+            await close_quietly(stream)
     if not isinstance(resp, dict) or not isinstance(resp.get("ok"), bool):
         raise RpcError(f"{method} on {peer_id[:16]}…: malformed response")
     if not resp["ok"]:

@@ -66,7 +66,7 @@ class BrokerConfig:
             raise ValueError("straggler_lag_steps >= 1 and corroborate_s >= 0 are required")
 
     @classmethod
-    def for_fail_after(cls, fail_after_s: float, **more: float) -> BrokerConfig:
+    def for_fail_after(cls, fail_after_s: float, **more: Any) -> BrokerConfig:
         """Settings scaled to one failure-detection time: the lease lapses after it too, liveness is checked three
         times within it (never less often than the default) and the lease renewed four times (each renewal is
         gossiped and put in the DHT: no more often than that)."""
@@ -111,7 +111,7 @@ class Broker:
         self.lease_env: bytes = b""
         self.deposed = False  # a newer broker took over, or our lease lapsed: stop acting, stop publishing
         self.renewed_at = self.clock()  # the last lease renewal this broker issued (clock seconds)
-        self.on_change: list[Callable[[AssignmentTable, bytes], None]] = []
+        self.on_change: list[Callable[[AssignmentTable, bytes], object]] = []  # called with each new table
         self.reforms = 0  # groups re-formed (same members, next epoch) after a member missed a round but answered
         # reports against members, weighed so that no lone accuser counts (swarm/run/accusations.py)
         self.accusations = Accusations(self.clock, window_s=config.straggler_window_s,
@@ -290,15 +290,14 @@ class Broker:
     def check_liveness(self) -> None:
         if not self.holds_lease():
             return
-        changed = False
         for p in list(self.providers.values()):
             if p.peer_id == self.ctx.me or p.state == GONE:
                 continue
             silent, left = self._silent_s(p)
-            if left:
-                changed |= self.mark_failed(p.peer_id, "left the swarm")
+            if left:  # (marking one failed publishes a new table itself)
+                self.mark_failed(p.peer_id, "left the swarm")
             elif silent > self.config.fail_after_s:
-                changed |= self.mark_failed(p.peer_id, f"silent for {silent:.1f} s")
+                self.mark_failed(p.peer_id, f"silent for {silent:.1f} s")
             else:
                 suspect = silent > self.config.suspect_after_beats * self.config.heartbeat_s
                 if suspect != p.suspect:
@@ -342,13 +341,14 @@ class Broker:
 
     async def _rpc_report_missing(self, caller: str, body: Any) -> Any:
         rep = parse_body(MissingReport, body)
-        if not self.holds_lease():
+        table = self.table
+        if table is None or not self.holds_lease():  # (a broker holding its lease has published a table)
             raise NotBroker("this node's broker does not hold the run's lease")
-        if rep.run_id != self.ctx.run_id or rep.stage >= self.stages or caller not in self.table.members(rep.stage):
+        if rep.run_id != self.ctx.run_id or rep.stage >= self.stages or caller not in table.members(rep.stage):
             return {"accepted": False}
         if rep.epoch > self.epochs[rep.stage]:
             return {"accepted": False, "epoch": self.epochs[rep.stage]}
-        members = self.table.members(rep.stage)
+        members = table.members(rep.stage)
         current = rep.epoch == self.epochs[rep.stage]
         if current:  # offences count within one epoch; a silent peer is checked anyway
             for pid in set(rep.offenders):
@@ -356,8 +356,8 @@ class Broker:
                     self._offence(rep.stage, rep.epoch, pid, caller, members)
         missing = [(pid, rep.stage, rep.epoch) for pid in set(rep.missing) if pid in members and pid != caller]
         for pid in set(rep.neighbours):  # only the caller's own lane neighbours, at their stage's current epoch
-            slot = self.table.slot_of(pid)
-            mine = self.table.slot_of(caller)
+            slot = table.slot_of(pid)
+            mine = table.slot_of(caller)
             if slot is not None and mine is not None and slot[1] == mine[1] and abs(slot[0] - mine[0]) == 1:
                 missing.append((pid, slot[0], self.epochs[slot[0]]))
         async with trio.open_nursery() as n:

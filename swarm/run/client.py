@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.run.group import Group
-from shoal.swarm.run.schedule import group_of
+from shoal.swarm.run.timeline import group_of
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class RunClient:
         return self.table.epochs[stage] if self.table else 0
 
     def group(self) -> Group | None:
-        """This node's group under the newest table (the runtime follows switch steps: GroupSchedule)."""
+        """This node's group under the newest table (the runtime follows switch steps: GroupTimeline)."""
         return group_of(self.table, self.me) if self.table else None
 
     def lease_lapsed(self) -> bool:
@@ -167,6 +167,7 @@ class RunClient:
 
     async def wait_changed(self) -> AssignmentTable:
         await self._changed.wait()
+        assert self.table is not None  # a change is a table accepted
         return self.table
 
     # -- tables ----------------------------------------------------------------------------------------------
@@ -252,10 +253,11 @@ class RunClient:
     # -- requests to the broker ---------------------------------------------------------------------------
     async def _ask(self, method: str, body: Any) -> Any:
         if self.broker_id == self.me:
-            if not self.is_broker():
+            broker = self.local_broker
+            if broker is None or broker.deposed:  # (not is_broker())
                 raise RpcError("this node is named the run's broker but holds no lease (yet)")
             try:
-                return await self.local_broker.handle(method, self.me, body)
+                return await broker.handle(method, self.me, body)
             except NotBroker as e:
                 raise RpcError(str(e)) from e
         return await call(self.ctx.sh, self.broker_id, method, body, timeout_s=self.config.rpc_timeout_s)
@@ -295,8 +297,8 @@ class RunClient:
         return nonce, admission_proof(self._admission_key, run_id=self.ctx.run_id, broker=broker, joiner=self.me,
                                       nonce=nonce)
 
-    async def report_missing(self, missing: list[str], *, epoch: int, stage: int, offenders: list[str] = (),
-                             neighbours: list[str] = ()) -> bool:
+    async def report_missing(self, missing: Sequence[str], *, epoch: int, stage: int, offenders: Sequence[str] = (),
+                             neighbours: Sequence[str] = ()) -> bool:
         """Tell the broker that `missing` members missed a round's deadline (it checks them: a silent one is
         replaced, one that answers makes it re-form the group), that `offenders` sent updates we rejected
         (evicted once most members say so), or that a link to these lane `neighbours` failed (checked alike)."""
@@ -347,13 +349,16 @@ class RunClient:
 
     async def _dht_lease_alive(self, broker: str) -> bool:
         """A last look before taking over: is there a fresh lease of `broker` in the DHT?"""
+        t = self.table
+        if t is None:
+            return False
         try:
             with trio.move_on_after(self.broker_config.dht_timeout_s):
                 raw = await self.ctx.sh.dht.get_value(lease_key(broker))
                 if raw:
                     lease = open_envelope(raw, RUN_RECORD_TYPES).record
                     return (isinstance(lease, BrokerLease) and lease.peer_id == broker
-                            and lease.lease_epoch >= self.table.lease_epoch and lease.expires_at > self.ctx.wall())
+                            and lease.lease_epoch >= t.lease_epoch and lease.expires_at > self.ctx.wall())
         except Exception as e:  # noqa: BLE001
             log.debug("dht lease lookup failed: %s", e)
         return False
@@ -377,6 +382,7 @@ class RunClient:
         b.on_change.append(lambda t, env: self._accept(t, env, t.peer_id))
         await self._nursery.start(b.run)
         self.ctx.register("run.table", self._rpc_table)  # ours answers for the broker while it holds the lease
+        assert b.table is not None  # a broker made from a table publishes its next version at once
         self._accept(b.table, b.table_env, self.me)
         self.takeovers.append(self.ctx.wall())
         log.warning("took over run %s from %s (lease epoch %d)", self.ctx.run_id[:16], old, b.lease_epoch)
@@ -388,6 +394,8 @@ class RunClient:
         (the old broker's place in its slot is given up either way: this node is admitted again, and enters a
         group with the group's state)."""
         t = self.table
+        if t is None:  # (orphaned: a table names this node)
+            return
         deadline = self.clock() + self.takeover_s()
         log.warning("run %s: the table names this node as broker (lease epoch %d) but it holds no lease: waiting up "
                     "to %.0f s for %s to take over", self.ctx.run_id[:16], t.lease_epoch, self.takeover_s(),
@@ -411,7 +419,7 @@ class RunClient:
             if not await self._poll(t.peer_id):
                 await self._follow_standby()  # it may have taken over
             if self.lease_lapsed():
-                if await self._dht_lease_alive(self.table.peer_id):
+                if await self._dht_lease_alive(self.broker_id):
                     self.broker_alive_at = self.clock()
                 else:
                     await self.take_over()
@@ -455,8 +463,9 @@ class RunClient:
 
     async def _rpc_table(self, caller: str, body: Any) -> Any:
         """The broker's answer while this node's broker holds the lease; otherwise the newest table we follow."""
-        if self.is_broker():
-            return await self.local_broker.handle("run.table", caller, body)
+        broker = self.local_broker
+        if broker is not None and not broker.deposed:  # (is_broker())
+            return await broker.handle("run.table", caller, body)
         return {"table": self.table_env or None}
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

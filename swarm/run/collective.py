@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -83,7 +84,7 @@ class Collective:
         self._done: deque[str] = deque(maxlen=DONE_TAGS_KEPT)
         self._done_set: set[str] = set()
         self._changed = trio.Event()
-        self._out: dict[str, object] = {}  # peer -> the stream our messages to it go on
+        self._out: dict[str, Any] = {}  # peer -> the (libp2p) stream our messages to it go on
         self._out_locks: dict[str, trio.Lock] = {}  # one message at a time on a stream
         sh.set_handler(COLLECTIVE_PROTOCOL, self._serve)
 

@@ -10,7 +10,7 @@ import trio
 from shoal.protocol.assignment import GONE, AssignmentTable
 from shoal.protocol.manifest import RunManifest
 from shoal.swarm.net.penalty import Allowance
-from shoal.swarm.run.schedule import live_tables
+from shoal.swarm.run.timeline import live_tables
 
 EPOCHS_AHEAD = 4  # a provider's messages under an epoch this far past the newest known are dropped unpunished ...
 EARLY_FREE = 8  # ... this many times per peer within EARLY_WINDOW_S (a table still on its way); then an offence

@@ -111,6 +111,8 @@ class AdmissionGate:
         """Why `req`'s proof of the join secret fails (None: it holds): it must answer the nonce this broker gave
         `peer_id` (once, within CHALLENGE_TTL_S), for this run, this broker and `peer_id`."""
         issued = self._challenges.pop(peer_id, None)
+        if req.proof is None or req.nonce is None:
+            return "this run is private: a join secret is required"
         if issued is None or issued[0] != req.nonce or self.ctx.clock() - issued[1] > CHALLENGE_TTL_S:
             return "this run is private: the admission proof answers no challenge of this broker"
         if self.secret is None:

@@ -17,9 +17,8 @@ import random
 
 import trio
 
-from shoal.protocol.errors import ProtocolError
 from shoal.protocol.wire import pack, unpack
-from shoal.swarm.net.framing import StreamClosed, close_quietly, read_frame, write_frame
+from shoal.swarm.net.framing import close_quietly, exchange_failures, read_frame, write_frame
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.state.snapshot import Snapshot, StateTransferError
@@ -37,22 +36,15 @@ class NeverHeld(StateTransferError):
 async def ask_hash(sh: SwarmHost, peer: str, *, revision: int, only: tuple[str, ...] | None = None,
                    config: StateTransferConfig) -> str:
     """The hash of `peer`'s whole state at `revision` (with `only`: `part_hash` over those prefixes); raises
-    StateTransferError."""
-    try:
-        with trio.fail_after(config.timeout_s):
-            stream = await sh.open_stream(peer, STATE_PROTOCOL)
-            try:
-                req = {"want": "hash", "revision": revision, **({"only": list(only)} if only else {})}
-                await write_frame(stream, pack(req))
-                h = unpack(await read_frame(stream, HASH_REPLY_BYTES), max_bytes=HASH_REPLY_BYTES)
-            finally:
-                await close_quietly(stream)
-    except trio.TooSlowError:
-        raise StateTransferError(f"no hash from {peer[:16]}… within {config.timeout_s} s") from None
-    except (ProtocolError, StreamClosed, OSError) as e:
-        raise StateTransferError(f"hash from {peer[:16]}…: {e}") from e
-    except Exception as e:  # noqa: BLE001 - a peer that cannot be dialed (gone) comes as many types from py-libp2p
-        raise StateTransferError(f"hash from {peer[:16]}…: {type(e).__name__}: {e}") from e
+    StateTransferError (NeverHeld: the peer passed that revision without keeping it)."""
+    with exchange_failures(StateTransferError, f"hash from {peer[:16]}…", config.timeout_s):
+        stream = await sh.open_stream(peer, STATE_PROTOCOL)
+        try:
+            req = {"want": "hash", "revision": revision, **({"only": list(only)} if only else {})}
+            await write_frame(stream, pack(req))
+            h = unpack(await read_frame(stream, HASH_REPLY_BYTES), max_bytes=HASH_REPLY_BYTES)
+        finally:
+            await close_quietly(stream)
     if isinstance(h, dict) and h.get("ok") is False and h.get("never") is True:
         raise NeverHeld(f"{peer[:16]}… passed revision {revision} without keeping it")
     if not isinstance(h, dict) or h.get("ok") is not True:

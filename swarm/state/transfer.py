@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,8 @@ import trio
 from shoal.kernels.codec import dtype_name
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.wire import pack, unpack
-from shoal.swarm.net.framing import StreamClosed, close_quietly, read_exactly, read_frame, write_frame
+from shoal.swarm.net.framing import (StreamClosed, close_quietly, exchange_failures, read_exactly, read_frame,
+                                     write_frame)
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.state.snapshot import DTYPES, Snapshot, StateTransferError, raw_bytes, state_hash, unflatten_state
@@ -146,13 +148,10 @@ def _check_header(h: Any, config: StateTransferConfig) -> tuple[int, str, Any, l
         if e[0] in names:
             raise StateTransferError(f"tensor {e[0][:80]!r} listed twice")
         names.add(e[0])
-        numel = 1
-        for d in e[2]:
-            if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d <= 1 << 40:
-                raise StateTransferError(f"bad shape for {e[0][:80]!r}")
-            numel *= d
+        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 1 << 40 for d in e[2]):
+            raise StateTransferError(f"bad shape for {e[0][:80]!r}")
         dtype = DTYPES[e[1]]
-        if e[3] != numel * torch.empty((), dtype=dtype).element_size():
+        if e[3] != math.prod(e[2]) * torch.empty((), dtype=dtype).element_size():
             raise StateTransferError(f"{e[0][:80]!r}: {e[3]} bytes do not match its shape and dtype")
         total += e[3]
         if total > config.max_total_bytes:
@@ -174,37 +173,28 @@ async def pull_state(sh: SwarmHost, peer_id: str, *, config: StateTransferConfig
 
     With `only`, just the tensors whose names start with those prefixes come (a partial snapshot: complete it
     with `Snapshot.merged`; its hash covers what was sent). Raises StateTransferError."""
-    try:
-        with trio.fail_after(config.timeout_s):
-            stream = await sh.open_stream(peer_id, protocol, bulk=True)
-            try:
-                req = {"want": "state", "revision": revision}
-                if only is not None:
-                    req["only"] = list(only)
-                await write_frame(stream, pack(req))
-                header = unpack(await read_frame(stream, config.max_header_bytes), max_bytes=config.max_header_bytes)
-                rev, hsh, skeleton, entries = _check_header(header, config)
-                if revision is not None and rev != revision:
-                    raise StateTransferError(f"asked for revision {revision}, got {rev}")
-                if expect_hash is not None and hsh != expect_hash:
-                    raise StateTransferError(f"peer serves hash {hsh[:12]}…, not the expected {expect_hash[:12]}…")
-                tensors: dict[str, torch.Tensor] = {}
-                for name, dtype, shape, nbytes in entries:
-                    if nbytes == 0:
-                        tensors[name] = torch.empty(shape, dtype=dtype)
-                        continue
-                    buf = bytearray(await read_exactly(stream, nbytes))
-                    tensors[name] = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
-            finally:
-                await close_quietly(stream)
-    except trio.TooSlowError:
-        raise StateTransferError(f"state from {peer_id[:16]}… not received within {config.timeout_s} s") from None
-    except (ProtocolError, StreamClosed) as e:
-        raise StateTransferError(f"state from {peer_id[:16]}…: {e}") from e
-    except StateTransferError:
-        raise
-    except Exception as e:
-        raise StateTransferError(f"state from {peer_id[:16]}…: {type(e).__name__}: {e}") from e
+    with exchange_failures(StateTransferError, f"state from {peer_id[:16]}…", config.timeout_s):
+        stream = await sh.open_stream(peer_id, protocol, bulk=True)
+        try:
+            req: dict[str, object] = {"want": "state", "revision": revision}
+            if only is not None:
+                req["only"] = list(only)
+            await write_frame(stream, pack(req))
+            header = unpack(await read_frame(stream, config.max_header_bytes), max_bytes=config.max_header_bytes)
+            rev, hsh, skeleton, entries = _check_header(header, config)
+            if revision is not None and rev != revision:
+                raise StateTransferError(f"asked for revision {revision}, got {rev}")
+            if expect_hash is not None and hsh != expect_hash:
+                raise StateTransferError(f"peer serves hash {hsh[:12]}…, not the expected {expect_hash[:12]}…")
+            tensors: dict[str, torch.Tensor] = {}
+            for name, dtype, shape, nbytes in entries:
+                if nbytes == 0:
+                    tensors[name] = torch.empty(shape, dtype=dtype)
+                    continue
+                buf = bytearray(await read_exactly(stream, nbytes))
+                tensors[name] = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+        finally:
+            await close_quietly(stream)
     got = await trio.to_thread.run_sync(state_hash, tensors, skeleton)  # a big state: not on the event loop
     if got != hsh:
         raise StateTransferError(f"state from {peer_id[:16]}… fails its checksum ({got[:12]}… != {hsh[:12]}…)")

@@ -16,6 +16,8 @@ from shoal.protocol.assignment import RUN_RECORD_TYPES, AssignmentTable, BrokerL
 from shoal.protocol.envelope import open_envelope
 from shoal.protocol.manifest import JoinPolicy, ParallelPlan, RunManifest, SyncSpec
 from shoal.protocol.records import HardwareProfile
+from shoal.protocol.schema import SignedRecord
+from shoal.swarm.net.membership import verified_members
 from shoal.swarm.net.rpc import call
 from shoal.swarm.run.broker import Broker, BrokerConfig
 from shoal.swarm.run.client import RunClient, RunClientConfig
@@ -172,17 +174,25 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+async def rss_within(pid: int, limit: int, timeout_s: float) -> int:
+    """`pid`'s resident memory as soon as it is below `limit` bytes, or its last reading once `timeout_s` passed
+    (memory a process frees after a load shows up in its RSS a moment later)."""
+    rss = rss_bytes(pid)
+    with trio.move_on_after(timeout_s):
+        while rss >= limit:
+            await trio.sleep(0.2)
+            rss = rss_bytes(pid)
+    return rss
+
+
+async def records_held(sh, peer: str) -> list[SignedRecord]:
+    """The signed records `peer` holds of the swarm's live peers (its `members` answer), verified."""
+    rows = await call(sh, peer, "members", timeout_s=5.0)
+    return [signed.record for signed, _ in verified_members(rows, lambda why: None)]
+
+
 def table_of(env: bytes) -> AssignmentTable:
     return open_envelope(env, RUN_RECORD_TYPES).record
-
-
-async def swarm_training(s, nodes: int, step: int = 5, timeout_s: float = 120) -> None:
-    """Wait until `nodes` node processes of a LocalSwarm hold slots and have trained past `step`."""
-    from tests.swarm.test_run_swarm import active
-
-    with trio.fail_after(timeout_s):
-        while not (len(active(s)) == nodes and min(r.get("step") or 0 for r in active(s)) >= step):
-            await trio.sleep(0.2)
 
 
 async def owner_broker(nursery: trio.Nursery, replicas: int, **kw) -> tuple[RunManifest, Member]:

@@ -11,9 +11,11 @@ import pytest
 import trio
 
 from shoal.protocol.envelope import open_envelope
+from shoal.protocol.records import RunStatus, StatusRecord
 from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.state.transfer import StateTransferConfig, StateTransferError, pull_state
-from tests.adversarial.attacker import node_with, table_of
+from tests.adversarial.attacker import node_with, records_held, table_of
+from tests.helpers.progress import newest_step, wait_training
 from shoal.node.run.entitled import MAX_STEP_LEAD
 from tests.swarm.test_run_swarm import active, done, make_swarm, write_run
 
@@ -23,19 +25,23 @@ STEPS = 300  # long enough that the promotion takes effect within the run howeve
 HUGE = 2**60
 
 
+async def lie_held(x, peer: str) -> bool:
+    """Whether `peer` holds the liar `x`'s status record with the absurd step."""
+    return any(isinstance(r, StatusRecord) and r.peer_id == x.peer_id and r.step == HUGE
+               for r in await records_held(x.sh, peer))
+
+
 def liar(run_id: str) -> SimpleNamespace:
     """What a node's status loop publishes for a run it trains, with an absurd step and rate."""
-    return SimpleNamespace(client=None, status_fields=lambda: {
-        "run_id": run_id, "role": "active", "state": "training", "slot": "s0r0", "step": HUGE, "tokens_per_s": 1e12})
+    return SimpleNamespace(client=None, status=lambda: RunStatus(
+        run_id=run_id, role="active", state="training", slot="s0r0", step=HUGE, tokens_per_s=1e12))
 
 
 async def test_absurd_step_reports_cannot_stall_a_group_change_and_strangers_get_no_state(tmp_path):
     s = make_swarm(tmp_path, 3, write_run(tmp_path / "w", replicas=2, sync="allreduce"), STEPS)
     try:
         await trio.to_thread.run_sync(s.start)
-        with trio.fail_after(120):
-            while not (len(active(s)) == 2 and min(r.get("step") or 0 for r in active(s)) >= 5):
-                await trio.sleep(0.2)
+        await wait_training(s, 2, 5, 120, "training to get going")
         run_id = s.nodes[0].status()["run_id"]
         member = next(r for r in active(s) if r["index"] != 0)
         async with node_with(join=s.bootstrap_addrs()) as x:
@@ -45,12 +51,12 @@ async def test_absurd_step_reports_cannot_stall_a_group_change_and_strangers_get
                 await call(x.sh, member["peer_id"], "run.snapshot_at", HUGE)
             with pytest.raises(StateTransferError):
                 await pull_state(x.sh, member["peer_id"], config=StateTransferConfig(timeout_s=5.0))
-            await trio.sleep(2.0)  # the lie has been gossiped to every node
+            with trio.fail_after(30):  # every node holds the lie (x's status record claiming step 2^60)
+                while not all(await lie_held(x, r["peer_id"]) for r in s.summary() if r["alive"]):
+                    await trio.sleep(0.2)
             s.nodes[member["index"]].proc.send_signal(signal.SIGKILL)  # the backup must take its slot
-            step_at_kill = max(r.get("step") or 0 for r in active(s))
-            with trio.fail_after(90):
-                while not (len(active(s)) == 2 and min(r.get("step") or 0 for r in active(s)) > step_at_kill + 3):
-                    await trio.sleep(0.5)
+            step_at_kill = newest_step(s)
+            await wait_training(s, 2, step_at_kill + 4, 90, "the group going on after the kill")
             t = table_of((await call(x.sh, s.nodes[0].status()["peer_id"], "run.table", {"run_id": run_id}))["table"])
             switch = t.switch_step(0)
         with trio.fail_after(240):
@@ -129,6 +135,8 @@ async def test_one_of_two_members_lying_about_its_step_cannot_stall_a_joiner():
     """Two members train (real in-process nodes, a real broker); one of them publishes step 2^60 at 10^12 tok/s. A
     third replica joins: its group change takes effect within a bounded lead of the group's real step (the clamp
     counts this node's own step: with two members the liar is half the group, not its median), and it enters."""
+    from dataclasses import replace
+
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from tests.helpers.swarm import running_node, wait_for
@@ -138,16 +146,16 @@ async def test_one_of_two_members_lying_about_its_step_cannot_stall_a_joiner():
     m = manifest("allreduce", replicas=3).signed(owner)
     cfg = node_config(m, 1000, start_wait_s=1.0)  # two members start without waiting for the third
     async with running_node((), cfg, key=owner) as first, running_node(first.sh.addrs, cfg) as liar:
-        await wait_for(lambda: all(n.runtime.trainer is not None and n.runtime.trainer.step_count >= 5
-                                   for n in (first, liar)), 60, "two members to train")
-        fields = liar.runtime.status_fields
-        liar.runtime.status_fields = lambda: {**fields(), "step": HUGE, "tokens_per_s": 1e12}
+        await wait_training([first, liar], 2, 5, 60, "two members to train")
+        status = liar.runtime.status
+        liar.runtime.status = lambda: replace(status(), step=HUGE, tokens_per_s=1e12)
         await wait_for(lambda: any(e.status_record is not None and e.status_record.step == HUGE
                                    for e in first.membership.live_peers()), 10, "the lie to reach the broker")
-        at_join = first.runtime.at_step
+        at_join = first.runtime.replica.at_step
         async with running_node(first.sh.addrs, cfg) as joiner:
-            await wait_for(lambda: joiner.runtime.entries, 60, "the joiner to enter the group")
-            lead = joiner.runtime.entries[0]["step"] - at_join
+            await wait_for(lambda: joiner.runtime.entry is not None and joiner.runtime.entry.entries, 60,
+                           "the joiner to enter the group")
+            lead = joiner.runtime.entry.entries[0]["step"] - at_join
             print(f"one of two members claims step 2^60: a joiner's group change took effect {lead} steps after "
                   f"the group's step at its join (the issue measured 4,906,249 before the clamp counted our own)")
             assert 0 < lead < 4 * MAX_STEP_LEAD  # the clamp (64), the switch lead and the steps its admission took

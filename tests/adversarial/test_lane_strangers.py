@@ -13,7 +13,8 @@ import trio
 from shoal.protocol.lane import FWD, LANE_PROTOCOL, LinkHello, Refuse, decode_message, encode_message
 from shoal.swarm.net.framing import read_frame
 from shoal.swarm.lane.spec import LEN
-from tests.adversarial.attacker import node_with, start, swarm_training
+from tests.adversarial.attacker import node_with, start
+from tests.helpers.progress import wait_training
 from tests.swarm.test_pipeline_swarm import done, write_run
 from tests.swarm.test_run_swarm import active, make_swarm
 
@@ -51,7 +52,7 @@ async def test_strangers_and_unnamed_backups_dialing_a_lane_link_are_penalized(t
     s = make_swarm(tmp_path, 2, run, STEPS)
     try:
         await trio.to_thread.run_sync(s.start)
-        await swarm_training(s, 2)
+        await wait_training(s, 2, 5, 120, "training to get going")
         victim = next(r for r in active(s) if r["slot"] == "s1r0")
         t0, step0 = trio.current_time(), victim.get("step") or 0
         async with node_with(join=s.bootstrap_addrs()) as x:

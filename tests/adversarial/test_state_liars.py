@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.swarm.net.identity import peer_id_of
 from tests.adversarial.poisoner import serve_lies
+from tests.helpers.progress import wait_training
 from tests.helpers.swarm import running_node, wait_for
 from tests.swarm.test_run_runtime import finished, hashes, manifest, node_config
 
@@ -46,14 +47,13 @@ async def test_a_member_serving_another_state_than_the_group_holds_is_never_load
         key = lowest_key([first.peer_id, second.peer_id])
         async with running_node(first.sh.addrs, cfg, key=key) as liar:
             group = [first, second, liar]
-            await wait_for(lambda: all(n.runtime.trainer is not None and n.runtime.trainer.step_count >= 5
-                                       for n in group), 60, "three members to train")
+            await wait_training(group, 3, 5, 60, "three members to train")
             served = serve_lies(liar.sh, liar.runtime.snapshots.at, malformed=attack == "entry-malformed",
                                 poison="/optimizer/" if attack == "entry-optimizer" else "/model/")
             rig_draws(liar.peer_id, monkeypatch)
             if joiner_enters:
                 async with running_node(first.sh.addrs, cfg) as victim:
-                    await wait_for(lambda: victim.runtime.entries, 90, "the joiner to enter")
+                    await wait_for(lambda: victim.runtime.entry is not None and victim.runtime.entry.entries, 90, "the joiner to enter")
                     await wait_for(lambda: finished([*group, victim]), 120, "the run to finish")
                     honest = [first, second, victim]
             else:
@@ -62,17 +62,17 @@ async def test_a_member_serving_another_state_than_the_group_holds_is_never_load
 
                 def corrupt(trainer) -> None:  # the victim drifts: it must re-fetch the group's state
                     if not corrupted:
-                        victim.runtime.sync.close(trainer.model)
+                        victim.runtime.replica.sync.close(trainer.model)
                         with torch.no_grad():
                             next(trainer.model.parameters()).add_(1e-3)
                         corrupted.append(trainer.step_count)
-                victim.runtime.trainer.before_step_hooks.append(corrupt)
-                await wait_for(lambda: victim.runtime.refetches >= 1, 60, "the victim to re-fetch")
+                victim.runtime.replica.trainer.before_step_hooks.append(corrupt)
+                await wait_for(lambda: victim.runtime.consistency.refetches >= 1, 60, "the victim to re-fetch")
                 await wait_for(lambda: finished(group), 120, "the run to finish")
                 honest = [first, second]
             print(f"{attack}: the liar served its state to {len(served)} pull(s), was penalized by the victim: "
                   f"{bool(victim.penalties.reasons(liar.peer_id))}; final hashes of the honest replicas: "
-                  f"{sorted({h[:12] for h in hashes(honest)})}; victim re-fetches {victim.runtime.refetches}")
+                  f"{sorted({h[:12] for h in hashes(honest)})}; victim re-fetches {victim.runtime.consistency.refetches}")
             assert victim.peer_id in served  # the liar was asked first (and only then the others)
             assert "claimed the agreed hash" in victim.penalties.reasons(liar.peer_id)[0]
-            assert len(hashes(honest)) == 1 and all(n.runtime.trainer.step_count == steps for n in honest)
+            assert len(hashes(honest)) == 1 and all(n.runtime.replica.trainer.step_count == steps for n in honest)

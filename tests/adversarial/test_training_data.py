@@ -7,13 +7,13 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 
 import pytest
-import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.node.run.config import RunConfig
 from shoal.node.run.preflight import UntrustedData, data_source
 from shoal.protocol import manifest as mf
-from tests.helpers.swarm import running_node, wait_for
+from tests.helpers.progress import wait_training
+from tests.helpers.swarm import running_node
 from tests.swarm.test_run_runtime import node_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -52,8 +52,7 @@ async def test_a_run_naming_a_local_path_cannot_make_a_joiner_read_it(tmp_path):
             async with running_node(first.sh.addrs, by_id(cfg, m.run_id)):
                 pass
         async with running_node(first.sh.addrs, by_id(cfg, m.run_id, data=str(own_copy))) as volunteer:
-            await wait_for(lambda: volunteer.runtime.trainer is not None and volunteer.runtime.trainer.step_count >= 3,
-                           60, "the volunteer to train on its own --data")
+            await wait_training([volunteer], 1, 3, 60, "the volunteer to train on its own --data")
             assert volunteer.runtime.data_source == str(own_copy)
 
 

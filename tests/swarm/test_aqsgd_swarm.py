@@ -15,6 +15,7 @@ import pytest
 from shoal.protocol import manifest as mf
 from shoal.swarm.net.identity import load_or_create_identity
 from tests.swarm.test_pipeline_swarm import stage_of
+from tests.helpers.progress import newest_step, training
 from tests.swarm.test_run_swarm import active, make_swarm, wait
 
 pytestmark = pytest.mark.slow
@@ -60,9 +61,9 @@ def recent_digests(s, lane: str) -> dict[str, dict[int, str]]:
 
 def ends_agree(s, lane: str, after: int, seen: list | None = None) -> bool:
     """Both ends of both links of `lane` hold digests for a common step past `after`, and at the newest such step
-    they are equal. `seen` collects the mismatches met on the way: pipeline.md rule 4 lets a step aborted after the
-    receiver decoded leave the two ends apart until rule 3 (NACK, resend in full) repairs the rows at their next
-    visit."""
+    they are equal. `seen` collects the mismatches met on the way: docs/pipeline.md "AQ-SGD over a link",
+    rule 4 lets a step aborted after the receiver decoded leave the two ends apart until rule 3 (NACK, resend in
+    full) repairs the rows at their next visit."""
     digests = recent_digests(s, lane)
     for link in ("b0/fwd", "b1/fwd"):
         a, b = digests.get(f"{link}/sender", {}), digests.get(f"{link}/receiver", {})
@@ -98,7 +99,7 @@ def training_swarm(tmp_path: Path):
     s = make_swarm(tmp_path, 8, write_run(tmp_path / "w"), 400)
     try:
         s.start()
-        wait(lambda: len(active(s)) == 6 and min(r.get("step") or 0 for r in active(s)) >= 8, 240,
+        wait(lambda: training(s, 6, 8), 240,
              "training to get going (4 epochs of each lane's 16 samples)", s)
         yield s
     finally:
@@ -118,8 +119,8 @@ def test_a_killed_middle_stage_is_replaced_by_a_backup_that_pulls_both_stores(tm
         s.nodes[victim["index"]].proc.send_signal(signal.SIGKILL)
         wait(lambda: any(r["index"] == backup["index"] and r.get("slot") == victim["slot"] for r in active(s)), 60,
              "the stage-1 backup to take the slot", s)
-        at = max(r.get("step") or 0 for r in active(s))
-        wait(lambda: len(active(s)) == 6 and min(r.get("step") or 0 for r in active(s)) > at + 4, 120,
+        at = newest_step(s)
+        wait(lambda: training(s, 6, at + 5), 120,
              "both lanes training again", s)
         wait(lambda: ends_agree(s, lane, at + 2), 60, "both links' ends to agree after the hand-over", s)
         log = Path(s.nodes[backup["index"]].log_file).read_text()
@@ -152,8 +153,8 @@ def test_both_ends_of_a_link_killed_restart_it_empty_and_it_converges(tmp_path):
         want = {f"s{st}{lane}": backups[st]["index"] for st in (0, 1)}
         wait(lambda: all(any(r["index"] == i and r.get("slot") == slot for r in active(s)) for slot, i in want.items()),
              90, "the backups of stages 0 and 1 to take both slots", s)
-        at = max(r.get("step") or 0 for r in active(s))
-        wait(lambda: len(active(s)) == 6 and min(r.get("step") or 0 for r in active(s)) > at + 4, 120,
+        at = newest_step(s)
+        wait(lambda: training(s, 6, at + 5), 120,
              "both lanes training again", s)
         wait(lambda: ends_agree(s, lane, at + 2), 60, "both links' ends to agree after the restart", s)
         logs = {st: Path(s.nodes[backups[st]["index"]].log_file).read_text() for st in (0, 1)}

@@ -247,8 +247,10 @@ def publishes_step(mem: Member, run_id: str, step: int) -> None:
     """The member's status records now say it trains `run_id` at `step` (as a training node's do)."""
     from types import SimpleNamespace
 
-    mem.node.runtime = SimpleNamespace(client=None, status_fields=lambda: {
-        "run_id": run_id, "role": "active", "state": "training", "step": step})
+    from shoal.protocol.records import RunStatus
+
+    mem.node.runtime = SimpleNamespace(client=None, status=lambda: RunStatus(
+        run_id=run_id, role="active", state="training", step=step))
 
 
 async def test_a_member_that_keeps_missing_rounds_is_moved_to_the_backup_pool():

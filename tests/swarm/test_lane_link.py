@@ -208,7 +208,7 @@ async def test_a_replacement_that_dials_before_the_survivor_moved_is_refused_unp
         got: list = []
         async with trio.open_nursery() as n:
             n.start_soon(lambda: fresh.send_act(0, 0, list(range(B)), acts(0, 0)))
-            await trio.sleep(1.0)  # the replacement dials and is refused, more than once
+            await wait_for(lambda: hubs[1].refused >= 2, 5, "the replacement's dial refused more than once")
             assert not pens[1].reasons(new.peer_id) and not pens[1].is_banned(new.peer_id)
             await stale.aclose()
             moved = hubs[1].open(spec(1, [new.peer_id, survivor.peer_id]))

@@ -13,6 +13,7 @@ import pytest
 from shoal.node.localswarm import LocalSwarm
 from shoal.protocol import manifest as mf
 from shoal.swarm.net.identity import load_or_create_identity
+from tests.helpers.progress import newest_step, training
 from tests.swarm.test_run_swarm import active, make_swarm, wait
 
 pytestmark = pytest.mark.slow
@@ -81,7 +82,7 @@ def test_stage_kills_are_repaired_by_backups_of_their_stage_then_a_lane_dissolve
     recovery = {}
     try:
         s.start()
-        wait(lambda: len(active(s)) == 4 and min(r.get("step") or 0 for r in active(s)) >= 10, 180,
+        wait(lambda: training(s, 4, 10), 180,
              "training to get going", s)
         for stage in (1, 0):
             victim = next(r for r in active(s) if r["index"] != 0 and stage_of(r) == stage)
@@ -90,8 +91,8 @@ def test_stage_kills_are_repaired_by_backups_of_their_stage_then_a_lane_dissolve
             t_kill = time.monotonic()
             wait(lambda: any(r["index"] != victim["index"] and r.get("slot") == victim["slot"] for r in active(s)),
                  60, f"a backup to take {victim['slot']}", s)
-            at = max(r.get("step") or 0 for r in active(s))
-            wait(lambda: len(active(s)) == 4 and min(r.get("step") or 0 for r in active(s)) > at + 3, 120,
+            at = newest_step(s)
+            wait(lambda: training(s, 4, at + 4), 120,
                  f"both lanes training after the stage-{stage} kill", s)
             recovery[stage] = time.monotonic() - t_kill
             assert stage_of(next(r for r in active(s) if r["slot"] == victim["slot"])) == stage

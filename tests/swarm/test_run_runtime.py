@@ -19,6 +19,7 @@ from shoal.swarm.net.identity import peer_id_of
 from shoal.swarm.run.broker import BrokerConfig
 from shoal.swarm.run.client import RunClientConfig
 from tests.helpers.faults import poison
+from tests.helpers.progress import wait_training
 from tests.helpers.swarm import FAST, running_node, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.own_process, pytest.mark.usefixtures("one_torch_thread")]
@@ -42,7 +43,7 @@ def node_config(m: mf.RunManifest, steps: int, **run):
 
 
 def hashes(nodes) -> set[str]:
-    return {n.runtime.sync.state_hash() for n in nodes}
+    return {n.runtime.replica.sync.state_hash() for n in nodes}
 
 
 def finished(nodes) -> bool:
@@ -59,7 +60,7 @@ def pace_until_entered(nodes, backup, steps: int, step_s: float = 0.05, margin_s
     since: list[float] = []
 
     def pace(t) -> None:
-        if backup.runtime.entries or t.step_count < 10:
+        if backup.runtime.entry.entries or t.step_count < 10:
             time.sleep(step_s)
             return
         now = time.monotonic()
@@ -69,7 +70,7 @@ def pace_until_entered(nodes, backup, steps: int, step_s: float = 0.05, margin_s
         time.sleep(max(0.3, left_s / max(1, steps - t.step_count)))
 
     for x in nodes:
-        x.runtime.trainer.before_step_hooks.append(pace)
+        x.runtime.replica.trainer.before_step_hooks.append(pace)
 
 
 @pytest.mark.parametrize("sync", ["allreduce", "cocktail"])
@@ -80,14 +81,13 @@ async def test_a_replica_off_the_majority_hash_refetches_and_rejoins_it(sync):
         addrs = first.sh.addrs
         async with running_node(addrs, cfg) as second, running_node(addrs, cfg) as victim:
             nodes = [first, second, victim]
-            await wait_for(lambda: victim.runtime.trainer is not None and victim.runtime.trainer.step_count >= 5,
-                           60, "training to get going")
+            await wait_training([victim], 1, 5, 60, "training to get going")
             corrupted = []
 
             def corrupt(trainer) -> None:  # trainer thread, before a step, with no round in flight
                 if corrupted:
                     return
-                sync_ = victim.runtime.sync
+                sync_ = victim.runtime.replica.sync
                 sync_.close(trainer.model)
                 with torch.no_grad():
                     if sync == "cocktail":
@@ -96,13 +96,13 @@ async def test_a_replica_off_the_majority_hash_refetches_and_rejoins_it(sync):
                         next(trainer.model.parameters()).add_(1e-3)
                 corrupted.append(trainer.step_count)
 
-            victim.runtime.trainer.before_step_hooks.append(corrupt)
+            victim.runtime.replica.trainer.before_step_hooks.append(corrupt)
             await wait_for(lambda: corrupted, 30, "the corruption")
-            await wait_for(lambda: victim.runtime.refetches >= 1, 60, "the victim to re-fetch")
+            await wait_for(lambda: victim.runtime.consistency.refetches >= 1, 60, "the victim to re-fetch")
             await wait_for(lambda: finished(nodes), 120, "the run to finish")
             assert len(hashes(nodes)) == 1
-            assert first.runtime.refetches == second.runtime.refetches == 0
-            assert all(n.runtime.trainer.step_count == steps for n in nodes)
+            assert first.runtime.consistency.refetches == second.runtime.consistency.refetches == 0
+            assert all(n.runtime.replica.trainer.step_count == steps for n in nodes)
 
 
 async def test_a_refetch_whose_source_is_gone_is_given_up_and_voted_again():
@@ -112,12 +112,12 @@ async def test_a_refetch_whose_source_is_gone_is_given_up_and_voted_again():
     cfg = node_config(manifest("allreduce", replicas=1), steps)
     async with running_node((), cfg) as node:
         await wait_for(lambda: finished([node]), 60, "a one-replica run")
-        rt = node.runtime
+        votes = node.runtime.consistency
         gone = peer_id_of(Ed25519PrivateKey.generate())  # never live: as a peer that died after the vote
-        rt._refetch = (steps, gone)
+        votes.pending = (steps, gone)
         with trio.fail_after(10):
-            await rt._refetch_now(steps)
-        assert rt._refetch is None and rt.refetches == 0
+            await votes.refetch(steps, None)
+        assert votes.pending is None and votes.refetches == 0
 
 
 async def test_a_late_joiner_enters_at_an_agreed_step_with_the_groups_state():
@@ -126,14 +126,13 @@ async def test_a_late_joiner_enters_at_an_agreed_step_with_the_groups_state():
     cfg = node_config(m, steps, start_wait_s=1.0)  # two nodes start the run without waiting for the third slot
     async with running_node((), cfg) as first:
         async with running_node(first.sh.addrs, cfg) as second:
-            await wait_for(lambda: all(n.runtime.trainer is not None and n.runtime.trainer.step_count >= 10
-                                       for n in (first, second)), 60, "two replicas to train")
+            await wait_training([first, second], 2, 10, 60, "two replicas to train")
             async with running_node(first.sh.addrs, cfg) as late:
                 await wait_for(lambda: finished([first, second, late]), 120, "the run to finish with three")
-                table = late.runtime.schedule.latest
+                table = late.runtime.timeline.latest
                 assert len(table.members(0)) == 3 and table.switch_step(0) > 10  # entered mid-run, not at step 0
                 assert len(hashes([first, second, late])) == 1
-                assert late.runtime.trainer.step_count == steps
+                assert late.runtime.replica.trainer.step_count == steps
 
 
 @pytest.mark.parametrize("sync", ["allreduce", "cocktail"])
@@ -146,12 +145,11 @@ async def test_a_poisoning_member_is_evicted_and_the_backup_takes_its_slot(sync)
         addrs = first.sh.addrs
         async with running_node(addrs, cfg) as second, running_node(addrs, cfg) as bad, \
                 running_node(addrs, cfg) as backup:
-            await wait_for(lambda: all(n.runtime.trainer is not None for n in (first, second, bad)), 60, "trainers")
+            await wait_training([first, second, bad], 3, 0, 60, "trainers")
             pace_until_entered((first, second, bad), backup, steps)
-            await wait_for(lambda: all(n.runtime.trainer.step_count >= 5 for n in (first, second, bad)), 60,
-                           "three replicas to train")
+            await wait_training([first, second, bad], 3, 5, 60, "three replicas to train")
             assert backup.runtime.client.role() == "backup"
-            bad.runtime.sync.fault = poison("nan")
+            bad.runtime.replica.sync.fault = poison("nan")
             broker = first.runtime.broker
             await wait_for(lambda: broker.table.provider_state(bad.peer_id) == GONE, 60, "the eviction")
             assert first.penalties.is_banned(bad.peer_id)
@@ -159,7 +157,7 @@ async def test_a_poisoning_member_is_evicted_and_the_backup_takes_its_slot(sync)
             group = [first, second, backup]
             await wait_for(lambda: finished(group), 120, "the run to finish without the poisoner")
             assert len(hashes(group)) == 1
-            assert all(n.runtime.trainer.step_count == steps for n in group)
+            assert all(n.runtime.replica.trainer.step_count == steps for n in group)
 
 
 async def _node(cfg, join, *, task_status=trio.TASK_STATUS_IGNORED):
@@ -187,14 +185,14 @@ async def test_a_warm_backup_takes_a_dead_members_slot_with_a_short_catch_up(syn
         second, _ = await n.start(_node, cfg, addrs)
         victim, kill = await n.start(_node, cfg, addrs)
         backup, _ = await n.start(_node, cfg, addrs)
-        await wait_for(lambda: all(x.runtime.trainer is not None for x in (first, second, victim)), 60, "trainers")
+        await wait_training([first, second, victim], 3, 0, 60, "trainers")
         pace_until_entered((first, second, victim), backup, steps)
-        await wait_for(lambda: backup.runtime.warm is not None and victim.runtime.trainer.step_count >= 10, 60,
-                       "a warm copy and training under way")
+        await wait_training([victim], 1, 10, 60, "training under way")
+        await wait_for(lambda: backup.runtime.warm is not None, 60, "a warm copy")
         kill.cancel()
         group = [first, second, backup]
         await wait_for(lambda: finished(group), 150, "the run to finish with the backup")
-        entry = backup.runtime.entries[-1]
+        entry = backup.runtime.entry.entries[-1]
         assert entry["step"] > 10 and entry["bytes_pulled"] < entry["state_bytes"] / 2.4, entry
         assert len(hashes(group)) == 1
         n.cancel_scope.cancel()

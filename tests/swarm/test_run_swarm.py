@@ -16,6 +16,7 @@ from shoal.node.cli.errors import Exit
 from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig
 from shoal.protocol import manifest as mf
 from shoal.swarm.net.identity import load_or_create_identity
+from tests.helpers.progress import newest_step, training
 
 pytestmark = pytest.mark.slow
 SHOAL = [sys.executable, "-m", "shoal.node.cli"]
@@ -99,15 +100,14 @@ def test_a_killed_active_node_is_replaced_by_the_backup(tmp_path):
     s = make_swarm(tmp_path, 4, write_run(tmp_path / "w", replicas=3), 120)
     try:
         s.start()
-        wait(lambda: len(active(s)) == 3 and min(r.get("step") or 0 for r in active(s)) >= 15, 120,
-             "training to get going", s)
+        wait(lambda: training(s, 3, 15), 120, "training to get going", s)
         victim = next(r for r in active(s) if r["index"] != 0)  # not the broker
         backup = next(r for r in s.summary() if r.get("role") == "backup")
         s.nodes[victim["index"]].proc.send_signal(signal.SIGKILL)
         t_kill = time.monotonic()
         wait(lambda: any(r["index"] == backup["index"] for r in active(s)), 60, "the backup to be promoted", s)
-        step_at_kill = max(r.get("step") or 0 for r in active(s))
-        wait(lambda: min(r.get("step") or 0 for r in active(s)) > step_at_kill + 5, 90, "training to go on", s)
+        step_at_kill = newest_step(s)
+        wait(lambda: training(s, 3, step_at_kill + 6), 90, "training to go on", s)
         recovered = time.monotonic() - t_kill
         wait(lambda: done(s, 120, 3), 240, "the run to finish with the promoted node", s)
         rows = active(s)
@@ -124,14 +124,12 @@ def test_the_standby_takes_over_when_the_broker_is_killed(tmp_path):
     s = make_swarm(tmp_path, 4, write_run(tmp_path / "w", replicas=3), steps)
     try:
         s.start()
-        wait(lambda: len(active(s)) == 3 and min(r.get("step") or 0 for r in active(s)) >= 15, 120,
-             "training to get going", s)
+        wait(lambda: training(s, 3, 15), 120, "training to get going", s)
         s.nodes[0].proc.send_signal(signal.SIGKILL)  # the broker, which also holds slot s0r0
-        step_at_kill = max(r.get("step") or 0 for r in active(s))
+        step_at_kill = newest_step(s)
         wait(lambda: any(r.get("role") == "broker" or (r.get("run_id") and r["index"] != 0 and r.get("is_broker"))
                          for r in s.summary()) or len(active(s)) == 3, 60, "a new broker and a full group", s)
-        wait(lambda: len(active(s)) == 3 and min(r.get("step") or 0 for r in active(s)) > step_at_kill + 5, 120,
-             "training to go on under the new broker", s)
+        wait(lambda: training(s, 3, step_at_kill + 6), 120, "training to go on under the new broker", s)
         wait(lambda: done(s, steps, 3), 240, "the run to finish", s)
         assert len({r["state_hash"] for r in active(s)}) == 1
     finally:

@@ -276,7 +276,7 @@ async def test_a_message_lost_on_one_link_costs_a_deadline_and_nothing_else(meth
         assert not any(r.pen.is_banned(p) for p in ids)
 
 
-# -- DiLoCo's defining equivalences (algorithms.md §5) ----------------------------------------------------
+# -- DiLoCo's defining equivalences (docs/sync.md, "DiLoCo and Streaming DiLoCo") ----------------------------
 
 def sgd_manifest(method: str, steps: int, replicas: int, **sync) -> RunManifest:
     """Plain SGD, no clipping (DiLoCo clips each replica's own gradient, data parallelism the mean)."""

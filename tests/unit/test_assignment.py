@@ -114,10 +114,10 @@ def test_run_client_trusts_only_the_broker_chain():
     assert not c.accept_envelope(b"\x00garbage", P1)
 
 
-def test_the_group_schedule_follows_each_stages_switch_step():
-    from shoal.swarm.run.schedule import GroupSchedule
+def test_the_group_timeline_follows_each_stages_switch_step():
+    from shoal.swarm.run.timeline import GroupTimeline
 
-    s = GroupSchedule(P2)
+    s = GroupTimeline(P2)
     two = dict(stages=2, replicas=1, epochs=(1, 1), standby=None, backups=(), providers=())
     first = table(version=1, slots=(SlotEntry(stage=0, replica=0, peer_id=P1),
                                      SlotEntry(stage=1, replica=0, peer_id=P2)), switch_steps=(0, 0), **two)

@@ -1,4 +1,5 @@
-"""Property tests for the AQ-SGD activation-delta codec and its buffer stores (algorithms.md section 2)."""
+"""Property tests for the AQ-SGD activation-delta codec and its buffer stores (docs/pipeline.md, "AQ-SGD over a
+link")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Property tests for the rolling mask, the top-k bitmap codec and CocktailSGD error feedback (algorithms.md section 1)."""
+"""Property tests for the rolling mask, the top-k bitmap codec and CocktailSGD error feedback (docs/sync.md,
+"CocktailSGD")."""
 
 from __future__ import annotations
 

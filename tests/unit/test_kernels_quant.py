@@ -1,4 +1,4 @@
-"""Property tests for bit packing, Q_b, E3M0 and the dense codecs (algorithms.md section 0)."""
+"""Property tests for bit packing, Q_b, E3M0 and the dense codecs (docs/pipeline.md, "The quantizer Q_b")."""
 
 from __future__ import annotations
 

@@ -162,3 +162,30 @@ def test_local_boundary_is_a_boundary_and_split_models_must_be_untied():
     # the default is not written: a manifest that does not say keeps the run id it had before the field existed
     assert "tie_embeddings" not in RunManifest.default().to_wire()["model"]
     assert run_manifest(1, tie=False).run_id != run_manifest(1, tie=None).run_id
+
+
+class Recorder:
+    """Micro-batches that only record the order the schedule runs them in."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def forward(self, micro: int) -> int:
+        self.calls.append(f"F{micro}")
+        return micro
+
+    def backward(self, micro: int, kept: int) -> None:
+        assert kept == micro  # each backward gets what its own forward left
+        self.calls.append(f"B{micro}")
+
+
+def test_the_trainer_holds_its_lanes_schedule_gpipe_flushes_each_step_one_stage_accumulates():
+    from shoal.node.train.pipeline import Accumulate, GPipe
+
+    assert isinstance(Trainer(run_manifest(1)).schedule, Accumulate)
+    assert isinstance(Trainer(run_manifest(2), stage=1, boundary=LocalLane(2).boundary(1)).schedule, GPipe)
+    gpipe, acc = Recorder(), Recorder()
+    GPipe().run(gpipe, 3)
+    Accumulate().run(acc, 3)
+    assert gpipe.calls == ["F0", "F1", "F2", "B0", "B1", "B2"]
+    assert acc.calls == ["F0", "B0", "F1", "B1", "F2", "B2"]

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from shoal.protocol.envelope import open_envelope, seal
 from shoal.protocol.errors import DecodeError, FieldError, ProtocolError, SignatureError, TooLargeError, VersionError
 from shoal.protocol.kinds import RECORD_TYPES
-from shoal.protocol.records import (MAX_CHECKS, Announcement, HardwareProfile, LeaveNotice, LinkStatus, StatusRecord,
-                                    checkpoint_steps)
+from shoal.protocol.records import (MAX_CHECKS, Announcement, HardwareProfile, LeaveNotice, LinkStatus, RunStatus,
+                                    StatusRecord, checkpoint_steps)
 from shoal.protocol.signing import b58decode, b58encode, peer_id_from_public_key, public_key_bytes
 from shoal.protocol.wire import pack, unpack
 
@@ -79,6 +79,28 @@ def test_link_checkpoints_are_the_last_two_multiples_of_each_grain_and_stay_goss
     with pytest.raises(FieldError, match="check_steps"):
         LinkStatus(link="b0/fwd", peer=PID, side="sender", compression="aqsgd", check_steps=tuple(range(7)),
                    check_digests=("a",) * 7)
+
+
+def test_a_run_status_maps_one_to_one_onto_the_status_record_and_is_checked_where_it_is_built():
+    record = {f.name: f.type for f in dataclasses.fields(StatusRecord)}
+    for f in dataclasses.fields(RunStatus):  # same name, the record's type (or None: unsaid)
+        assert f.name in record, f.name
+        assert f.type == (record[f.name] if record[f.name].endswith(" | None") else f"{record[f.name]} | None")
+    with pytest.raises(FieldError, match="state"):
+        RunStatus(state="dancing")
+    with pytest.raises(FieldError, match="step"):
+        RunStatus(step=-1)
+    with pytest.raises(FieldError, match="lane_links"):
+        RunStatus(lane_links=({"link": "b0/fwd"},))  # a link status lacking its peer
+    said = RunStatus(state="training", step=7, loss=2.5, lane_links=(LinkStatus(
+        link="b0/fwd", peer=PID, side="sender", compression="aqsgd"),))
+    assert said.said().keys() == {"state", "step", "loss", "lane_links"}  # unsaid fields are left to the record
+    rec = StatusRecord(peer_id=PID, seq=1, time=1.7e9, **said.said())
+    assert rec.step == 7 and rec.role == "idle" and rec.lane_links == said.lane_links
+    assert said.to_wire()["lane_links"] == [rec.lane_links[0].to_wire()]
+    assert said.to_wire().keys() == said.said().keys()  # no run named: what it said
+    named = RunStatus(run_id="r" * 64, state="training", step=3).to_wire()  # a run's: its optional fields too
+    assert named["loss"] is None and named["slot"] is None and named["step"] == 3 and "tokens_per_s" not in named
 
 
 def test_record_signed_by_another_key_is_rejected():

@@ -42,7 +42,7 @@ def live_tables(tables: list[AssignmentTable], stage: int, step: int) -> list[As
     return in_force + [t for t in tables if t.switch_step(stage) > step]
 
 
-class GroupSchedule:
+class GroupTimeline:
     """The tables one node has accepted, newest last (owned by the event loop)."""
 
     def __init__(self, me: str, *, keep: int = MAX_TABLES):
@@ -87,7 +87,9 @@ class GroupSchedule:
         """(switch step, stage, replica) of this node's slot in the newest table, or None when it has none."""
         t = self.latest
         slot = t.slot_of(self.me) if t is not None else None
-        return (t.switch_step(slot[0]), slot[0], slot[1]) if slot is not None else None
+        if t is None or slot is None:
+            return None
+        return t.switch_step(slot[0]), slot[0], slot[1]
 
     def names_on_lane(self, peer: str, stage: int, lane: int, other_stage: int, step: int) -> bool:
         """Whether a table whose groups can still act at or after `step` puts `peer` in slot (stage, lane) and this

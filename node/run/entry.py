@@ -1,0 +1,155 @@
+"""Taking a place in a stage group (docs/architecture.md, "Entering a group"): at the switch step R the table names,
+a node builds its trainer and loads exactly revision R, the whole entry state a majority of the group agrees on
+(node/run/pulls.py); a slot that takes effect after the run's last step takes the run's final state instead; a
+node far behind its group enters the group's next step; a stage whose lane failed waits for the lane to re-form."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from shoal.node.run.config import RunConfig
+from shoal.node.run.context import NodeServices
+from shoal.node.run.lanes import StageLinks
+from shoal.node.run.pulls import StatePulls
+from shoal.node.run.replica import Replica
+from shoal.swarm.run.client import RunClient
+from shoal.swarm.run.timeline import GroupTimeline
+from shoal.swarm.state.transfer import StateTransferError
+
+log = logging.getLogger(__name__)
+
+READY_POLL_S = 1.0  # a node waiting for a slot (or a backup) re-checks the table at least this often
+
+Build = Callable[[int, int], Awaitable[None]]  # (stage, replica) -> the replica's new trainer is built
+Spawn = Callable[[Callable[[], Awaitable[Any]]], None]  # start a task in the run's nursery
+
+
+class Entry:
+    """Owned by the event loop. `entries`: each time this node entered a group (step, bytes, seconds)."""
+
+    def __init__(self, *, services: NodeServices, config: RunConfig, run_id: str, replica: Replica,
+                 timeline: GroupTimeline, pulls: StatePulls, client: RunClient, links: StageLinks | None,
+                 build: Build, spawn: Spawn):
+        self.services, self.config, self.run_id = services, config, run_id
+        self.replica, self.timeline, self.pulls, self.client, self.links = replica, timeline, pulls, client, links
+        self.build, self.spawn = build, spawn
+        self.entries: list[dict[str, Any]] = []
+        self.lane_broken_at: int | None = None  # the step at which this stage's lane failed, until re-formed
+        self._lane_report_at = 0.0
+
+    async def wait_for_table(self, timeout_s: float) -> None:
+        with trio.move_on_after(timeout_s):
+            await self.client.wait_changed()
+
+    async def _trainer_for(self, stage: int, replica: int) -> None:
+        r = self.replica
+        if r.slot is not None and r.slot != (stage, replica):
+            log.info("slot changes from s%dr%d to s%dr%d: a new trainer", *r.slot, stage, replica)
+            if self.links is not None:
+                await self.links.close()
+            r.drop()  # another stage holds other parameters; another lane reads other samples
+        if r.trainer is None:
+            await self.build(stage, replica)
+
+    async def enter(self, step: int, stage: int, replica: int) -> None:
+        """Take a place in the group from `step`: build the trainer, and unless the run starts here, load the
+        state of exactly `step` from a replica that was in the group before."""
+        r = self.replica
+        r.state = "joining"
+        await self._trainer_for(stage, replica)
+        if step == 0 and r.at_step == 0:
+            return
+        me = self.services.peer_id
+        prev = self.timeline.group_at(step - 1) if step > 0 else None
+        now = self.timeline.table_at(step, stage)
+        staying = set(now.members(stage)) if now is not None else set()
+        # the members that stay in the group serve the revision first (one that was counted failed may hold another)
+        peers = sorted((m for m in (prev.members if prev else ()) if m != me), key=lambda m: m not in staying)
+        if not peers:
+            peers = [m for m in (now.members(stage) if now else ()) if m != me]
+        clock = self.services.clock
+        t0 = clock()
+        log.info("entering the group at step %d: pulling that revision from %s", step, [p[-8:] for p in peers])
+        try:
+            snap = await self.pulls.revision(step, peers,
+                                             wanted=lambda: self.timeline.entry() == (step, stage, replica))
+            await r.load(snap)
+        except StateTransferError as e:  # no majority state to enter with (the replicas differ until their vote
+            # settles it), a state that does not fit, or the slot changed: wait for the broker's next table and try
+            # its entry then
+            log.warning("could not enter the group at step %d: %s", step, e)
+            r.state = "ready"
+            await self.wait_for_table(READY_POLL_S)
+            return
+        took, pulled, whole = clock() - t0, snap.nbytes, r.state_bytes()
+        self.entries.append({"step": step, "bytes_pulled": pulled, "state_bytes": whole, "seconds": round(took, 3)})
+        log.info("entered the group at step %d with the state its members agree on: %d bytes pulled for a state of "
+                 "%d (%.2f s)", step, pulled, whole, took)
+
+    async def enter_at_end(self, limit: int, stage: int, replica: int) -> None:
+        """Our slot takes effect at or past the run's last step (a slot filled near the end): the run ends before
+        this node could train in it. Take the run's final state instead (revision limit + 1, which every replica of
+        the stage serves once done), so this node ends with the group's state and counts as done with it."""
+        r = self.replica
+        r.state = "joining"
+        if r.trainer is None:
+            await self.build(stage, replica)
+        tables = [t for t in (self.timeline.table_at(limit - 1, stage), self.timeline.latest) if t is not None]
+        peers = sorted({m for t in tables for m in t.members(stage)} - {self.services.peer_id})
+        log.info("our slot takes effect after the run's last step %d: pulling the final state from %s", limit,
+                 [p[-8:] for p in peers])
+        try:
+            await r.load(await self.pulls.revision(limit + 1, peers))
+        except StateTransferError as e:
+            log.warning("no final state the group agrees on (%s): this node ends with its own", e)
+
+    def left_behind(self, step: int) -> bool:
+        """The other members of our stage report steps more than `switch_lead_min_steps` ahead of ours (we entered
+        after the group's deadline, or stood still) and our slot in the newest table takes effect ahead of us:
+        training through rounds the others have passed only meets deadlines; entering at that step with the group's
+        state catches up at once."""
+        entry, t = self.timeline.entry(), self.timeline.latest
+        if entry is None or t is None or entry[0] <= step:
+            return False
+        members = set(t.members(entry[1])) - {self.services.peer_id}
+        top = max((st.step for peer, st in self.services.statuses() if peer in members and st.run_id == self.run_id),
+                  default=step)
+        if top - step <= self.config.switch_lead_min_steps:
+            return False
+        log.info("the group is at step %d, this node at %d: entering at step %d with the group's state", top, step,
+                 entry[0])
+        return True
+
+    def lane_failed(self, step: int) -> None:
+        """The lane's step `step` was given up at this stage: wait for the lane to be re-formed."""
+        self.lane_broken_at = step
+        self._lane_report_at = self.services.clock() + self.config.round_timeout_s
+
+    async def rejoin_lane(self, limit: int) -> None:
+        """A stage whose lane step failed waits, instead of stepping on alone (its lane's stages would fall out of
+        step with each other), for a table that re-forms its lane from a later switch step (a backup promoted into
+        the failed slot, or the same members re-formed), and enters the lane there with its stage group's state at
+        that step, as a joining replica does. The broker hears of the failure again every round timeout."""
+        assert self.lane_broken_at is not None
+        entry = self.timeline.entry()
+        t = self.timeline.latest
+        if entry is not None and t is not None and entry[0] > self.lane_broken_at and entry[2] in t.complete_lanes():
+            self.lane_broken_at = None
+            if entry[0] < limit:
+                await self.enter(*entry)
+            return
+        self.replica.state = "ready"
+        clock = self.services.clock
+        if clock() >= self._lane_report_at:
+            self._lane_report_at = clock() + self.config.round_timeout_s
+            g = self.timeline.group_at(self.replica.at_step)
+            prev, nxt = (self.links.peers if self.links is not None else None) or (None, None)
+            if g is not None:
+                client = self.client
+                self.spawn(lambda: client.report_missing(
+                    [], epoch=g.epoch, stage=g.stage, neighbours=[p for p in (prev, nxt) if p]))
+        await self.wait_for_table(READY_POLL_S)
