@@ -161,8 +161,8 @@ class Planner:
         for li, sites in enumerate(site_levels(self.model)):
             for h in range(self.S, 0, -1):
                 grid, how = self._best_site_order(devices, sites, h, f"level {li}, h={h}", deadline)
-                t, sm = self.score(grid[None])
-                layouts.append((float(t[0]), float(sm[0]), grid, how))
+                ts, sms = self.score(grid[None])
+                layouts.append((float(ts[0]), float(sms[0]), grid, how))
                 if self.clock() > deadline:
                     break
             if self.clock() > deadline:
