@@ -15,6 +15,7 @@ signatures a verified lane's links put on every tensor (swarm.lane.signing).
 - False accusations: honest micro-batches re-executed at every stage until 10,000 checks.
 
     python bench/bench_stage_verify.py --out bench/results/stage_verify.md
+    python bench/bench_stage_verify.py --part overhead   # one part at a time, the others' results kept
 """
 
 from __future__ import annotations
@@ -241,6 +242,9 @@ def false_accusations(m: mf.RunManifest, target: int) -> dict:
     return {"checks": checks, "findings": findings, "steps": lane.t, "largest_error": largest}
 
 
+PARTS = ("detection", "real", "overhead", "false_accusations")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/stage_verify.md")
@@ -250,23 +254,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overhead-steps", type=int, default=10)
     ap.add_argument("--overhead-rounds", type=int, default=5)
     ap.add_argument("--checks", type=int, default=10000)
+    ap.add_argument("--part", action="append", choices=PARTS,
+                    help="run only this part (repeat; default: all), keeping the other parts' results already in "
+                         "--out's .json: a long measurement in pieces")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cmd = "python bench/bench_stage_verify.py " + " ".join(sys.argv[1:] if argv is None else argv)
     small = manifest(2, 8, 32, 2, 32, 2)  # the tests' shape: fast enough for many real lanes
     big = manifest(2, 8, 256, 4, 128, 4)  # a wider stage, for the compute overhead
-    res = {"command": cmd, "torch_threads": 1,
-           "detection": [simulate(args.p, 0.10, 8, 100, args.trials, 1), simulate(args.p, 0.01, 8, 1000, args.trials, 2)],
-           "real": real_lanes(small, args.p, 0.10, 100, args.real_trials, 3),
-           "overhead": overhead(big, args.p, args.overhead_steps, args.overhead_rounds),
-           "false_accusations": false_accusations(replace(small), args.checks)}
+    runs = {"detection": lambda: [simulate(args.p, 0.10, 8, 100, args.trials, 1),
+                                  simulate(args.p, 0.01, 8, 1000, args.trials, 2)],
+            "real": lambda: real_lanes(small, args.p, 0.10, 100, args.real_trials, 3),
+            "overhead": lambda: overhead(big, args.p, args.overhead_steps, args.overhead_rounds),
+            "false_accusations": lambda: false_accusations(replace(small), args.checks)}
     out = Path(args.out)
+    kept = json.loads(out.with_suffix(".json").read_text()) if args.part and out.with_suffix(".json").exists() else {}
+    res = {"torch_threads": 1, "commands": kept.get("commands", {})}
+    for part in PARTS:
+        if args.part and part not in args.part:
+            res[part] = kept.get(part)
+            continue
+        t0 = time.perf_counter()
+        res[part] = runs[part]()
+        res["commands"][part] = f"{cmd} ({time.perf_counter() - t0:.0f} s)"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    missing = [p for p in PARTS if res[p] is None]
+    if missing:
+        print(f"kept in {out.with_suffix('.json')}; no results yet for {', '.join(missing)}: run --part for each")
+        return 0
+    cmd = "; ".join(f"{part}: `{c}`" for part, c in res["commands"].items())
     d10, d1 = res["detection"]
     real, ov, fa = res["real"], res["overhead"], res["false_accusations"]
     lines = [
-        "# Verified pipeline stages: detection, overhead, false accusations", "", f"Command: `{cmd}` (CPU, one torch thread; results also in "
+        "# Verified pipeline stages: detection, overhead, false accusations", "", f"Commands: {cmd} (CPU, one torch thread; results also in "
         f"{out.with_suffix('.json').name})", "",
         "## Detection (M = 8 micro-batches per step, each re-executed with probability p)", "",
         "| tampered fraction f | window | p | caught within the window | formula 1-(1-pf)^(M·steps) | median steps to the first catch | p99 |",
