@@ -133,7 +133,7 @@ class Consistency:
             return
         others = sorted(voters - {self.services.peer_id})  # the final state the members agree on, from any of them
         try:
-            await self.replica.load(await self.pulls.revision(final_rev, others))
+            await self.replica.load(await self.pulls.revision(final_rev, others), step=final_rev - 1)
         except StateTransferError as e:
             log.warning("final state hash disagreed with the majority, and no state the members agree on could be "
                         "loaded (%s): this replica ends with its own state", e)

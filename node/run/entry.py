@@ -85,7 +85,10 @@ class Entry:
             r.state = "ready"
             await self.wait_for_table(READY_POLL_S)
             return
-        took, pulled, whole = clock() - t0, snap.nbytes, r.state_bytes()
+        self._entered(step, snap.nbytes, t0)
+
+    def _entered(self, step: int, pulled: int, t0: float) -> None:
+        took, whole = self.services.clock() - t0, self.replica.state_bytes()
         self.entries.append({"step": step, "bytes_pulled": pulled, "state_bytes": whole, "seconds": round(took, 3)})
         log.info("entered the group at step %d with the state its members agree on: %d bytes pulled for a state of "
                  "%d (%.2f s)", step, pulled, whole, took)
@@ -102,10 +105,14 @@ class Entry:
         peers = sorted({m for t in tables for m in t.members(stage)} - {self.services.peer_id})
         log.info("our slot takes effect after the run's last step %d: pulling the final state from %s", limit,
                  [p[-8:] for p in peers])
+        t0 = self.services.clock()
         try:
-            await r.load(await self.pulls.revision(limit + 1, peers))
+            snap = await self.pulls.revision(limit + 1, peers)
+            await r.load(snap, step=limit)  # the final state: at step N
         except StateTransferError as e:
             log.warning("no final state the group agrees on (%s): this node ends with its own", e)
+            return
+        self._entered(limit + 1, snap.nbytes, t0)
 
     def left_behind(self, step: int) -> bool:
         """The other members of our stage report steps more than `switch_lead_min_steps` ahead of ours (we entered

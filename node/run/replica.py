@@ -78,16 +78,17 @@ class Replica:
         """Forget the trainer (the slot moved: another stage holds other parameters, another lane other samples)."""
         self.trainer = None
 
-    async def load(self, snap: Snapshot) -> None:
+    async def load(self, snap: Snapshot, *, step: int | None = None) -> None:
         """Load the group's entry state (pulled with the hash the group agrees on), then let the synchronizer restart
-        local state from it. A state that does not fit this trainer is refused before any of it is loaded; one that
-        fails while loading leaves a trainer of unknown state, which is dropped (rebuilt before the next entry).
-        Either way StateTransferError: never an error that stops the node."""
+        local state from it. `step`: the training step the state must be at (default: its revision; the run's final
+        state, revision N + 1, is at step N). A state that does not fit this trainer is refused before any of it is
+        loaded; one that fails while loading leaves a trainer of unknown state, which is dropped (rebuilt before the
+        next entry). Either way StateTransferError: never an error that stops the node."""
         state = snap.state()
         trainer, sync = self.trainer, self.sync
 
         def load() -> None:
-            trainer.check_entry(state, snap.revision)  # CheckpointError: nothing loaded
+            trainer.check_entry(state, snap.revision if step is None else step)  # CheckpointError: nothing loaded
             try:
                 trainer.load_state_dict(state)
                 sync.enter(trainer.model)

@@ -335,8 +335,9 @@ class Trainer:
         return self.sync.entry_state(out)
 
     def check_entry(self, state: dict[str, Any], revision: int) -> None:
-        """Whether `state` (from the network, its hash agreed) fits this trainer at `revision`, before anything of
-        it is loaded: CheckpointError says why not (the state is not loaded, nothing of this trainer changes)."""
+        """Whether `state` (from the network, its hash agreed) fits this trainer at step `revision` (a revision's
+        step; the run's final state, revision N + 1, is at step N), before anything of it is loaded: CheckpointError
+        says why not (the state is not loaded, nothing of this trainer changes)."""
         def bad(why: str):
             return checkpoint.CheckpointError(f"entry state: {why}")
         try:

@@ -52,7 +52,7 @@ async def test_absurd_step_reports_cannot_stall_a_group_change_and_strangers_get
             with pytest.raises(StateTransferError):
                 await pull_state(x.sh, member["peer_id"], config=StateTransferConfig(timeout_s=5.0))
             with trio.fail_after(30):  # every node holds the lie (x's status record claiming step 2^60)
-                while not all(await lie_held(x, r["peer_id"]) for r in s.summary() if r["alive"]):
+                while not all([await lie_held(x, r["peer_id"]) for r in s.summary() if r["alive"]]):
                     await trio.sleep(0.2)
             s.nodes[member["index"]].proc.send_signal(signal.SIGKILL)  # the backup must take its slot
             step_at_kill = newest_step(s)
