@@ -36,6 +36,8 @@ AQ_BITS = (2, 3, 4, 8)  # Q_b widths of activation deltas (docs/pipeline.md, "Th
 AQ_DIRECT_BITS = AQ_BITS + (16,)  # first visits and gradients: Q_b, or 16 = fp16 in full
 AQ_BUFFERS = ("memory", "disk")
 JOIN_MODES = ("open", "secret", "allowlist")
+#: who sits where: by the measured links and the step-time cost model (docs/placement.md), or first come first seated
+PLACEMENTS = ("network", "first-fit")
 
 
 def even_split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -256,6 +258,7 @@ class ParallelPlan(WireRecord):
     replicas: int = spec(Int(1, 65536), default=1)
     sync: SyncSpec = _nested(SyncSpec)
     pipeline: PipelineSpec = _nested(PipelineSpec)
+    placement: str = spec(Choice(frozenset(PLACEMENTS)), default="network", omit_if_default=True)
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)

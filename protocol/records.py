@@ -18,6 +18,7 @@ STATES = frozenset({"starting", "ready", "joining", "training", "syncing", "done
 # how others reach a node: dialable from anywhere; dialable only from its own network (a LAN, this machine);
 # only through a relay (behind a NAT); not at all (behind a NAT, no relay yet); not known (nobody dialed it back)
 REACHABILITY = ("public", "lan", "relayed", "unreachable", "unknown")
+HISTORY_POINTS = 16  # loss points (and as many held-out ones) a status record carries of the run so far
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,13 +103,41 @@ class StatusRecord(SignedRecord):
     down_bytes_per_s: float = spec(Float(0.0, 1e13), default=0.0)
     bytes_sent: int = spec(Int(0, 2**62), default=0)
     bytes_recv: int = spec(Int(0, 2**62), default=0)
-    compression_ratio: float | None = spec(Optional(Float(0.0, 1e9)), default=None)
+    compression_ratio: float | None = spec(Optional(Float(0.0, 1e9)), default=None)  # the synchronizer's, since start
     link_bytes_sent: int = spec(Int(0, 2**62), default=0)  # a pipeline stage: wire bytes to its lane neighbours
     link_bytes_recv: int = spec(Int(0, 2**62), default=0)
     lane_links: tuple[LinkStatus, ...] = spec(Seq(Nested(LinkStatus), 4), default=(), omit_if_default=True)
     state_hash: str | None = spec(Optional(Str(80)), default=None)
     peers_seen: int = spec(Int(0, 1 << 20), default=0)
     error: str | None = spec(Optional(Str(200)), default=None)  # the most recent error, for the dashboard
+    # uncompressed (fp32) / wire bytes over the window of up_bytes_per_s (which counts the synchronizer's and the lane
+    # links' bytes together): the same window on every node, a late-promoted backup's included
+    ratio_now: float | None = spec(Optional(Float(0.0, 1e9)), default=None, omit_if_default=True)
+    # the loss since this replica started, thinned to at most HISTORY_POINTS points (steps, then losses in
+    # thousandths), and its held-out evaluations likewise: a dashboard started late draws the run so far from them
+    history_steps: tuple[int, ...] = spec(Seq(Int(0, 2**62), HISTORY_POINTS), default=(), omit_if_default=True)
+    history_mloss: tuple[int, ...] = spec(Seq(Int(0, 10**9), HISTORY_POINTS), default=(), omit_if_default=True)
+    eval_steps: tuple[int, ...] = spec(Seq(Int(0, 2**62), HISTORY_POINTS), default=(), omit_if_default=True)
+    eval_mloss: tuple[int, ...] = spec(Seq(Int(0, 10**9), HISTORY_POINTS), default=(), omit_if_default=True)
+
+    def __post_init__(self) -> None:
+        WireRecord.__post_init__(self)
+        for steps, values in (("history_steps", "history_mloss"), ("eval_steps", "eval_mloss")):
+            xs, ys = getattr(self, steps), getattr(self, values)
+            if len(xs) != len(ys):
+                raise FieldError(values, f"{len(ys)} values for {len(xs)} steps")
+            if any(b <= a for a, b in zip(xs, xs[1:])):
+                raise FieldError(steps, "steps must increase")
+            if xs and xs[-1] > self.step:
+                raise FieldError(steps, f"step {xs[-1]} is ahead of the record's step {self.step}")
+
+    def history(self) -> list[tuple[int, float]]:
+        """(step, training loss) of the thinned history."""
+        return [(x, y / 1000) for x, y in zip(self.history_steps, self.history_mloss)]
+
+    def evals(self) -> list[tuple[int, float]]:
+        """(step, held-out loss) of the thinned evaluations."""
+        return [(x, y / 1000) for x, y in zip(self.eval_steps, self.eval_mloss)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,6 +165,11 @@ class RunStatus:
     lane_links: tuple[LinkStatus, ...] | None = None
     state_hash: str | None = None
     error: str | None = None
+    ratio_now: float | None = None
+    history_steps: tuple[int, ...] | None = None
+    history_mloss: tuple[int, ...] | None = None
+    eval_steps: tuple[int, ...] | None = None
+    eval_mloss: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

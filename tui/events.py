@@ -51,5 +51,5 @@ class EventsTable(DataTable):
                 fmt.clock(ev.time),
                 Text(ev.kind.value, KIND_STYLE.get(ev.kind, "")),
                 short_id(ev.peer_id) if ev.peer_id else "",
-                ev.text,
+                Text(ev.text),  # a peer's words (an error, a leave reason): plain text, never markup
             )

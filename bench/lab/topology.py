@@ -121,20 +121,25 @@ class Topology:
             run("ip", "-n", sw, "link", "add", self.bridge, "type", "bridge")
             run("ip", "-n", sw, "addr", "add", f"{self.switch_ip}/24", "dev", self.bridge)
             run("ip", "-n", sw, "link", "set", self.bridge, "up")
-            frames = ("gso_max_size", str(FRAME_BYTES))  # segments of one frame, as a real link carries them
-            for i, ns in enumerate(self.node_ns):
-                e, s = c.veth_name(i, "e"), c.veth_name(i, "s")
-                run("ip", "netns", "add", ns)
-                run("ip", "link", "add", e, "netns", ns, "type", "veth", "peer", "name", s, "netns", sw)
-                run("ip", "-n", sw, "link", "set", s, *frames, "master", self.bridge, "up")
-                run("ip", "-n", ns, "link", "set", e, *frames)
-                run("ip", "-n", ns, "link", "set", "lo", "up")
-                run("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", e)
-                run("ip", "-n", ns, "link", "set", e, "up")
+            for i in range(c.nodes):
+                self._add_node(i, self.bridge)
         except BaseException:
             self.destroy()
             raise
         log.info("topology %s: %d namespaces on bridge %s in %s", c.prefix, c.nodes, self.bridge, sw)
+
+    def _add_node(self, i: int, bridge: str) -> None:
+        """Node i's namespace, its veth to `bridge` in the switch namespace, its address."""
+        c, sw, ns = self.config, self.switch, self.node_ns[i]
+        frames = ("gso_max_size", str(FRAME_BYTES))  # segments of one frame, as a real link carries them
+        e, s = c.veth_name(i, "e"), c.veth_name(i, "s")
+        run("ip", "netns", "add", ns)
+        run("ip", "link", "add", e, "netns", ns, "type", "veth", "peer", "name", s, "netns", sw)
+        run("ip", "-n", sw, "link", "set", s, *frames, "master", bridge, "up")
+        run("ip", "-n", ns, "link", "set", e, *frames)
+        run("ip", "-n", ns, "link", "set", "lo", "up")
+        run("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", e)
+        run("ip", "-n", ns, "link", "set", e, "up")
 
     def destroy(self) -> None:
         """Stop whatever runs inside the namespaces (by PID), then delete them; safe to call twice."""

@@ -64,6 +64,9 @@ EXPECTED: dict[str, Exit] = {
 #: hints for expected errors whose exit status's hint (HINTS) says too little, by class as in EXPECTED
 CLASS_HINTS: dict[str, str] = {
     "shoal.node.run.preflight.UntrustedData": "give this node its copy of the run's data with --data PATH",
+    "shoal.node.run.preflight.NotTheOwner": "start the run's first node with the identity that signed it "
+                                            "(--identity KEY), or sign the run with this node's: shoal run create "
+                                            "--identity KEY; other nodes join it with --join ADDR --run RUN_ID",
 }
 
 

@@ -69,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how often to publish status (default: %(default)g)")
     p.add_argument("--gone-after", type=float, default=12.0, metavar="SECONDS",
                    help="a peer silent this long is marked gone (default: %(default)g)")
+    p.add_argument("--probe-every", type=float, default=10.0, metavar="SECONDS",
+                   help="in a run: probe one peer whose link this node has not measured this often "
+                        "(default: %(default)g)")
+    p.add_argument("--link-report-every", type=float, default=30.0, metavar="SECONDS",
+                   help="in a run: publish this node's link figures this often when one moved by 20 %% "
+                        "(default: %(default)g)")
     p.add_argument("--parent", type=int, default=None, metavar="PID",
                    help="leave the swarm when process PID exits (how `shoal swarm up` keeps its nodes from "
                         "outliving it)")
@@ -99,12 +105,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--dissolve-after", type=float, default=defaults.DISSOLVE_AFTER_S, metavar="SECONDS",
                    help="a pipeline lane whose empty slot no backup can fill for this long is dissolved and its "
                         "nodes return to the backup pool (default: %(default)g; the broker's setting)")
+    t.add_argument("--replan-every", type=float, default=30.0, metavar="SECONDS",
+                   help="a run placed by the network (the default): re-plan who sits where this often, and soon "
+                        "after nodes join or leave (default: %(default)g; the broker's setting)")
+    t.add_argument("--move-every", type=float, default=60.0, metavar="SECONDS",
+                   help="... and move at most one lane towards a better plan this often; a node moved stays put "
+                        "for 10 minutes (default: %(default)g; the broker's setting)")
     t.add_argument("--backup-refresh", type=float, default=defaults.BACKUP_REFRESH_S, metavar="SECONDS",
                    help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
                         "the group's synchronized state (default: %(default)g; raise it for big models)")
     t.add_argument("--min-step-time", type=float, default=0.0, metavar="SECONDS",
                    help="pace training: every step takes at least this long, as a slower model's would (for tests "
                         "and benchmarks on a fast machine; default: 0, no pacing)")
+
+
+PARENT_POLL_S = 0.2  # a node started with --parent notices within this long that its parent is gone
 
 
 def _say(text: str) -> None:
@@ -122,6 +137,10 @@ def main(args: argparse.Namespace) -> int:
 
     if args.parent is not None and os.getppid() != args.parent:
         raise CliError(f"the process that started this node (pid {args.parent}) is gone", Exit.INTERRUPTED, hint="")
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack, for a bug report
     home = shoal_home()
     join = expand_join(args.join, args.join_wait)  # typed input is checked before anything runs
     if args.data is not None:
@@ -154,6 +173,8 @@ def main(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         raise CliError(str(e), Exit.FAILED, hint="shoal doctor checks this machine") from None
     from shoal.node.daemon import NodeConfig, status_gossip_s
+    from shoal.node.links import LinksConfig
+    from shoal.swarm.net.linkprobe import ProbeConfig
     from shoal.swarm.net.host import HostConfig
     from shoal.swarm.net.membership import MembershipConfig
     from shoal.swarm.net.recent_peers import recent_peers_path
@@ -175,6 +196,8 @@ def main(args: argparse.Namespace) -> int:
             home=home,
             status_file=args.status_file,
             status_interval_s=args.status_interval,
+            links=LinksConfig(probe=ProbeConfig(interval_s=args.probe_every), report_s=args.link_report_every,
+                              renew_s=max(120.0, args.link_report_every)),
             membership=MembershipConfig(  # suspect once a gossiped status is overdue by half a period
                 suspect_after_s=min(1.5 * status_gossip_s(args.status_interval, args.gone_after,
                                                           run.broker.fail_after_s if run else None), args.gone_after),
@@ -270,9 +293,9 @@ def serve(args: argparse.Namespace, config, hardware, key, device: str | None, f
 
                 async def watch_parent() -> None:
                     while os.getppid() == args.parent:
-                        await trio.sleep(1.0)
+                        await trio.sleep(PARENT_POLL_S)
                     _say(f"the process that started this node (pid {args.parent}) is gone; leaving the swarm…")
-                    node.stop()
+                    node.stop(hurry=True)  # its swarm is going too
 
                 async def run_node(task_status=trio.TASK_STATUS_IGNORED) -> None:
                     await node.run(task_status=task_status)
@@ -329,6 +352,7 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
     from shoal.protocol.errors import ProtocolError
     from shoal.protocol.manifest import RunManifest
     from shoal.swarm.run.broker import BrokerConfig
+    from shoal.swarm.run.replan import ReplanConfig
 
     path = Path(args.run)
     manifest, run_id = None, None
@@ -349,7 +373,8 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
                            round_timeout_s=args.round_timeout,
                            broker=BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after),
                            backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time,
-                           aq_buffer_dir=str(shoal_home() / "aq"), blob_dir=str(shoal_home() / "blobs"))
+                           aq_buffer_dir=str(shoal_home() / "aq"), blob_dir=str(shoal_home() / "blobs"),
+                           replan=ReplanConfig(check_s=args.replan_every, period_s=args.move_every))
     except ValueError as e:
         raise CliError(str(e)) from None
     if manifest is not None:

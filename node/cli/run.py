@@ -83,6 +83,9 @@ PLAN_FLAGS = (
     SpecFlag("--stages", "plan.stages", "pipeline stages S: the model split into S consecutive pieces on different "
                                         "nodes", "S"),
     SpecFlag("--replicas", "plan.replicas", "data-parallel replicas D per stage", "D"),
+    SpecFlag("--placement", "plan.placement", "who sits where: network places and re-places providers by their "
+                                              "measured links and the step-time cost model (docs/placement.md); "
+                                              "first-fit seats them in the order they come"),
 )
 SYNC_FLAGS = (
     SpecFlag("--cocktail-p", "plan.sync.cocktail.p", "CocktailSGD: share of coordinates kept by the random mask", "P"),

@@ -8,6 +8,7 @@ from shoal.node.defaults import BACKUP_REFRESH_S, ROUND_TIMEOUT_S
 from shoal.protocol.manifest import RunManifest
 from shoal.swarm.run.broker import BrokerConfig
 from shoal.swarm.run.client import RunClientConfig
+from shoal.swarm.run.replan import ReplanConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,6 +36,7 @@ class RunConfig:
     blob_dir: str | None = None  # files the run names by hash (weights, tokenizer); None: a folder in the temp directory
     blob_pull_attempt_s: float = 600.0  # how long one peer may take to send one such file
     broker: BrokerConfig = field(default_factory=BrokerConfig)  # when this node hosts (or takes over) the broker
+    replan: ReplanConfig = field(default_factory=ReplanConfig)  # ... and places the run by the network
     client: RunClientConfig = field(default_factory=RunClientConfig)
 
     def __post_init__(self) -> None:

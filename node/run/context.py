@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from shoal.protocol.envelope import Signed
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import StatusRecord
@@ -13,6 +15,9 @@ from shoal.swarm.net.membership import Membership
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.pulse import Pulse
 from shoal.swarm.run.context import Clock, Handler, RunContext
+
+if TYPE_CHECKING:
+    from shoal.node.links import NodeLinks
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -27,6 +32,7 @@ class NodeServices:
     ingest: Callable[[Callable[[Signed], None]], None]  # add a consumer of every verified record the node receives
     pulse: Pulse | None = None  # this process's pulse: tells its own freezes from its peers' silence
     joined_by_address: bool = False  # the node was started with --join (it may not start a run it finds nobody in)
+    links: NodeLinks | None = None  # link probes and reports, everyone's reports in a link book (node/links.py)
 
     @property
     def peer_id(self) -> str:
@@ -47,10 +53,10 @@ class NodeServices:
             if e.status_record is not None:
                 yield e.peer_id, e.status_record
 
-    def run_context(self, manifest: RunManifest, switch_step: Callable[[int], int],
+    def run_context(self, manifest: RunManifest, switch_step: Callable[[int], int], placer=None,
                     step: Callable[[], int] | None = None) -> RunContext:
-        """What the broker and the run client of `manifest` need (swarm/run/context.py); `step`: this node's
-        training step (the broker weighs it with the steps the others sign)."""
+        """What the broker and the run client of `manifest` need (swarm/run/context.py); `placer`: the broker's
+        (None: first fit); `step`: this node's training step (the broker weighs it with the steps the others sign)."""
         return RunContext(sh=self.sh, manifest=manifest, register=self.register, publish=self.publish,
                           membership=self.membership, penalties=self.penalties, switch_step=switch_step,
-                          step=step, clock=self.clock, pulse=self.pulse)
+                          step=step, clock=self.clock, pulse=self.pulse, placer=placer)

@@ -34,7 +34,7 @@ class StageLinks:
         self.buffer_dir = None if buffer_dir is None else os.path.join(buffer_dir, manifest.run_id[:16])
         self.end: LinkEnd | None = None
         self.peers: tuple[str | None, str | None] | None = None  # (previous, next) stage's peer of the lane
-        self._closed_bytes = (0, 0)  # (sent, received) on links closed since the start
+        self._closed_bytes = (0, 0, 0)  # (sent, received, fp32 of the sent) on links closed since the start
 
     async def connect(self, trainer, table: AssignmentTable | None, step: int) -> None:
         """Make the links of `trainer`'s stage go to the lane neighbours that `table` (in force at `step`) names,
@@ -55,6 +55,11 @@ class StageLinks:
         log.info("lane %d stage %d links: previous %s, next %s", trainer.replica, trainer.stage,
                  (peers[0] or "-")[-8:], (peers[1] or "-")[-8:])
 
+    def halt(self) -> None:
+        """This node is leaving: the trainer thread's waits on the lane fail now instead of at their deadlines."""
+        if self.end is not None:
+            self.end.halt("this node is leaving the run")
+
     async def close(self) -> None:
         end, self.end, self.peers = self.end, None, None
         if end is not None:
@@ -73,16 +78,18 @@ class StageLinks:
         """"link/side" -> {step: digest} after each of the last steps (AQ-SGD stores; empty otherwise)."""
         return self.end.recent_digests() if self.end is not None else {}
 
-    def bytes(self) -> tuple[int, int]:
-        """Wire bytes (sent, received) on this stage's links since the start."""
-        sent, recv = self._closed_bytes
+    def bytes(self) -> tuple[int, int, int]:
+        """Wire bytes (sent, received) on this stage's links since the start, and what the sent tensors would have
+        taken on the fp32 wire."""
+        sent, recv, fp32 = self._closed_bytes
         for c in self.counters().values():
             sent, recv = sent + c["sent"]["wire_bytes"], recv + c["recv"]["wire_bytes"]
-        return sent, recv
+            fp32 += c["sent"]["fp32_bytes"]
+        return sent, recv, fp32
 
     def total_bytes(self) -> tuple[int, int] | None:
         """Wire bytes (sent, received) on this stage's links since the start; None before any link was opened."""
-        return self.bytes() if self.end is not None or any(self._closed_bytes) else None
+        return self.bytes()[:2] if self.end is not None or any(self._closed_bytes) else None
 
     def statuses(self) -> tuple[LinkStatus, ...] | None:
         """What the status record says of each current link (None: no links open)."""

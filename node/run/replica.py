@@ -10,11 +10,12 @@ from pathlib import Path
 import trio
 
 from shoal.node.run.config import RunConfig
-from shoal.node.run.status import Throughput
+from shoal.node.run.status import Thinned, Throughput
 from shoal.node.sync.interface import Synchronizer
 from shoal.node.train.checkpoint import CheckpointError
 from shoal.node.train.control import StepControl, StepResult
 from shoal.protocol.manifest import RunManifest
+from shoal.protocol.records import HISTORY_POINTS
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.state.snapshot import Snapshot, StateTransferError, flatten_state
 
@@ -38,6 +39,8 @@ class Replica:
         self.at_step = 0  # optimizer steps the trainer has done (updated between steps, on the loop)
         self.state = "joining"  # what the status record says the run is doing here
         self.last: StepResult | None = None  # the last step's result
+        self.loss_history = Thinned(HISTORY_POINTS)  # for a dashboard that starts late (the status record's history)
+        self.eval_history = Thinned(HISTORY_POINTS)
 
     @property
     def slot(self) -> tuple[int, int] | None:
@@ -129,3 +132,18 @@ class Replica:
     async def evaluate(self) -> None:
         trainer = self.trainer
         trainer.last_eval_loss = await trio.to_thread.run_sync(trainer.evaluate)
+        if trainer.last_eval_loss is not None:
+            self.eval_history.add(self.at_step, trainer.last_eval_loss)
+
+    def sample_history(self, loss: float | None) -> None:
+        """Add the loss a status publishes (None: none at this stage) and the last step's held-out loss to the
+        thinned histories."""
+        if loss is not None:
+            self.loss_history.add(self.at_step, loss)
+        if self.last is not None and self.last.eval_loss is not None:
+            self.eval_history.add(self.last.step, self.last.eval_loss)
+
+    def history_fields(self) -> dict[str, tuple[int, ...]]:
+        """The histories as the status record carries them (its history_* and eval_* fields)."""
+        return {**self.loss_history.fields("history_steps", "history_mloss", upto=self.at_step),
+                **self.eval_history.fields("eval_steps", "eval_mloss", upto=self.at_step)}

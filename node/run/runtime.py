@@ -28,7 +28,7 @@ from shoal.node.run.entry import READY_POLL_S, Entry
 from shoal.node.run.find import fetch_manifest, find_table, serve_manifest
 from shoal.node.run.lanes import StageLinks
 from shoal.node.run.files import RunFiles
-from shoal.node.run.preflight import UnknownRun, check_inputs, data_source, preflight
+from shoal.node.run.preflight import NotTheOwner, check_inputs, data_source, preflight
 from shoal.node.run.pulls import StatePulls
 from shoal.node.run.replica import Replica
 from shoal.node.run.snapshots import SnapshotStore
@@ -36,6 +36,7 @@ from shoal.node.run.status import RunDetail
 from shoal.node.run.verified import Checks, VerifiedStage
 from shoal.node.run.verify import StageVerifier
 from shoal.node.run.votes import MIN_VOTERS
+from shoal.node.run.workload import make_placer
 from shoal.node.train.control import StepControl
 from shoal.protocol.assignment import GONE, AssignmentTable
 from shoal.protocol.lane import FWD, LinkHello
@@ -106,19 +107,25 @@ class RunRuntime:
         c, r = self.client, self.replica
         t, s, last = r.trainer, r.sync, r.last
         loss = last.loss if t is not None and last is not None else None  # None at a stage that is not the last
+        loss = loss if loss is not None and math.isfinite(loss) else None
+        if t is not None:  # the history is sampled as the status is taken (reading a loss waits for the GPU's step)
+            r.sample_history(loss)
         link_bytes = self.links.total_bytes() if self.links is not None else None
-        up = down = state_hash = None
+        up = down = ratio_now = state_hash = None
         if s is not None:
             hashes = self.consistency.hashes.hashes
             # the hash recorded with the step published (once done, the final state's)
             state_hash = hashes[max(hashes)] if r.state == "done" and hashes else hashes.get(r.at_step)
-            up, down = r.throughput.rates(self.clock(), s.bytes_sent, s.bytes_recv)
+            # the byte rates count the lane links' bytes too, and the ratio is over the same window on every node
+            link_sent, link_recv, link_fp32 = self.links.bytes() if self.links is not None else (0, 0, 0)
+            up, down, ratio_now = r.throughput.rates(self.clock(), s.bytes_sent + link_sent,
+                                                     s.bytes_recv + link_recv, s.fp32_bytes + link_fp32)
         return RunStatus(
             run_id=self.manifest.run_id, state=r.state,
             role=None if c is None else "broker" if c.is_broker() else c.role(),  # the broker may hold a slot too
             slot=None if c is None else c.slot_name(), warm_stage=None if c is None else c.backup_stage(),
             step=r.at_step if t is not None else None,
-            loss=loss if loss is not None and math.isfinite(loss) else None,
+            loss=loss,
             tokens_per_s=round(r.throughput.tokens_per_s(last.tokens_per_s), 1)
             if t is not None and last is not None else None,
             eval_loss=t.last_eval_loss if t is not None else None,
@@ -127,8 +134,9 @@ class RunRuntime:
             lane_links=self.links.statuses() if self.links is not None else None,
             bytes_sent=s.bytes_sent if s is not None else None, bytes_recv=s.bytes_recv if s is not None else None,
             up_bytes_per_s=up, down_bytes_per_s=down,
-            compression_ratio=round(s.compression_ratio, 2) if s is not None else None,
-            state_hash=state_hash or None, error=self.error[:200] if self.error else None)
+            compression_ratio=round(s.compression_ratio, 2) if s is not None else None, ratio_now=ratio_now,
+            state_hash=state_hash or None, error=self.error[:200] if self.error else None,
+            **(r.history_fields() if t is not None else {}))
 
     def detail(self) -> RunDetail:
         """What the node's status file adds about the run."""
@@ -316,6 +324,10 @@ class RunRuntime:
             if entry.lane_broken_at is not None:
                 await entry.rejoin_lane(limit)
                 continue
+            slot = self.timeline.entry()
+            if t is not None and step == 0 and slot is not None and slot[0] == 0 and slot[1:] != r.slot:
+                await entry.enter(*slot)  # moved before training began (a re-plan): the new slot's trainer
+                continue
             g = self._group_to_train(step) if t is not None else None
             if g is not None and entry.left_behind(step):
                 g = None  # enter our next group with its state rather than train through rounds the others passed
@@ -356,7 +368,12 @@ class RunRuntime:
         self.entitled.max_lead_steps = max(MAX_STEP_LEAD, 2 * sync.diloco.inner_steps
                                            if sync.method == "diloco" else 0)
         serve_manifest(sv, m)
-        ctx = sv.run_context(m, self.switch_step, step=lambda: self.replica.at_step)
+        placer = None
+        if sv.links is not None:
+            if m.plan.placement == "network":  # measure links (probes, reports) for the broker's placer
+                sv.links.follow(lambda: self.client.table if self.client is not None else None)
+            placer = make_placer(m, sv.links.book, cfg.replan)
+        ctx = sv.run_context(m, self.switch_step, placer, step=lambda: self.replica.at_step)
         lim = inbox_limits(m, cfg.round_timeout_s)
         overlap = 1 + (sync.diloco.overlap_steps if sync.method == "diloco" else 0)  # a round runs on that long
         self.collective = Collective(sv.sh, sv.penalties,  # only members of known groups, under their tags
@@ -395,8 +412,9 @@ class RunRuntime:
                 st.run_id == m.run_id for _, st in sv.statuses())  # a peer trains this run: never start a second one
             found = await find_table(sv, m, joined, cfg.client, patient=patient) if joined else None
             if found is None and m.owner not in ("", sv.peer_id):
-                raise UnknownRun(f"nobody knows run {m.run_id[:16]}…, and only its owner "
-                                 f"{m.owner[:16]}… may start its broker")
+                raise NotTheOwner(f"nobody knows run {m.run_id[:16]}…, and only its owner "
+                                  f"{m.owner[:16]}… (the identity that signed it) may start its broker; "
+                                  f"this node is {sv.peer_id[:16]}…")
             if found is None:  # nobody knows the run: the node started with the manifest hosts its broker
                 self.broker = Broker(ctx, cfg.broker, secret=cfg.secret)
                 await nursery.start(self.broker.run)
@@ -417,8 +435,14 @@ class RunRuntime:
             nursery.start_soon(self.pulls.keep_warm, client, self.switch_step, self.consistency.ask_snapshot)
             await self._train()
 
-    async def leave(self) -> None:
-        if self.client is not None:
+    async def leave(self, *, tell_broker: bool = True) -> None:
+        """Leave the run: a round in progress ends now (the trainer thread is not held to its deadline), and the
+        broker hears of it (it moves a backup into the slot at once) unless `tell_broker` is false."""
+        if self.collective is not None:
+            self.collective.close()
+        if self.links is not None:
+            self.links.halt()
+        if self.client is not None and tell_broker:
             with trio.move_on_after(self.config.leave_timeout_s):
                 try:
                     await self.client.leave()

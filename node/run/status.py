@@ -1,8 +1,10 @@
-"""What a training node says about itself beyond its status record (its status file), and the throughput and link
-rates its status record carries."""
+"""What a training node says about itself beyond its status record (its status file), and what its status record
+carries of its throughput, byte rates (synchronization and lane links together), the compression ratio over the same
+window, and a thinned history of its losses."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +21,8 @@ class Throughput:
     def __init__(self, tokens_per_step: int):
         self.tokens_per_step = tokens_per_step
         self._step_done: deque[float] = deque(maxlen=RECENT_STEPS)
-        self._sample: tuple[float, int, int] | None = None
-        self.up = self.down = 0.0
+        self._sample: tuple[float, int, int, int] | None = None
+        self.up = self.down = self.up_fp32 = 0.0
 
     def step_done(self, now: float) -> None:
         self._step_done.append(now)
@@ -34,15 +36,45 @@ class Throughput:
             return self.tokens_per_step * (len(t) - 1) / (t[-1] - t[0])
         return fallback
 
-    def rates(self, now: float, sent: int, recv: int) -> tuple[float, float]:
-        """Bytes per second sent and received since the previous call (smoothed)."""
-        t0, s0, r0 = self._sample or (now, sent, recv)
-        self._sample = (now, sent, recv)
+    def rates(self, now: float, sent: int, recv: int, sent_fp32: int) -> tuple[float, float, float | None]:
+        """Bytes per second sent and received since the previous call (smoothed), and the compression ratio over
+        the same window: what the sent tensors would take uncompressed (fp32) over what went on the wire. Every
+        node's ratio is measured over its recent window, so a backup promoted late (which never sent the
+        uncompressed warm-up steps) compares with the others. None while nothing is sent."""
+        t0, s0, r0, f0 = self._sample or (now, sent, recv, sent_fp32)
+        self._sample = (now, sent, recv, sent_fp32)
         if now - t0 > 0:
-            a = RATE_SMOOTHING
-            self.up = a * (sent - s0) / (now - t0) + (1 - a) * self.up
-            self.down = a * (recv - r0) / (now - t0) + (1 - a) * self.down
-        return round(self.up, 1), round(self.down, 1)
+            a, dt = RATE_SMOOTHING, now - t0
+            self.up = a * (sent - s0) / dt + (1 - a) * self.up
+            self.down = a * (recv - r0) / dt + (1 - a) * self.down
+            self.up_fp32 = a * (sent_fp32 - f0) / dt + (1 - a) * self.up_fp32
+        ratio = round(self.up_fp32 / self.up, 2) if self.up >= 1.0 else None
+        return round(self.up, 1), round(self.down, 1), ratio
+
+
+class Thinned:
+    """At most `cap` (step, value) points of a whole run, spread over it: when full, every other point goes and the
+    gap a new point must keep from the last one doubles (a long run keeps ~cap points from its start to now)."""
+
+    def __init__(self, cap: int):
+        if cap < 2:
+            raise ValueError("cap must be >= 2")
+        self.cap = cap
+        self.points: list[tuple[int, float]] = []
+        self.gap = 1
+
+    def add(self, step: int, value: float) -> None:
+        if not math.isfinite(value) or value < 0 or (self.points and step - self.points[-1][0] < self.gap):
+            return
+        self.points.append((step, value))
+        if len(self.points) > self.cap:
+            self.points = self.points[::2]
+            self.gap *= 2
+
+    def fields(self, steps: str, values: str, upto: int) -> dict[str, tuple[int, ...]]:
+        """The points up to step `upto` as a status record carries them: steps, and values in thousandths."""
+        kept = [(s, v) for s, v in self.points if s <= upto]
+        return {steps: tuple(s for s, _ in kept), values: tuple(min(round(v * 1000), 10**9) for _, v in kept)}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -20,6 +20,7 @@ from shoal.protocol.lane import (AQ, BWD, FWD, LANE_PROTOCOL, MAX_RECORD_BYTES, 
                                  Grad, LaneMessage, LaneNorm, LinkHello, Nack, Refuse, StepMessage, decode_data,
                                  decode_message, decode_one, encode_message, payload_nbytes)
 from shoal.swarm.net.framing import close_quietly, read_exactly, read_frame
+from shoal.swarm.net.linkmeter import DOWN, UP
 from shoal.swarm.lane.aq_codec import group_nbytes
 from shoal.swarm.lane.aq_handover import AQStores, StoreKey
 from shoal.swarm.lane.aq_link import AQReceiver, AQSender, link_status, store_config
@@ -77,6 +78,7 @@ class LinkEnd:
         self.step: int | None = None  # the newest step a call was made for
         self._changed = trio.Event()
         self._aborted: dict[tuple[int, str], LinkError] = {}  # (step, phase) given up, by us or a neighbour
+        self._halted: LinkError | None = None  # this node is leaving: every wait fails with it
         s, prev, nxt = spec.stage, spec.prev_peer, spec.next_peer
         self.act_in = _Link(s - 1, FWD, prev, False) if prev else None
         self.grad_out = _Link(s - 1, BWD, prev, True) if prev else None
@@ -337,6 +339,12 @@ class LinkEnd:
                     except Exception as e:  # noqa: BLE001 - best effort: the neighbour times out instead
                         log.debug("abort of step %d to %s not sent: %s", step, link.peer, e)
 
+    def halt(self, why: str) -> None:
+        """This node is leaving: every wait of this end, in progress or to come, fails now (LinkError ABORTED), so a
+        trainer thread waiting on a neighbour that is leaving too is free at once, not at the link's deadline."""
+        self._halted = LinkError(LinkError.ABORTED, why)
+        self._wake()
+
     async def aclose(self) -> None:
         self.services.forget(self)
         for link in self.links:
@@ -379,6 +387,8 @@ class LinkEnd:
                     await self._reject(link, f"message for step {far[0][1]} while the lane is at step {step}", step)
 
     def _check(self, step: int, phase: str, links: list[_Link]) -> None:
+        if self._halted is not None:
+            raise self._halted
         if (step, phase) in self._aborted:
             raise self._aborted[step, phase]
         for link in links:
@@ -484,6 +494,7 @@ class LinkEnd:
         link.sent.messages += 1
         link.sent.wire_bytes += sum(4 + len(p) for p in parts)
         link.sent.payload_bytes += sum(h.nbytes for h in headers)
+        link.sent.fp32_bytes += sum(4 * h.numel for h in headers)
 
     async def _resend(self, rec: Nack, pending) -> None:
         """Answer a NACK: the micro-batch again, the NACKed rows as first visits (a task of the hub's nursery)."""
@@ -504,7 +515,8 @@ class LinkEnd:
         try:
             with trio.fail_after(self.config.send_timeout_s):
                 async with link.write_lock:
-                    await stream.write(data)
+                    with self.services.sh.links.timing(link.peer, UP, len(data)):
+                        await stream.write(data)
         except trio.TooSlowError:
             await self._lost(link, f"write not done within {self.config.send_timeout_s:g} s")
             raise LinkError(LinkError.DEADLINE, f"write on {link.name} not done within "
@@ -549,13 +561,15 @@ class LinkEnd:
                     kind = check_record(self.spec, link.direction, rec)
                     # tensor frames stay bytes (the consumer decodes them); an Act's are a list (AQ-SGD: two)
                     frames: list[bytes | None] | bytes | None = None
-                    wire, payload = 4 + n, 0
+                    wire, payload, fp32 = 4 + n, 0, 0  # fp32: the same values at 4 bytes each (shapes are checked)
                     if rec.TYPE in TENSOR_TYPES and kind != AQ:
                         assert kind is not None  # a tensor message's kind
                         expected = payload_nbytes(kind, *self.spec.shape)
-                        buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
+                        with self.services.sh.links.timing(link.peer, DOWN, expected):
+                            buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
                         frames = [buf] if isinstance(rec, Act) else buf
                         wire, payload = wire + 4 + len(buf), expected
+                        fp32 = 4 * self.spec.shape[0] * self.spec.shape[1] * self.spec.shape[2]
                     elif rec.TYPE in TENSOR_TYPES:
                         groups: list[bytes | None] = []
                         for rows, bits in aq_groups(self.spec, rec):
@@ -563,9 +577,11 @@ class LinkEnd:
                                 groups.append(None)
                                 continue
                             expected = group_nbytes(rows, self.spec.seq_len, self.spec.d_model, bits)
-                            buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
+                            with self.services.sh.links.timing(link.peer, DOWN, expected):
+                                buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
                             groups.append(buf)
                             wire, payload = wire + 4 + len(buf), payload + expected
+                            fp32 += 4 * rows * self.spec.seq_len * self.spec.d_model
                         frames = groups if isinstance(rec, Act) else groups[0]
             except (ProtocolError, trio.TooSlowError) as e:
                 if link.stream is stream:
@@ -585,6 +601,7 @@ class LinkEnd:
             link.recv.messages += 1
             link.recv.wire_bytes += wire
             link.recv.payload_bytes += payload
+            link.recv.fp32_bytes += fp32
             try:
                 await self._admit(link, rec, frames)
             except Violation as e:

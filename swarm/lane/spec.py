@@ -123,6 +123,7 @@ class LinkCounters:
     messages: int = 0  # data messages (activations, gradients, norms)
     wire_bytes: int = 0  # their bytes: record and tensor frames with their length prefixes
     payload_bytes: int = 0  # of which tensor payload
+    fp32_bytes: int = 0  # the same tensors at 4 bytes a value: what the uncompressed (fp32) wire would carry
     nacks: int = 0  # AQ-SGD NACK messages (part of the data messages)
     control_bytes: int = 0  # hello, credits, refusals, aborts (with length prefixes)
 

@@ -21,6 +21,7 @@ from shoal.swarm.run.accusations import MISSED, OFFENCE, Accusations, Verdict
 from shoal.swarm.run.authority import DELEGATES, RunAuthority
 from shoal.swarm.run.context import Handler, RunContext
 from shoal.swarm.run.gate import AdmissionGate, AdmissionLimits
+from shoal.swarm.run.placer import Placer, Seats
 from shoal.swarm.run.seating import Provider, Seating
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,10 @@ class Broker:
         self.epochs = [0] * self.stages
         self.switch_steps = [0] * self.stages
         self.providers: dict[str, Provider] = {}
-        self.seating = Seating(ctx, self.providers, dissolve_after_s=config.dissolve_after_s)
+        self.placer = ctx.placer if ctx.placer is not None else Placer()
+        self.seating = Seating(ctx, self.providers, dissolve_after_s=config.dissolve_after_s, placer=self.placer)
+        self.replans = 0  # moves to a better placement applied
+        self._replan_now = trio.Event()  # providers joined or left: re-plan soon
         self.standby: str | None = None
         self._order = itertools.count()
         self.table: AssignmentTable | None = None
@@ -234,6 +238,7 @@ class Broker:
         self.providers[peer_id] = p
         p.state = BENCHMARKED  # the profile carries the node's measured compute and memory
         free = self.seating.seat(p, backup_only=req.backup_only)
+        self._replan_now.set()
         if free is not None:
             self._group_changed(free[0])
         self._pick_standby()
@@ -265,6 +270,9 @@ class Broker:
         p.state = state
         p.gone_at = self.clock() if state == GONE else 0.0
         self._group_changed(*self.seating.vacate(peer_id, self.table))
+        self._replan_now.set()
+        if state == GONE:
+            self.placer.forget(peer_id)
         if self.standby == peer_id:
             self.standby = None
         self._pick_standby()
@@ -531,6 +539,55 @@ class Broker:
             await trio.sleep(self.config.heartbeat_s)
             self.check_liveness()
 
+    def seats(self) -> Seats:
+        """The seating as a re-plan sees it: slots, the backups that may be promoted, the steps left."""
+        m = self.ctx.manifest
+        done = self.ctx.switch_step(0) if self.ctx.switch_step is not None else 0
+        backups = [b.peer_id for b in self.seating.backups() if not b.suspect and b.hold_until <= self.clock()]
+        return Seats(dict(self.seating.slots), backups, self.stages, self.replicas,
+                     max(0, m.optim.total_steps - done))
+
+    async def replan_once(self) -> bool:
+        """One re-plan: the placer plans on a snapshot of the seats in a worker thread (bounded by its time
+        budget); a move it proposes is applied here, if the seats did not change meanwhile, as one seating change
+        (new group epochs, a switch step, a new table). True if providers moved."""
+        seats = self.seats()
+        job = self.placer.prepare(seats)
+        if job is None:
+            return False
+        change = await trio.to_thread.run_sync(self.placer.decide, job)
+        if self.placer.last:
+            last = self.placer.last
+            log.info("placement: %.4g s per step predicted now, %.4g s planned (moving costs %.3g s): %s",
+                     last["now_s"], last["target_s"], last["migration_s"], last["why"])
+        if change is None or not self.holds_lease():
+            return False
+        expected = {k: seats.slots[k] for k in change.assign if k in seats.slots}
+        changed = self.seating.apply(change, expected)
+        if not changed:
+            return False
+        self.placer.moved(change)
+        self.replans += 1
+        self._group_changed(*changed)
+        self._pick_standby()
+        self._rebuild()
+        return True
+
+    async def _replan_loop(self) -> None:
+        """Re-plan every check period, and soon (a few seconds) after providers join or leave."""
+        every = self.placer.check_s
+        if every is None:
+            return  # a placer that never moves anyone
+        while self.holds_lease():
+            with trio.move_on_after(every):
+                await self._replan_now.wait()
+                await trio.sleep(min(every, self.config.heartbeat_s))  # let a burst of joins settle
+            self._replan_now = trio.Event()
+            try:
+                await self.replan_once()
+            except Exception as e:  # noqa: BLE001 - a planner's bug must not stop the broker
+                log.warning("re-plan failed: %s: %s", type(e).__name__, e)
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         for method, handler in self.handlers.items():
             self.ctx.register(method, handler)
@@ -539,5 +596,6 @@ class Broker:
             n.start_soon(self._lease_dht_loop)
             n.start_soon(self._publish_loop)
             n.start_soon(self._liveness_loop)
+            n.start_soon(self._replan_loop)
             log.info("broker for run %s (lease epoch %d)", self.ctx.run_id[:16], self.lease_epoch)
             task_status.started(self)

@@ -18,6 +18,7 @@ from shoal.protocol.errors import DecodeError, ProtocolError
 from shoal.protocol.wire import expect_map, get_field, pack, unpack
 from shoal.swarm.net.framing import PREFIX_BYTES, BufferedReader, StreamClosed, close_quietly, frame, read_length
 from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.linkmeter import DOWN, UP
 from shoal.swarm.net.penalty import Penalties
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,17 @@ class Collective:
         self._changed = trio.Event()
         self._out: dict[str, Any] = {}  # peer -> the (libp2p) stream our messages to it go on
         self._out_locks: dict[str, trio.Lock] = {}  # one message at a time on a stream
+        self._waiting: set[trio.CancelScope] = set()  # the deadlines of the exchanges in progress
+        self.closed = False
         sh.set_handler(COLLECTIVE_PROTOCOL, self._serve)
+
+    def close(self) -> None:
+        """This node is leaving: every exchange in progress returns now with what it has (the round counts the rest
+        missing, so a trainer thread waiting in it is free at once, not at the round's deadline), and later ones at
+        once. Its peers notice its leave notice, not a missed deadline."""
+        self.closed = True
+        for scope in self._waiting:
+            scope.cancel()
 
     # -- receiving ----------------------------------------------------------------------------------
 
@@ -122,7 +133,9 @@ class Collective:
                             log.info("collective message %s from %s dropped: %s", tag, peer, refusal.why)
                         await _reset(stream)
                         return
-                    payload = await reader.read(await read_length(stream, n, reader))
+                    size = await read_length(stream, n, reader)
+                    with self.sh.links.timing(peer, DOWN, size):
+                        payload = await reader.read(size)
                     if len(payload) != n:
                         raise DecodeError(f"payload of {len(payload)} bytes, header announced {n}")
             except (ProtocolError, trio.TooSlowError) as e:
@@ -238,7 +251,8 @@ class Collective:
         stream = self._out.get(peer)
         if stream is not None:
             try:
-                await stream.write(message)
+                with self.sh.links.timing(peer, UP, len(message)):
+                    await stream.write(message)
                 return
             except Exception as e:  # noqa: BLE001 - a stale stream: try a fresh one
                 log.debug("collective stream to %s failed (%s): opening a new one", peer, e)
@@ -283,7 +297,8 @@ class Collective:
         box: dict[str, bytes] = {}
         self._active.add(tag)
         try:
-            with trio.move_on_after(timeout_s):
+            with trio.move_on_after(0 if self.closed else timeout_s) as deadline:
+                self._waiting.add(deadline)
                 async with trio.open_nursery() as nursery:
                     for p, b in sends.items():
                         if p != self.me:
@@ -292,6 +307,7 @@ class Collective:
                         await self._changed.wait()
         finally:
             self._active.discard(tag)
+            self._waiting.discard(deadline)
             box = self._drop(tag)
             self._finish(tag)
         if self.me in sends:

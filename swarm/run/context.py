@@ -12,6 +12,7 @@ from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.membership import Membership
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.pulse import Pulse
+from shoal.swarm.run.placer import Placer
 
 Handler = Callable[[str, Any], Awaitable[Any]]
 Clock = Callable[[], float]
@@ -39,6 +40,8 @@ class RunContext:
     wall: Clock = time.time
     # this process's pulse on `clock`: silence is measured from the end of its own last freeze (None: no freezes)
     pulse: Pulse | None = None
+    # who sits where: which slot, which backup, when to move providers (None: first fit, never a move)
+    placer: Placer | None = None
 
     def silent_s(self, last_heard: float) -> float:
         """Seconds since `last_heard` (clock time), never counting silence across this process's own freeze."""
