@@ -321,7 +321,8 @@ class Node:
         if self.runtime is not None:
             doc.update(self._last_fields)  # what the last status record said
             # re-fetches, entries, the state hashes and the AQ-SGD link ends' digests of the last steps (replicas and
-            # link ends compare over a window, not one sampled step), the warm copy's revision, link counters
+            # link ends compare over a window, not one sampled step), the warm copy's revision, link counters, and in a
+            # verified run what this stage re-executed and found
             doc.update(self.runtime.detail().to_json())
             if self.runtime.recovery is not None:  # checkpoints, shards, rebuilds (node/run/recovery.py)
                 doc["recovery"] = self.runtime.recovery.report()
@@ -424,6 +425,8 @@ class Node:
             self.sh = sh
             if hasattr(sh.dht.validator, "on_refuse"):  # a peer whose DHT puts are refused is penalized
                 sh.dht.validator.on_refuse, sh.dht.validator.banned = self.penalties.penalize, self.penalties.is_banned
+            if sh.nat is not None:  # so is a peer asking the relay past its limits
+                sh.nat.relay.penalize, sh.nat.relay.banned = self.penalties.penalize, self.penalties.is_banned
             self.membership = Membership(sh.peer_id, self.config.membership, self.pulse.clock, self.pulse)
             self.gossip = RecordGossip(sh, self.penalties, self.ingest)
             rpc = self.rpc = RpcServer(sh, self.penalties, later=("run.",))

@@ -235,6 +235,9 @@ class PipelineSpec(WireRecord):
     first_visit_bits: int = spec(Int(1, 16), default=8, omit_if_default=True)
     buffer: str = spec(Choice(frozenset(AQ_BUFFERS)), default="memory", omit_if_default=True)
     buffer_cap_mb: int = spec(Int(1, 1 << 30), default=4096, omit_if_default=True)
+    # verified stages (docs/verified-stages.md): the fraction of each lane's training micro-batches that a replica
+    # of the same stage in another lane re-executes and compares; 0: no verification, and no signatures on the wire
+    verify_fraction: float = spec(Float(0.0, 1.0), default=0.0, omit_if_default=True)
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)
@@ -262,6 +265,12 @@ class ParallelPlan(WireRecord):
         WireRecord.__post_init__(self)
         if self.replicas > 1 and self.sync.method == "none":
             raise FieldError("sync.method", "D > 1 replicas need a synchronizer other than 'none'")
+        if self.pipeline.verify_fraction > 0:  # re-execution needs bit-identical replicas and exact wires
+            if self.stages < 2 or self.replicas < 2:
+                raise FieldError("pipeline.verify_fraction", "verified stages need S >= 2 stages and D >= 2 lanes")
+            if self.sync.method != "allreduce" or self.pipeline.compression != "none":
+                raise FieldError("pipeline.verify_fraction", "verified stages need all-reduce (replicas of a stage "
+                                 "then hold bit-identical weights) and compression 'none' (fp32 or fp16 wires)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -119,6 +119,10 @@ PIPELINE_FLAGS = (
                                                     "per link end under $SHOAL_HOME/aq/RUN/, removed when the "
                                                     "node's links close"),
     SpecFlag("--aq-buffer-cap-mb", "plan.pipeline.buffer_cap_mb", "AQ-SGD: buffer cap per link end", "MB"),
+    SpecFlag("--verify-stages", "plan.pipeline.verify_fraction", "verified pipeline stages: the fraction of each "
+             "lane's micro-batches a replica of the same stage in another lane re-executes and compares (0.06 "
+             "catches a stage tampering with 1 %% of its micro-batches within 1,000 steps at 99 %%); needs --sync "
+             "allreduce, --pipeline-compression none and 2+ lanes (docs/verified-stages.md); 0: off", "FRACTION"),
     SpecFlag("--train-subset", "data.train_subset", "train on the first N samples only, epoch after epoch (0: all)",
              "N"),
 )
@@ -182,16 +186,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="file holding the join secret; a new 256-bit secret is written there when the file does "
                         "not exist (the manifest stores nothing derived from it); nodes join with --secret")
     j.add_argument("--allow", action="append", metavar="PEER_ID", help="admit only these peers (repeat)")
+    c.add_argument("--allow-weak-secret", action="store_true",
+                   help="use the secret in --join-secret-file even if it looks easy to guess (fewer than 16 "
+                        "characters or about 80 bits); the broker limits guesses, but a weak secret still falls")
     s = sub.add_parser("show", help="print a manifest and verify its signature",
                        description="Print a run manifest, its run id, and whether its signature is valid.")
     s.add_argument("path", metavar="RUN.toml", help="the manifest file")
 
 
-def _secret_file(path: str) -> str:
-    """The join secret in `path`; a new high-entropy one written there (owner-only) when the file is missing."""
+def _secret_file(path: str, *, allow_weak: bool = False) -> str:
+    """The join secret in `path`; a new high-entropy one written there (owner-only) when the file is missing. A
+    secret the owner chose that looks easy to guess is refused (ValueError) unless `allow_weak`."""
     import os
+    import sys
 
-    from shoal.protocol.admission import new_secret
+    from shoal.protocol.admission import new_secret, weak_secret
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -203,6 +212,13 @@ def _secret_file(path: str) -> str:
             f.write(secret + "\n")
     if not secret:
         raise ValueError(f"{path} holds no join secret")
+    why = weak_secret(secret)
+    if why is not None and not allow_weak:
+        raise ValueError(f"the join secret in {path} is weak: {why}; anyone may try it online. Delete the file to "
+                         f"have a 256-bit secret made there, or pass --allow-weak-secret to use it anyway")
+    if why is not None:
+        print(f"WARNING: the join secret in {path} is weak ({why}); guesses are rate-limited, but it can fall",
+              file=sys.stderr)
     return secret
 
 
@@ -224,7 +240,7 @@ def build_manifest(args: argparse.Namespace):
         raise ValueError(f"--batch {args.batch} does not split into {micro_batches} micro-batches")
     micro_batch = args.micro_batch or args.batch // micro_batches
     if args.join_secret_file:
-        _secret_file(args.join_secret_file)
+        _secret_file(args.join_secret_file, allow_weak=args.allow_weak_secret)
         join = mf.JoinPolicy.private()
     elif args.allow:
         join = mf.JoinPolicy(mode="allowlist", allowlist=tuple(args.allow))

@@ -56,9 +56,10 @@ class NodeServices:
             if e.status_record is not None:
                 yield e.peer_id, e.status_record
 
-    def run_context(self, manifest: RunManifest, switch_step: Callable[[int], int], placer=None) -> RunContext:
+    def run_context(self, manifest: RunManifest, switch_step: Callable[[int], int], placer=None,
+                    step: Callable[[], int] | None = None) -> RunContext:
         """What the broker and the run client of `manifest` need (swarm/run/context.py); `placer`: the broker's
-        (None: first fit)."""
+        (None: first fit); `step`: this node's training step (the broker weighs it with the steps the others sign)."""
         return RunContext(sh=self.sh, manifest=manifest, register=self.register, publish=self.publish,
                           membership=self.membership, penalties=self.penalties, switch_step=switch_step,
-                          clock=self.clock, pulse=self.pulse, placer=placer)
+                          step=step, clock=self.clock, pulse=self.pulse, placer=placer)

@@ -1,6 +1,6 @@
 """Taking a place in a stage group (docs/architecture.md, "Entering a group"): at the switch step R the table names,
-a node builds its trainer and loads exactly revision R, agreed by a majority of the group (a warm backup pulls only
-what its copy lacks); a slot that takes effect after the run's last step takes the run's final state instead; a
+a node builds its trainer and loads exactly revision R, the whole entry state a majority of the group agrees on
+(node/run/pulls.py); a slot that takes effect after the run's last step takes the run's final state instead; a
 node far behind its group enters the group's next step; a stage whose lane failed waits for the lane to re-form."""
 
 from __future__ import annotations
@@ -88,20 +88,23 @@ class Entry:
         t0 = clock()
         log.info("entering the group at step %d: pulling that revision from %s", step, [p[-8:] for p in peers])
         try:
-            snap, pulled = await self.pulls.group_state(
-                step, peers, r.sync.group_state, wanted=lambda: self.timeline.entry() == (step, stage, replica))
+            snap = await self.pulls.revision(step, peers,
+                                             wanted=lambda: self.timeline.entry() == (step, stage, replica))
+            await r.load(snap)
         except StateTransferError as e:  # no majority state to enter with (the replicas differ until their vote
-            # settles it), or the slot changed: wait for the broker's next table and try its entry then
+            # settles it), a state that does not fit, or the slot changed: wait for the broker's next table and try
+            # its entry then
             log.warning("could not enter the group at step %d: %s", step, e)
             r.state = "ready"
             await self.wait_for_table(READY_POLL_S)
             return
-        await r.load(snap)
-        took = clock() - t0
-        self.entries.append({"step": step, "bytes_pulled": pulled, "state_bytes": snap.nbytes,
-                             "seconds": round(took, 3)})
-        log.info("entered the group at step %d with state from a replica: %d of %d bytes pulled (%.2f s)", step,
-                 pulled, snap.nbytes, took)
+        self._entered(step, snap.nbytes, t0)
+
+    def _entered(self, step: int, pulled: int, t0: float) -> None:
+        took, whole = self.services.clock() - t0, self.replica.state_bytes()
+        self.entries.append({"step": step, "bytes_pulled": pulled, "state_bytes": whole, "seconds": round(took, 3)})
+        log.info("entered the group at step %d with the state its members agree on: %d bytes pulled for a state of "
+                 "%d (%.2f s)", step, pulled, whole, took)
 
     async def _entered_from_disk_or_shards(self, step: int, stage: int, replica: int) -> bool:
         """Entering at `step` without pulling from the group: a resumed node loads its own checkpoint of the slot;
@@ -153,7 +156,14 @@ class Entry:
         peers = sorted({m for t in tables for m in t.members(stage)} - {self.services.peer_id})
         log.info("our slot takes effect after the run's last step %d: pulling the final state from %s", limit,
                  [p[-8:] for p in peers])
-        await r.load(await self.pulls.revision(limit + 1, peers))
+        t0 = self.services.clock()
+        try:
+            snap = await self.pulls.revision(limit + 1, peers)
+            await r.load(snap, step=limit)  # the final state: at step N
+        except StateTransferError as e:
+            log.warning("no final state the group agrees on (%s): this node ends with its own", e)
+            return
+        self._entered(limit + 1, snap.nbytes, t0)
 
     def left_behind(self, step: int) -> bool:
         """The other members of our stage report steps more than `switch_lead_min_steps` ahead of ours (we entered

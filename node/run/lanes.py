@@ -10,6 +10,7 @@ from typing import Any
 
 import trio
 
+from shoal.node.train.transcript import RecordingBoundary, Transcript
 from shoal.protocol.assignment import AssignmentTable
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import LinkStatus
@@ -26,8 +27,9 @@ class StageLinks:
     """This stage's links (several stages only): `connect` before each step, `close` when the slot changes."""
 
     def __init__(self, hub: LinkHub, token: trio.lowlevel.TrioToken, manifest: RunManifest, me: str,
-                 buffer_dir: str | None):
+                 buffer_dir: str | None, transcript: Transcript | None = None):
         self.hub, self._token, self.manifest, self.me = hub, token, manifest, me
+        self.transcript = transcript  # a verified run: what crosses the links is recorded there (evidence)
         #: this run's AQ-SGD disk buffers: under the node's configured folder (its data directory), by run
         self.buffer_dir = None if buffer_dir is None else os.path.join(buffer_dir, manifest.run_id[:16])
         self.end: LinkEnd | None = None
@@ -48,6 +50,8 @@ class StageLinks:
         self.peers = peers
         await self.end.adopt(step)  # AQ-SGD: a replacement pulls its links' stores from the survivors
         trainer.boundary = BlockingLinkEnd(self.end, self._token)
+        if self.transcript is not None:
+            trainer.boundary = RecordingBoundary(trainer.boundary, self.transcript, spec.kind)
         log.info("lane %d stage %d links: previous %s, next %s", trainer.replica, trainer.stage,
                  (peers[0] or "-")[-8:], (peers[1] or "-")[-8:])
 
@@ -65,6 +69,10 @@ class StageLinks:
     def drop_stores(self) -> None:
         """Forget every AQ-SGD store of this node (the run rolled back: each link starts empty, first visits)."""
         self.hub.aq_stores.close()
+
+    def signatures(self, step: int, micro: int) -> dict[str, bytes]:
+        """The signatures the current links hold for a training micro-batch (a verified run; empty otherwise)."""
+        return self.end.signatures(step, micro) if self.end is not None else {}
 
     def counters(self) -> dict[str, Any]:
         """The current links ("b0/fwd"...): the neighbour and the messages and bytes each way."""

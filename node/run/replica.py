@@ -12,15 +12,20 @@ import trio
 from shoal.node.run.config import RunConfig
 from shoal.node.run.status import Thinned, Throughput
 from shoal.node.sync.interface import Synchronizer
+from shoal.node.train.checkpoint import CheckpointError
 from shoal.node.train.control import StepControl, StepResult
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HISTORY_POINTS
 from shoal.swarm.net.penalty import Penalties
-from shoal.swarm.state.snapshot import Snapshot
+from shoal.swarm.state.snapshot import Snapshot, StateTransferError, flatten_state
 
 log = logging.getLogger(__name__)
 
 Exchange = Callable[[str, dict[str, bytes], set[str], float], dict[str, bytes]]  # Collective.blocking's call
+
+
+class _HalfLoaded(RuntimeError):
+    """Loading a state failed after it began: the trainer holds part of it."""
 
 
 class Replica:
@@ -76,30 +81,55 @@ class Replica:
         """Forget the trainer (the slot moved: another stage holds other parameters, another lane other samples)."""
         self.trainer = None
 
-    async def load(self, snap: Snapshot, *, enter: bool = True) -> None:
-        """Load the group's state, then (`enter`) let the synchronizer restart local state from the synchronized
-        one; a slot's own state (a checkpoint, a rollback) is loaded as it is."""
+    async def load(self, snap: Snapshot, *, step: int | None = None, enter: bool = True) -> None:
+        """Load the group's entry state (pulled with the hash the group agrees on), then (`enter`) let the
+        synchronizer restart local state from it; a slot's own whole state (a checkpoint, a rollback) is loaded as
+        it is. `step`: the training step the state must be at (default: its revision; the run's final
+        state, revision N + 1, is at step N). A state that does not fit this trainer is refused before any of it is
+        loaded; one that fails while loading leaves a trainer of unknown state, which is dropped (rebuilt before the
+        next entry). Either way StateTransferError: never an error that stops the node."""
         state = snap.state()
         trainer, sync = self.trainer, self.sync
 
         def load() -> None:
-            trainer.load_state_dict(state)
-            if enter:
-                sync.enter(trainer.model)
+            trainer.check_entry(state, snap.revision if step is None else step)  # CheckpointError: nothing loaded
+            try:
+                trainer.load_state_dict(state)
+                if enter:
+                    sync.enter(trainer.model)
+            except Exception as e:  # noqa: BLE001 - a half-loaded trainer must not train on
+                raise _HalfLoaded(f"{type(e).__name__}: {e}") from e
 
-        await trio.to_thread.run_sync(load)
+        try:
+            await trio.to_thread.run_sync(load)
+        except CheckpointError as e:
+            raise StateTransferError(f"the agreed state does not fit this trainer: {e}") from e
+        except _HalfLoaded as e:
+            self.trainer = self.sync = None
+            raise StateTransferError(f"loading the agreed state failed half way ({e}): the trainer is rebuilt") from e
         self.at_step = trainer.step_count
 
-    def snapshot(self, control: StepControl, revision: int | None = None, hashed: bool = True) -> Snapshot:
-        """Worker thread: the state at the round boundary of `control.step`, as a snapshot (taken as revision
-        `revision`, by default that step; hashed now only when `hashed`: disk and shards hash it off the step
-        path)."""
-        state = self.trainer.snapshot(control)
-        return Snapshot.of(state, control.step if revision is None else revision, copy=False, hashed=hashed)
+    def state_bytes(self) -> int:
+        """Bytes of this replica's whole state (its tensors), as a checkpoint holds it."""
+        return sum(t.numel() * t.element_size() for t in flatten_state(self.trainer.state_dict())[0].values())
 
-    async def take(self, control: StepControl, revision: int | None = None, hashed: bool = True) -> Snapshot:
+    def snapshot(self, control: StepControl, revision: int | None = None) -> Snapshot:
+        """Worker thread: the entry state at the round boundary of `control.step`, as a snapshot (taken as revision
+        `revision`, by default that step)."""
+        state = self.trainer.snapshot(control)
+        return Snapshot.of(state, control.step if revision is None else revision, copy=False)
+
+    async def take(self, control: StepControl, revision: int | None = None) -> Snapshot:
         """`snapshot` in a worker thread."""
-        return await trio.to_thread.run_sync(self.snapshot, control, revision, hashed)
+        return await trio.to_thread.run_sync(self.snapshot, control, revision)
+
+    async def take_whole(self, control: StepControl) -> Snapshot:
+        """This slot's whole state at `control.step` (its checkpoint, its stage's shards), not hashed yet (disk and
+        shards hash it off the step path), in a worker thread; it changes nothing of training."""
+        def whole() -> Snapshot:
+            return Snapshot.of(self.trainer.whole_state(control), control.step, copy=False, hashed=False)
+
+        return await trio.to_thread.run_sync(whole)
 
     async def close(self, control: StepControl) -> None:
         """Apply the synchronizer's round still in flight (the end of training), in a worker thread."""

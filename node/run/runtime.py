@@ -37,10 +37,13 @@ from shoal.node.run.replica import Replica
 from shoal.node.run.shards import StageShards
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import RunDetail
+from shoal.node.run.verified import Checks, VerifiedStage
+from shoal.node.run.verify import StageVerifier
 from shoal.node.run.votes import MIN_VOTERS
 from shoal.node.run.workload import make_placer
 from shoal.node.train.control import StepControl
 from shoal.protocol.assignment import GONE, AssignmentTable, Rollback
+from shoal.protocol.lane import FWD, LinkHello
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HardwareProfile, RunStatus
 from shoal.swarm.lane.hub import open_link_hub
@@ -49,7 +52,7 @@ from shoal.swarm.net.rpc import call
 from shoal.swarm.run.broker import AdmissionError, Broker
 from shoal.swarm.run.client import RunClient
 from shoal.swarm.run.collective import Collective
-from shoal.swarm.run.collective_gate import CollectiveGate
+from shoal.swarm.run.collective_gate import CollectiveGate, inbox_limits
 from shoal.swarm.run.group import Group
 from shoal.swarm.run.timeline import GroupTimeline
 from shoal.swarm.state.snapshot import Snapshot
@@ -78,7 +81,7 @@ class RunRuntime:
         self.snapshots = SnapshotStore(every_steps=config.snapshot_every_steps)
         self.pulls = StatePulls(services, config, self.snapshots)
         self.consistency = Consistency(services, config, self.replica, self.pulls, self.node_call,
-                                       run_id=lambda: self._manifest().run_id)
+                                       run_id=lambda: self._manifest().run_id, report=self._report_offenders)
         self.timeline = GroupTimeline(services.peer_id)
         self.entitled = Entitlement(lambda: self.client.table if self.client is not None else None, self.clock)
         # made in `run`, once the manifest is known:
@@ -86,6 +89,7 @@ class RunRuntime:
         self.broker: Broker | None = None
         self.collective: Collective | None = None
         self.links: StageLinks | None = None  # a pipeline stage's links to its lane neighbours (several stages)
+        self.verified: VerifiedStage | None = None  # a pipeline stage's part in verified stages (several stages)
         self.entry: Entry | None = None
         self.files: RunFiles | None = None  # the files the run names by hash (weights, tokenizer)
         self.recovery: StageRecovery | None = None  # checkpoints, shards, rollbacks (node/run/recovery.py)
@@ -158,7 +162,16 @@ class RunRuntime:
                          recent_hashes=dict(sorted(self.consistency.hashes.hashes.items())[-16:]),
                          warm_revision=self.warm.revision if self.warm is not None else None,
                          links=links.counters() if links is not None else {},
-                         recent_link_digests=links.recent_digests() if links is not None else {})
+                         recent_link_digests=links.recent_digests() if links is not None else {},
+                         verified=self._verified_detail())
+
+    def _verified_detail(self) -> dict[str, Any] | None:
+        """A verified run's stage: what it re-executed and found (None: not a verified run)."""
+        v = self.verified.verifier if self.verified is not None else None
+        if v is None or not v.enabled:
+            return None
+        return {"checked": v.stats.checked, "skipped": v.stats.skipped, "confirmations": v.stats.confirmations,
+                "findings": [[f.step, f.micro, f.lane, f.stage, f.suspect, f.why] for f in v.stats.findings[-16:]]}
 
     # -- groups by step ------------------------------------------------------------------------------------
     def _on_table(self, table: AssignmentTable) -> None:
@@ -192,7 +205,10 @@ class RunRuntime:
         """Where a group change can take effect: the furthest step anyone reports, plus ~switch_lead_s of steps
         (every stage of a run steps together, so the same bound serves each)."""
         m = self._manifest()
-        steps = self.entitled.progress(self.replica.at_step, m.run_id, self.services.statuses())  # members, clamped
+        r = self.replica
+        own_rate = r.throughput.tokens_per_s(r.last.tokens_per_s) \
+            if r.throughput is not None and r.last is not None else 0.0
+        steps = self.entitled.progress(r.at_step, m.run_id, self.services.statuses(), own_rate)  # members, clamped
         top = max(s for s, _ in steps)
         if top == 0:
             return 0  # nothing trained yet: the change can apply from the start
@@ -200,6 +216,13 @@ class RunRuntime:
         per_step = m.batch.batch_size * m.batch.seq_len
         rate = tps / per_step if tps > 0 else 1.0
         return top + max(self.config.switch_lead_min_steps, math.ceil(self.config.switch_lead_s * rate))
+
+    def _lane_named(self, peer: str, hello: LinkHello) -> bool:
+        """Whether the tables this node follows (in force from the step before ours, or announced) name `peer` at
+        the dialing end of `hello`'s link and this node at the other (swarm/lane/hub.py asks, for every dial)."""
+        lower, upper = hello.boundary, hello.boundary + 1
+        dialer, mine = (lower, upper) if hello.direction == FWD else (upper, lower)
+        return self.timeline.names_on_lane(peer, dialer, hello.lane, mine, max(0, self.replica.at_step - 1))
 
     def _group_full(self) -> bool:
         t = self.timeline.latest
@@ -235,14 +258,15 @@ class RunRuntime:
         if self.links is not None:
             await self.links.connect(t, self.timeline.table_at(r.at_step, t.stage), r.at_step)
         control = StepControl(step=r.at_step, group=group)
-        served = self.snapshots.wanted(control.step)  # joiners need its hash now; disk and shards hash it later
-        if served or self.recovery.wants(control.step):
-            snap = await r.take(control, None, served)
-            if served:
-                self.snapshots.add(snap)
-            self.recovery.taken(snap, t.stage, t.replica, self._nursery)  # checkpoint, shards: off this path
+        if self.recovery.wants(control.step):  # this slot's whole state: checkpoint, shards, hashed off this path
+            self.recovery.taken(await r.take_whole(control), t.stage, t.replica, self._nursery)
+        if self.snapshots.wanted(control.step):
+            self.snapshots.add(await r.take(control))
+        checks: Checks | None = await self.verified.before(control.step) if self.verified is not None else None
         t0 = self.clock()
         result = await r.step(control, self.clock)
+        if self.verified is not None:
+            self.verified.after(group, checks)
         self.consistency.record(r.at_step, control.state_hash)
         if control.missing and self._froze_since(t0):
             log.info("step %d: not reporting %d members missing: this process stood still during the step",
@@ -280,6 +304,13 @@ class RunRuntime:
                 sorted(control.missing), epoch=group.epoch, stage=group.stage, offenders=sorted(control.offenders),
                 neighbours=neighbours))
 
+    def _report_offenders(self, group: Group, offenders: list[str]) -> None:
+        """Tell the broker about members found lying in a hash vote (most members' reports evict)."""
+        client = self.client
+        if client is not None and self._nursery is not None:
+            self._nursery.start_soon(lambda: client.report_missing([], epoch=group.epoch, stage=group.stage,
+                                                                   offenders=offenders))
+
     async def _finish(self, limit: int) -> None:
         """The end of the run: apply the last round, then make sure this replica ends with the majority's state
         (a divergence in the last steps would otherwise outlive the run). The final state is revision limit + 1
@@ -289,7 +320,7 @@ class RunRuntime:
         g = self.group_at(limit - 1)
         control = StepControl(step=r.at_step, group=g)
         # the checkpoint of the end: the state as training would go on from it (a longer run's, bit for bit)
-        resumable = await r.take(StepControl(step=r.at_step, group=g), None, False)
+        resumable = await r.take_whole(StepControl(step=r.at_step, group=g))
         await r.close(control)  # the last round applied: the run's final state
         self.snapshots.add(await r.take(control, final_rev), exact=True)
         self.consistency.record(final_rev, r.sync.state_hash())
@@ -299,7 +330,7 @@ class RunRuntime:
             refetches = self.consistency.refetches
             await self.consistency.settle_final(g, final_rev)
             if self.consistency.refetches != refetches:  # the majority's final state replaced ours
-                resumable = await r.take(StepControl(step=r.at_step, group=g), None, False)
+                resumable = await r.take_whole(StepControl(step=r.at_step, group=g))
         await self.recovery.final(resumable, r.trainer.stage, r.trainer.replica)  # the run's end is always on disk
         await r.evaluate()
 
@@ -375,7 +406,7 @@ class RunRuntime:
                 await entry.wait_for_table(READY_POLL_S)
                 continue
             if self.consistency.refetch_due(step):
-                await self.consistency.refetch(step)
+                await self.consistency.refetch(step, self.group_at(step))
             r.state = "training"
             await self._step(g)
             await self.consistency.check(self.group_at(r.at_step))
@@ -389,7 +420,7 @@ class RunRuntime:
         self._token = trio.lowlevel.current_trio_token()
         self._start_deadline = self.clock() + cfg.start_wait_s
         if self.manifest is None:
-            self.manifest = await fetch_manifest(sv, cfg.run_id, joined, timeout_s=cfg.client.rpc_timeout_s)
+            self.manifest = await fetch_manifest(sv, cfg.run_id, joined, cfg.client)
         m = self.manifest
         preflight(m, cfg)  # the device's memory (run/preflight.py)
         if m.join.mode == "secret" and not cfg.secret:  # to prove it, or as broker to check it
@@ -405,10 +436,17 @@ class RunRuntime:
             if m.plan.placement == "network":  # measure links (probes, reports) for the broker's placer
                 sv.links.follow(lambda: self.client.table if self.client is not None else None)
             placer = make_placer(m, sv.links.book, cfg.replan)
-        ctx = sv.run_context(m, self.switch_step, placer)
+        ctx = sv.run_context(m, self.switch_step, placer, step=lambda: self.replica.at_step)
+        lim = inbox_limits(m, cfg.round_timeout_s)
+        overlap = 1 + (sync.diloco.overlap_steps if sync.method == "diloco" else 0)  # a round runs on that long
         self.collective = Collective(sv.sh, sv.penalties,  # only members of known groups, under their tags
-                                     gate=CollectiveGate(m.run_id, lambda: self.timeline.tables))
+                                     gate=CollectiveGate(m.run_id, lambda: self.timeline.tables,
+                                                         step=lambda: max(0, self.replica.at_step - overlap)),
+                                     max_frame_bytes=lim.max_frame_bytes, max_wait_s=lim.max_wait_s,
+                                     max_peer_buffer_bytes=lim.max_peer_buffer_bytes,
+                                     max_buffer_bytes=lim.max_buffer_bytes)
         StateServer(sv.sh, lambda: self.snapshots.latest, penalties=sv.penalties, by_revision=self.snapshots.at,
+                    step=lambda: self.replica.at_step,
                     allow=self.entitled.member)  # model state for the run's members and backups only
         sv.register("run.snapshot_at", self._rpc_snapshot_at)
         self.recovery = self._recovery()
@@ -416,12 +454,23 @@ class RunRuntime:
         sv.register("run.hash_at", self.consistency.hashes.rpc_hash_at)
         plan = m.plan
         links = open_link_hub(sv.sh, sv.penalties, LinkConfig(), allow=self.entitled.member,
-                              plan=(m.run_id, plan.stages, plan.replicas)) \
+                              plan=(m.run_id, plan.stages, plan.replicas), named=self._lane_named) \
             if plan.stages > 1 else contextlib.nullcontext()  # a pipeline stage's links to its lane neighbours
         async with links as hub, trio.open_nursery() as nursery:
             self._nursery = nursery
             if hub is not None:
-                self.links = StageLinks(hub, self._token, m, sv.peer_id, cfg.aq_buffer_dir)
+                verifier = StageVerifier(
+                    me=sv.peer_id, run_id=m.run_id, fraction=plan.pipeline.verify_fraction,
+                    kind=plan.pipeline.wire_dtype, penalize=sv.penalties.penalize,
+                    weights_hash=lambda step: self.consistency.hashes.hashes.get(step),
+                    call=lambda p, method, b, max_response_bytes: call(
+                        sv.sh, p, method, b, max_response_bytes=max_response_bytes, timeout_s=cfg.client.rpc_timeout_s))
+                self.links = StageLinks(hub, self._token, m, sv.peer_id, cfg.aq_buffer_dir,
+                                        verifier.transcript if verifier.enabled else None)
+                self.verified = VerifiedStage(services=sv, verifier=verifier, replica=self.replica,
+                                              timeline=self.timeline, links=self.links, client=lambda: self.client,
+                                              call=self.node_call, spawn=nursery.start_soon,
+                                              member=self.entitled.member)
             # a node that restarted finds its run again from its peers (the table may name this node as broker)
             patient = sv.joined_by_address or cfg.manifest is None or any(
                 st.run_id == m.run_id for _, st in sv.statuses())  # a peer trains this run: never start a second one
@@ -450,7 +499,7 @@ class RunRuntime:
             if client.table is not None:
                 self._on_table(client.table)
             task_status.started(self)
-            nursery.start_soon(self.pulls.keep_warm, client)
+            nursery.start_soon(self.pulls.keep_warm, client, self.switch_step, self.consistency.ask_snapshot)
             await self._train()
 
     def _recovery(self) -> StageRecovery:

@@ -81,7 +81,7 @@ class Thinned:
 class RunDetail:
     """What a node's status file adds about its run to what its status record says (local tools and tests read it;
     it never travels): re-fetches and entries, the state hashes and link-store digests of the last steps, the warm
-    copy's revision, and each lane link's counters."""
+    copy's revision, each lane link's counters, and a verified stage's checks."""
 
     refetches: int = 0  # states loaded from the group's majority after ours differed
     entries: tuple[dict[str, Any], ...] = ()  # the last times this node entered a group: step, bytes, seconds
@@ -89,9 +89,11 @@ class RunDetail:
     warm_revision: int | None = None  # a backup's warm copy
     links: dict[str, Any] = field(default_factory=dict)  # "b0/fwd" -> neighbour, messages and bytes each way
     recent_link_digests: dict[str, dict[str, str]] = field(default_factory=dict)  # "b0/fwd/receiver" -> step -> digest
+    verified: dict[str, Any] | None = None  # verified stages: checks, skips, confirmations, the last findings
 
     def to_json(self) -> dict[str, Any]:
         return {"refetches": self.refetches, "entries": list(self.entries),
                 "recent_hashes": {str(k): v for k, v in sorted(self.recent_hashes.items())},
                 "warm_revision": self.warm_revision, "links": self.links,
-                "recent_link_digests": self.recent_link_digests}
+                "recent_link_digests": self.recent_link_digests,
+                **({"verified": self.verified} if self.verified is not None else {})}

@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -93,6 +94,14 @@ def decode_values(e: Encoded, codec: Codec | None) -> torch.Tensor:
     return x
 
 
+def fresh_locals(state: dict[str, Any], sync: dict[str, Any]) -> dict[str, Any]:
+    """An entry state (Synchronizer.entry_state) for a synchronizer whose replicas keep local parameters: no model
+    (entering writes it from the synchronized state), an optimizer with no moments (its hyperparameters are the
+    run's), and `sync`, the synchronized part alone."""
+    groups = state["optimizer"]["param_groups"]
+    return {**state, "model": None, "optimizer": {"state": {}, "param_groups": groups}, "sync": sync}
+
+
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
 
@@ -167,6 +176,9 @@ class GroupSync(Synchronizer):
         self._distrusted: set[str] = set()  # reported by this owner's direction check: left out until the epoch ends
         self.robust_checked = 0  # other members' contributions put to the direction check (as an owner)
         self.robust_left_out = 0  # of those, left out of a round's mean
+        # members whose contributions this owner left out or clipped since the runtime last took them (per-lane
+        # statistics: a member opposed to the others' median is evidence against its lane, docs/verified-stages.md)
+        self.outliers: set[str] = set()
 
     def state_hash(self) -> str:
         return self.last_hash
@@ -253,8 +265,16 @@ class GroupSync(Synchronizer):
                 del out[p]
             elif v > self.config.clip_factor * ref:
                 log.info("update from %s clipped: RMS %.3g > %g x reference %.3g", p, v, self.config.clip_factor, ref)
+                self.outliers.add(p)
                 out[p] = out[p] * (self.config.clip_factor * ref / v)
         return out
+
+    def distrust(self, peer: str) -> None:
+        self._distrusted.add(peer)  # read by this replica's rounds (a set's add is atomic in the worker thread)
+
+    def take_outliers(self) -> set[str]:
+        taken, self.outliers = self.outliers, set()
+        return taken
 
     def robust_parts(self, group: Group, parts: dict[str, torch.Tensor], report: RoundReport) -> list[torch.Tensor]:
         """What goes into the owner's mean of one chunk, in member order: `robust_filter` (norm equalisation, a
@@ -264,6 +284,7 @@ class GroupSync(Synchronizer):
         others = [m for m in v.cosines if m != group.me]
         self.robust_checked += len(others)
         self.robust_left_out += sum(m in v.left_out for m in others)
+        self.outliers.update(m for m in v.left_out if m != group.me)
         for m, c in v.left_out.items():
             log.info("update from %s left out of the mean: cosine %.3f with the members' median", m[-8:], c)
         r = self.config.robust

@@ -39,6 +39,8 @@ from shoal.protocol.manifest import OptimSpec, RunManifest
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 2  # 2: the state names its stage
 READABLE_FORMATS = (1, 2)  # a format-1 checkpoint is of the whole model: stage 0 of one
+LOCAL_STATE = ("rng", "scaler", "last_eval_loss")  # a replica's own, never passed to one entering the group
+DEVICE_OPTIONS = ("fused", "foreach", "capturable", "differentiable")  # optimizer options of the device, not the run
 
 
 def lr_at(opt: OptimSpec, step: int) -> float:
@@ -160,7 +162,13 @@ class Trainer:
         self.boundary: Boundary = boundary if boundary is not None else SoloLane()
         self.device = resolve_device(device) if isinstance(device, str) else device
         self.sync = synchronizer or NoSync()
-        self.corpus = corpus or load_corpus(manifest.data.source, manifest.data.heldout_every)
+        src = manifest.data.source
+        if corpus is None and src != "stdlib" and not src.startswith("hf:"):
+            # a manifest may come from the network: its path names a file of this machine the owner chose. The
+            # caller that trusts it (its own manifest file, or a volunteer's --data) loads it and passes it in
+            raise ValueError(f"the manifest reads its data from a local path ({src!r}): pass the corpus in "
+                             f"(load_corpus(path)); a trainer never opens a path a manifest names by itself")
+        self.corpus = corpus or load_corpus(src, manifest.data.heldout_every)
         self.train_samples = Samples(self.corpus.train, b.seq_len)
         self.heldout_samples = Samples(self.corpus.heldout, b.seq_len)
         subset = manifest.data.train_subset  # the first N samples only (0: all): samples come back every epoch
@@ -310,11 +318,59 @@ class Trainer:
     # -- the step
 
     def snapshot(self, control: StepControl) -> dict[str, Any]:
-        """The state at revision `control.step` (the round boundary before that step), a private copy of everything
-        (training may go on while it is served). A synchronizer's round still in flight is waited for and carried
-        in the state as it stands (CocktailSGD's pending parameters, DiLoCo's outer update in flight), not applied:
-        taking a snapshot never changes what training computes, so a run that checkpoints (or serves joiners) at
-        any steps trains exactly as one that does not, and a checkpoint resumes exactly where it was taken."""
+        """The entry state at revision `control.step` (the round boundary before that step), what the group serves
+        a replica entering it: the synchronizer's in-flight round applied first, then a private copy (training may
+        go on while it is served) of `entry_state`."""
+        if control.step != self.step_count:
+            raise ValueError(f"snapshot for step {control.step}, but the trainer is at step {self.step_count}")
+        control.advance(StepStage.SNAPSHOT)
+        self.sync.close(self.model, control)
+        return self.entry_state(copy_state(self.state_dict()))
+
+    def entry_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` as a replica entering the group loads it, the same on every replica at a revision (a strict
+        majority's hash vouches for all of it): this replica's own parts are left out (its RNG, its loss scaler,
+        its last eval loss, its data shard; the device-bound optimizer options), and the synchronizer's local parts
+        reset (Synchronizer.entry_state). `load_state_dict` keeps the loader's own for whatever is left out."""
+        out = {k: v for k, v in state.items() if k not in LOCAL_STATE}
+        out["data"] = {"position": state["data"]["position"], "replicas": state["data"]["replicas"]}
+        opt = state["optimizer"]
+        out["optimizer"] = {**opt, "param_groups": [{k: v for k, v in g.items() if k not in DEVICE_OPTIONS}
+                                                    for g in opt["param_groups"]]}
+        return self.sync.entry_state(out)
+
+    def check_entry(self, state: dict[str, Any], revision: int) -> None:
+        """Whether `state` (from the network, its hash agreed) fits this trainer at step `revision` (a revision's
+        step; the run's final state, revision N + 1, is at step N), before anything of it is loaded: CheckpointError
+        says why not (the state is not loaded, nothing of this trainer changes)."""
+        def bad(why: str):
+            return checkpoint.CheckpointError(f"entry state: {why}")
+        try:
+            if state.get("format") not in READABLE_FORMATS or state.get("run_id") != self.manifest.run_id \
+                    or state.get("stage", 0) != self.stage:
+                raise bad("another format, run or stage")
+            if state.get("step") != revision or state.get("scheduler", {}).get("step") != revision:
+                raise bad(f"its step is not {revision}")
+            if not isinstance(state["data"]["position"], int):
+                raise bad("no data position")
+            model = state.get("model")
+            if model is not None:
+                own = self.model.state_dict()
+                if set(model) != set(own) or any(not isinstance(model[k], torch.Tensor) or model[k].shape != v.shape
+                                                 or model[k].dtype != v.dtype for k, v in own.items()):
+                    raise bad("its model's tensors are not this stage's")
+            groups = state["optimizer"]["param_groups"]
+            if len(groups) != len(self.optimizer.param_groups):
+                raise bad("its optimizer has other parameter groups")
+        except (KeyError, TypeError, AttributeError) as e:
+            raise bad(f"malformed ({type(e).__name__}: {e})") from None
+
+    def whole_state(self, control: StepControl) -> dict[str, Any]:
+        """The whole state at revision `control.step`, for this slot's checkpoint and its stage's shards: everything
+        of this replica (its RNG, its data position, the synchronizer's state with a round still in flight carried
+        pending, not applied), a private copy. Taking it never changes what training computes, so a run that
+        checkpoints at any steps trains exactly as one that does not, and a checkpoint resumes exactly where it was
+        taken (docs/checkpoints.md)."""
         if control.step != self.step_count:
             raise ValueError(f"snapshot for step {control.step}, but the trainer is at step {self.step_count}")
         control.advance(StepStage.SNAPSHOT)
@@ -480,6 +536,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint, or an entry state (`entry_state`: the parts it leaves out stay this trainer's own)."""
         if state.get("format") not in READABLE_FORMATS:
             raise checkpoint.CheckpointError(f"checkpoint format {state.get('format')!r}, this version reads "
                                              f"{', '.join(map(str, READABLE_FORMATS))}")
@@ -487,18 +544,24 @@ class Trainer:
             raise checkpoint.CheckpointError(f"checkpoint belongs to run {state['run_id'][:16]}, not {self.manifest.run_id[:16]}")
         if state.get("stage", 0) != self.stage:
             raise checkpoint.CheckpointError(f"checkpoint of stage {state.get('stage')}, this trainer is stage {self.stage}")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler and state["scaler"]:
+        if state["model"] is not None:
+            self.model.load_state_dict(state["model"])
+        own = self.optimizer.param_groups  # this device's options (fused, foreach...) where the state has none
+        opt = state["optimizer"]
+        self.optimizer.load_state_dict({**opt, "param_groups": [
+            {**{k: v for k, v in g.items() if k != "params"}, **ng} for g, ng in zip(own, opt["param_groups"])]})
+        if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step_count = state["step"]
         self.sampler.position = state["data"]["position"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        if "cuda" in state["rng"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        if "rng" in state:
+            torch.set_rng_state(state["rng"]["torch"])
+            random.setstate(state["rng"]["python"])
+            if "cuda" in state["rng"] and self.device.type == "cuda":
+                torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
         self.sync.load_state_dict(state["sync"])
-        self.last_eval_loss = state.get("last_eval_loss")
+        if "last_eval_loss" in state:
+            self.last_eval_loss = state["last_eval_loss"]
 
     def save(self, directory: Path) -> Path:
         return checkpoint.save_checkpoint(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -11,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 import trio
 
+from shoal.kernels.codec import wire_roundtrip
 from shoal.protocol.errors import DecodeError, ProtocolError, TooLargeError
 from shoal.protocol.frames import MAX_HEADER_BYTES
 from shoal.protocol.records import LinkStatus, checkpoint_steps
@@ -23,6 +25,7 @@ from shoal.swarm.lane.aq_codec import group_nbytes
 from shoal.swarm.lane.aq_handover import AQStores, StoreKey
 from shoal.swarm.lane.aq_link import AQReceiver, AQSender, link_status, store_config
 from shoal.swarm.lane.payload import Outgoing, decode_acts, decode_grads, encode_acts, encode_grads, resend_encoding
+from shoal.swarm.lane.signing import SignatureRing, sign_tensor, tensor_signed_by
 from shoal.swarm.lane.spec import (LEN, MAX_CONTROL_BYTES, LaneSpec, LinkConfig, LinkCounters, LinkError, Violation,
                                    aq_groups, check_record, reset_quietly)
 from shoal.swarm.net.host import SwarmHost
@@ -90,6 +93,7 @@ class LinkEnd:
         self.recent: dict[tuple[str, str], deque[tuple[int, str]]] = {}
         self.checks: dict[tuple[str, str], dict[int, str]] = {}  # (link, side) -> digests at checkpoint steps
         self._fresh: list[tuple[StoreKey, Any, str]] = []  # stores new here: pulled from the other end (adopt)
+        self.sigs = SignatureRing()  # a verified run's signatures of the last steps' tensors (evidence)
         if spec.aq is not None:
             for boundary, side, peer in ((s, "sender", nxt), (s - 1, "receiver", prev)):
                 if peer is None:
@@ -104,6 +108,45 @@ class LinkEnd:
                     self.aq_out = AQSender(spec.aq, store)
                 else:
                     self.aq_in = AQReceiver(spec.aq, store)
+
+    # -- a verified run's signatures (swarm/lane/signing.py): made and checked in the caller's thread, as the coding
+    # is (reading only the spec and the links' fixed ends; the ring takes its own lock)
+
+    def _where(self, link: _Link, step: int, micro: int, ids) -> dict[str, Any]:
+        return dict(run=self.spec.run_id, lane=self.spec.lane, boundary=link.boundary, direction=link.direction,
+                    step=step, micro=micro, ids=tuple(ids))
+
+    def seal(self, direction: str, step: int, micro: int, out: Outgoing, x: torch.Tensor, *,
+             phase: str = TRAIN) -> Outgoing:
+        """`out` (the encoding of `x`, activations for FWD or gradients for BWD) signed by this stage, a verified
+        run's training tensors only: the signature covers what the receiver decodes, and is evidence against us."""
+        if not self.spec.signed or phase != TRAIN:
+            return out
+        link = _need(self.act_out if direction == FWD else self.grad_out, f"no outbound {direction} link here")
+        ids = out.ids if direction == FWD else ()
+        decoded = wire_roundtrip(out.kind, x)
+        assert decoded is not None  # a signed spec has a dense wire (LaneSpec checks it)
+        out.sig = sign_tensor(self.services.sh.key, decoded, **self._where(link, step, micro, ids))
+        self.sigs.put("act_out" if direction == FWD else "grad_out", step, micro, out.sig)
+        return out
+
+    def unseal(self, direction: str, rec: Act | Grad, x: torch.Tensor) -> str | None:
+        """A verified run's training tensor must carry its sender's signature of what was decoded here (`x`): None
+        when it does (kept as evidence), else why not (the caller refuses it: penalized, the step aborted)."""
+        if not self.spec.signed or (isinstance(rec, Act) and rec.phase != TRAIN):
+            return None
+        link = _need(self.act_in if direction == FWD else self.grad_in, f"no inbound {direction} link here")
+        what = "act_in" if direction == FWD else "grad_in"
+        ids = rec.ids if isinstance(rec, Act) else ()
+        if not rec.sig or not tensor_signed_by(link.peer, rec.sig, x, **self._where(link, rec.step, rec.micro, ids)):
+            return f"{what} of step {rec.step} #{rec.micro} without a valid signature"
+        self.sigs.put(what, rec.step, rec.micro, rec.sig)
+        return None
+
+    def signatures(self, step: int, micro: int) -> dict[str, bytes]:
+        """The signatures this end holds for a training micro-batch (a verified run): of what it sent (act_out,
+        grad_out, its own) and of what it received (act_in, grad_in, its neighbours')."""
+        return self.sigs.of(step, micro)
 
     def counters(self) -> dict[str, dict[str, Any]]:
         """Per link ("b0/fwd"...): the neighbour and what was sent and received on it, for status and benchmarks."""
@@ -156,6 +199,7 @@ class LinkEnd:
                        phase: str = TRAIN) -> None:
         _need(self.act_out, "the last stage sends no activations")
         out = await trio.to_thread.run_sync(encode_acts, self.spec, self.aq_out, step, micro, ids, acts_BTD, phase)
+        out = await trio.to_thread.run_sync(functools.partial(self.seal, FWD, step, micro, out, acts_BTD, phase=phase))
         await self.post_act(step, micro, out, phase=phase)
 
     async def post_act(self, step: int, micro: int, out: Outgoing, *, phase: str = TRAIN) -> None:
@@ -166,7 +210,7 @@ class LinkEnd:
             rec = _need(self.aq_out, "activations encoded by AQ-SGD").record(step, micro, out.ids, out.acts,
                                                                               out.encoding)
         else:
-            rec = Act(step=step, micro=micro, kind=out.kind, ids=tuple(out.ids), phase=phase)
+            rec = Act(step=step, micro=micro, kind=out.kind, ids=tuple(out.ids), phase=phase, sig=out.sig)
         await self._send(link, rec, step, phase, headers=out.headers, frames=out.frames)
 
     async def recv_act(self, step: int, micro: int, *, phase: str = TRAIN) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +221,9 @@ class LinkEnd:
             except ProtocolError as e:
                 raise await self.refuse(FWD, str(e), step) from None
             if isinstance(got, tuple):
+                why = await trio.to_thread.run_sync(self.unseal, FWD, rec, got[1])
+                if why is not None:
+                    raise await self.refuse(FWD, why, step)
                 return got
             await self.nack(rec, got)
 
@@ -208,32 +255,37 @@ class LinkEnd:
 
     async def send_grad(self, step: int, micro: int, grad_BTD: torch.Tensor) -> None:
         _need(self.grad_out, "the first stage sends no gradients")
-        await self.post_grad(step, micro, await trio.to_thread.run_sync(encode_grads, self.spec, grad_BTD))
+        out = await trio.to_thread.run_sync(encode_grads, self.spec, grad_BTD)
+        await self.post_grad(step, micro, await trio.to_thread.run_sync(self.seal, BWD, step, micro, out, grad_BTD))
 
     async def post_grad(self, step: int, micro: int, out: Outgoing) -> None:
         """Send the encoded gradient of one micro-batch's activations (`payload.encode_grads`); with AQ-SGD it is the
         ACK of the micro-batch's rows."""
         link = _need(self.grad_out, "the first stage sends no gradients")
         await self._enter(step)
-        await self._send(link, Grad(step=step, micro=micro, ack=self.spec.kind == AQ), step, TRAIN,
+        await self._send(link, Grad(step=step, micro=micro, ack=self.spec.kind == AQ, sig=out.sig), step, TRAIN,
                          headers=out.headers, frames=out.frames)
 
     async def recv_grad(self, step: int, micro: int) -> torch.Tensor:
-        frame = await self.take_grad(step, micro)
+        rec, frame = await self.take_grad(step, micro)
         try:
-            return await trio.to_thread.run_sync(decode_grads, self.spec, frame)
+            g = await trio.to_thread.run_sync(decode_grads, self.spec, frame)
         except ProtocolError as e:
             raise await self.refuse(BWD, str(e), step) from None
+        why = await trio.to_thread.run_sync(self.unseal, BWD, rec, g)
+        if why is not None:
+            raise await self.refuse(BWD, why, step)
+        return g
 
-    async def take_grad(self, step: int, micro: int) -> bytes:
-        """The raw tensor frame of one micro-batch's gradient, as it arrived (decode it with
+    async def take_grad(self, step: int, micro: int) -> tuple[Grad, bytes]:
+        """The record and raw tensor frame of one micro-batch's gradient, as they arrived (decode it with
         `payload.decode_grads`). Its arrival is the ACK: the micro-batch's rows become this end's store."""
         link = _need(self.grad_in, "the last stage receives no gradients")
         await self._enter(step)
         rec, frame = await self._take(link, ("grad", step, micro, TRAIN), step, TRAIN, f"gradients {micro}")
         if isinstance(rec, Grad) and rec.ack and self.aq_out is not None:
             self.aq_out.commit(step, micro)
-        return frame
+        return rec, frame
 
     async def exchange_norms(self, step: int, norms: Sequence[float], finite: bool) -> list[tuple[list[float], bool]]:
         """Send this stage's norms both ways, relay what arrives from one side to the other, return all stages'."""

@@ -75,6 +75,7 @@ class LaneSpec:
     kind: str = "fp32"  # activations and gradients of training micro-batches ("aqsgd": `aq` says how)
     eval_kind: str = "fp16"
     aq: AQSpec | None = None
+    signed: bool = False  # a verified run: training activations and gradients carry the sender's signature
 
     def __post_init__(self) -> None:
         if not (0 <= self.stage < self.num_stages and 0 <= self.lane < self.replicas):
@@ -89,6 +90,8 @@ class LaneSpec:
             raise ValueError(f"kinds must be among {sorted(DENSE_KINDS)} (training also {AQ})")
         if (self.kind == AQ) != (self.aq is not None):
             raise ValueError(f"kind {AQ} goes with its settings (aq), and only it")
+        if self.signed and self.kind not in DENSE_KINDS:
+            raise ValueError("signed tensors need a dense wire (what the receiver decodes is the sender's to sign)")
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -110,7 +113,7 @@ class LaneSpec:
                    prev_peer=prev_peer, next_peer=next_peer, micro_batch=b.micro_batch_size, seq_len=b.seq_len,
                    d_model=m.model.d_model, micro_batches=b.batch_size // b.micro_batch_size,
                    eval_batches=m.eval.batches, train_samples=train_samples, eval_samples=eval_samples, kind=kind,
-                   eval_kind=eval_kind, aq=aq)
+                   eval_kind=eval_kind, aq=aq, signed=p.verify_fraction > 0 and kind in DENSE_KINDS)
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -18,15 +18,17 @@ from shoal.protocol.envelope import seal
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.membership import LEFT
 from shoal.swarm.net.rpc import RpcError, call, parse_body
+from shoal.swarm.run.accusations import MISSED, OFFENCE, Accusations, Verdict
 from shoal.swarm.run.authority import DELEGATES, RunAuthority
 from shoal.swarm.run.context import Handler, RunContext
-from shoal.swarm.run.gate import AdmissionGate
+from shoal.swarm.run.gate import AdmissionGate, AdmissionLimits
 from shoal.swarm.run.placer import Placer, Seats
 from shoal.swarm.run.seating import Provider, Seating
 
 log = logging.getLogger(__name__)
 
 MAX_GONE_KEPT = 32  # gone providers listed in the table, newest first; older ones are forgotten
+NEW_BACKUP = 1 << 30  # a newly admitted backup's place: after every backup a taken-over table listed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,10 +43,15 @@ class BrokerConfig:
     straggler_misses: int = 3  # a member that misses rounds (yet answers) this often within the window ...
     straggler_window_s: float = 600.0
     demote_hold_s: float = 300.0  # ... is moved to the backup pool, and not promoted again for this long
+    # a member's step this far behind the others' (its own signed status) is the broker's own evidence that it
+    # lags; reports of a missed round wait this long for the other members' before they are weighed
+    straggler_lag_steps: int = 2
+    corroborate_s: float = 1.0
     dht_timeout_s: float = 5.0
     # a pipeline lane with a slot empty this long and no backup of that stage to fill it is dissolved: its
     # members return to the backup pool (each keeping its stage warm)
     dissolve_after_s: float = 60.0
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)  # wrong join-secret proofs checked
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s <= self.fail_after_s:
@@ -57,6 +64,8 @@ class BrokerConfig:
             raise ValueError("dissolve_after_s must be positive")
         if self.straggler_misses < 1 or self.straggler_window_s <= 0 or self.demote_hold_s < 0:
             raise ValueError("straggler_misses >= 1, straggler_window_s > 0 and demote_hold_s >= 0 are required")
+        if self.straggler_lag_steps < 1 or self.corroborate_s < 0:
+            raise ValueError("straggler_lag_steps >= 1 and corroborate_s >= 0 are required")
 
     @classmethod
     def for_fail_after(cls, fail_after_s: float, **more: Any) -> BrokerConfig:
@@ -112,11 +121,13 @@ class Broker:
         self.renewed_at = self.clock()  # the last lease renewal this broker issued (clock seconds)
         self.on_change: list[Callable[[AssignmentTable, bytes], object]] = []  # called with each new table
         self.reforms = 0  # groups re-formed (same members, next epoch) after a member missed a round but answered
-        self._offences: dict[tuple[int, int, str], set[str]] = {}  # (stage, epoch, offender) -> reporters
+        # reports against members, weighed so that no lone accuser counts (swarm/run/accusations.py)
+        self.accusations = Accusations(self.clock, window_s=config.straggler_window_s,
+                                       false_to_penalize=config.straggler_misses)
         self._checking: set[tuple[int, int, str]] = set()  # (stage, epoch, peer) reported missing, being pinged
         self._dirty = trio.Event()
         self.authority = RunAuthority(ctx.manifest)
-        self.gate = AdmissionGate(ctx, secret)  # who may join
+        self.gate = AdmissionGate(ctx, secret, config.admission)  # who may join
         self.delegation_env: bytes | None = None  # the owner's delegation naming this broker and its standby
         self.rollback: Rollback | None = None  # the run's last rollback (docs/snapshots.md)
         self._seated_since: dict[str, int] = {}  # slot holder -> the step from which it holds its slot's state
@@ -149,7 +160,7 @@ class Broker:
         backups = {pid: i for i, pid in enumerate(table.backups)}
         for p in table.providers:
             b.providers[p.peer_id] = b._provider(p.peer_id, p.state, stage=table.backup_stage(p.peer_id) or 0,
-                                                 score=(0, 0.0, backups.get(p.peer_id, len(backups))),
+                                                 score=(backups.get(p.peer_id, len(backups)),),
                                                  gone_at=b.clock() if p.state == GONE else 0.0)
         for s in table.slots:
             b.seating.slots[(s.stage, s.replica)] = s.peer_id
@@ -239,8 +250,9 @@ class Broker:
             return self._answer(p)
         if sum(1 for q in self.providers.values() if q.state != GONE) >= MAX_PROVIDERS:
             return AdmitResponse(admitted=False, error="the run has no room for more providers")
-        hw = req.hardware
-        p = self._provider(peer_id, REGISTERED, hardware=hw, score=(-hw.memory_bytes, -hw.matmul_tflops, 0))
+        # backups are promoted in admission order (after those a taken-over table listed): the hardware a provider
+        # reports is its own word, so it may decide what fits it, never whom it jumps in the queue
+        p = self._provider(peer_id, REGISTERED, hardware=req.hardware, score=(NEW_BACKUP,))
         self.providers[peer_id] = p
         p.state = BENCHMARKED  # the profile carries the node's measured compute and memory
         free = self.seating.seat(p, backup_only=req.backup_only)
@@ -367,7 +379,7 @@ class Broker:
         if current:  # offences count within one epoch; a silent peer is checked anyway
             for pid in set(rep.offenders):
                 if pid in members and pid != caller:
-                    self._offence(rep.stage, rep.epoch, pid, caller, len(members))
+                    self._offence(rep.stage, rep.epoch, pid, caller, members)
         missing = [(pid, rep.stage, rep.epoch) for pid in set(rep.missing) if pid in members and pid != caller]
         for pid in set(rep.neighbours):  # only the caller's own lane neighbours, at their stage's current epoch
             slot = table.slot_of(pid)
@@ -426,23 +438,49 @@ class Broker:
         self._rebuild()
         return r
 
-    def _offence(self, stage: int, epoch: int, offender: str, reporter: str, members: int) -> None:
-        """A member of a group of `members` rejected `offender`'s update. Once most of the other members have, it
-        leaves the group and is banned (one report could be a lie; most of the group saw it)."""
-        for key in [k for k in self._offences if k[:2] != (stage, epoch)]:
-            del self._offences[key]  # reports count within one group epoch
-        reporters = self._offences.setdefault((stage, epoch, offender), set())
-        reporters.add(reporter)
-        others = members - 1
-        if len(reporters) >= others // 2 + 1 and offender != self.ctx.me:
-            why = f"updates rejected by {len(reporters)} of the {others} other members"
+    def _false_accusers(self, verdict: Verdict, what: str) -> None:
+        for r in verdict.false_accusers:
+            if self.ctx.penalties is not None and r != self.ctx.me:
+                self.ctx.penalties.penalize(r, f"{what}: its reports went unconfirmed {self.config.straggler_misses} "
+                                               f"times within {self.config.straggler_window_s:.0f} s")
+
+    def _offence(self, stage: int, epoch: int, offender: str, reporter: str, members: tuple[str, ...]) -> None:
+        """A member rejected `offender`'s update. Once a strict majority of the other members have, it leaves the
+        group and is banned (one report could be a lie; most of the group saw it). A group of two never evicts on
+        a report: each member's word is one against the other's."""
+        stale = self.accusations.report(OFFENCE, stage, epoch, offender, reporter, members)
+        self._false_accusers(Verdict(counts=False, false_accusers=stale), "offence reports")
+        verdict = self.accusations.judge(OFFENCE, stage, epoch, offender, members, measured=None, final=False)
+        if verdict.counts and offender != self.ctx.me:
+            reporters = len(self.accusations.reporters(OFFENCE, stage, epoch, offender)) or "most"
+            why = f"updates rejected by a majority ({reporters}) of the {len(members) - 1} other members"
             if self.ctx.penalties is not None:
                 self.ctx.penalties.ban(offender, why)
             self.mark_failed(offender, why)
 
+    def _lags(self, peer_id: str, members: tuple[str, ...]) -> bool | None:
+        """The broker's own measurement of whether `peer_id` lags its group: the step it signs in its status
+        against the others' (None: no status of it or of the others)."""
+        m = self.ctx.membership
+        if m is None:
+            return None
+        steps = {e.peer_id: e.status_record.step for e in m.live_peers()
+                 if e.peer_id in members and e.status_record is not None
+                 and e.status_record.run_id == self.ctx.run_id}
+        if self.ctx.me in members and self.ctx.step is not None:
+            steps[self.ctx.me] = self.ctx.step()
+        if peer_id not in steps or len(steps) < 2:
+            return None
+        others = sorted(s for p, s in steps.items() if p != peer_id)
+        return steps[peer_id] < others[len(others) // 2] - self.config.straggler_lag_steps
+
     async def _check_missing(self, peer_id: str, reporter: str, stage: int, epoch: int) -> None:
-        """Ping a member reported missing: a silent one is replaced; one that answers makes the broker re-form the
-        group (same members, next epoch), so every member stops skipping it at the same step."""
+        """Ping a member reported missing: a silent one is replaced (the broker's own probe). One that answers
+        missed a round only when a strict majority of the other members of its group reported it, or the broker
+        sees it lag (with two members, the latter alone); the group is re-formed (same members, next epoch) so
+        every member stops skipping it at the same step, unless only distrusted reporters asked for it."""
+        members = self.table.members(stage) if self.table is not None else ()
+        self.accusations.report(MISSED, stage, epoch, peer_id, reporter, members)
         key = (stage, epoch, peer_id)
         if key in self._checking:
             return  # another member's report of the same miss is being checked
@@ -452,6 +490,7 @@ class Broker:
                 await call(self.ctx.sh, peer_id, "run.ping", {"run_id": self.ctx.run_id},
                            timeout_s=self.config.ping_timeout_s)
                 self.touch(peer_id)
+            await trio.sleep(self.config.corroborate_s)  # the other members' reports of the same round arrive
         except RpcError as e:
             self.mark_failed(peer_id, f"reported missing by {reporter[:16]}… and did not answer: {e}")
             return
@@ -459,7 +498,17 @@ class Broker:
             self._checking.discard(key)
         if self.epochs[stage] != epoch:
             return  # the group changed meanwhile: every member's skips are reset already
-        self.missed_round(peer_id, stage, f"{peer_id[:16]}… missed a round (reported by {reporter[:16]}…) but answers")
+        reporters = self.accusations.reporters(MISSED, stage, epoch, peer_id)
+        verdict = self.accusations.judge(MISSED, stage, epoch, peer_id, members, measured=self._lags(peer_id, members))
+        self._false_accusers(verdict, "missed-round reports")
+        by = ", ".join(r[:16] + "…" for r in sorted(reporters))
+        if verdict.counts:
+            self.missed_round(peer_id, stage, f"{peer_id[:16]}… missed a round (reported by {by}) but answers")
+        elif all(self.accusations.distrusted(r) for r in reporters):
+            log.info("reports that %s missed a round (by %s) are not acted on: its reporters accuse falsely",
+                     peer_id[:16], by)
+        else:
+            self.reform(stage, f"{peer_id[:16]}… reported missing by {by} alone, answers: no miss counted")
 
     def missed_round(self, peer_id: str, stage: int, why: str) -> None:
         """A member missed a round yet answers: re-form its group, or, once it has missed `straggler_misses` rounds

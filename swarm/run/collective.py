@@ -34,8 +34,9 @@ class Collective:
     """`exchange(tag, sends, expect, timeout_s)`: send bytes to peers, collect what peers sent under the same tag.
 
     Messages that arrive before the local `exchange` for their tag starts wait in a bounded inbox (per-peer and
-    total byte caps; the oldest tags are evicted first). Tags already finished are remembered briefly, and late
-    messages for them are dropped. Malformed messages penalize their sender and never reach the caller.
+    total byte caps, the oldest tags evicted first) for at most `max_wait_s`: an honest early message waits less
+    than a round, so anything older is dropped (and its memory given back). Tags already finished are remembered
+    briefly, and late messages for them are dropped. Malformed messages penalize their sender and never reach the caller.
     Messages to a peer go one after another on one stream kept open for it; a send that fails on a kept stream
     (the peer restarted, the connection was replaced) is tried once more on a new one.
     """
@@ -51,7 +52,9 @@ class Collective:
         read_timeout_s: float = 60.0,
         send_timeout_s: float = 60.0,
         open_timeout_s: float = 3.0,
+        max_wait_s: float = 120.0,
         gate: Callable[[str, str], object | None] | None = None,
+        clock: Callable[[], float] = trio.current_time,
     ):
         self.sh = sh
         self.me = sh.peer_id
@@ -62,6 +65,8 @@ class Collective:
         self.read_timeout_s = read_timeout_s
         self.send_timeout_s = send_timeout_s
         self.open_timeout_s = open_timeout_s  # opening a stream takes milliseconds unless the peer is gone
+        self.max_wait_s = max_wait_s  # a message waiting for its exchange longer than this is dropped
+        self.clock = clock
         # (peer, tag) -> None to take a message, else a refusal (.why, .penalize): checked on the header, before
         # the payload is read (swarm/run/collective_gate.py); None: every message is taken
         self.gate = gate
@@ -71,7 +76,10 @@ class Collective:
         self.messages_sent = 0
         self.messages_recv = 0
         self.late_dropped = 0  # messages for tags that had already finished
+        self.expired = 0  # waiting messages dropped after max_wait_s
         self._inbox: OrderedDict[str, dict[str, bytes]] = OrderedDict()
+        self._arrived: dict[str, float] = {}  # tag -> when its first waiting message arrived (clock seconds)
+        self._active: set[str] = set()  # tags whose exchange runs now
         self._peer_bytes: dict[str, int] = {}
         self._total_bytes = 0
         self._done: deque[str] = deque(maxlen=DONE_TAGS_KEPT)
@@ -147,18 +155,20 @@ class Collective:
         return self.gate(peer, tag) if self.gate is not None else None
 
     def _deliver(self, tag: str, peer: str, payload: bytes, wire: int) -> None:
+        self._expire()
         if tag in self._done_set:
             log.debug("late message for finished %s from %s dropped", tag, peer)
             self.late_dropped += 1
             return
         box = self._inbox.setdefault(tag, {})
+        self._arrived.setdefault(tag, self.clock())
         if peer in box:
             self.penalties.penalize(peer, f"collective: second message for tag {tag}")
             return
         if self._peer_bytes.get(peer, 0) + len(payload) > self.max_peer_buffer_bytes:
             self.penalties.penalize(peer, "collective: per-peer buffer cap exceeded")
             if not box:
-                del self._inbox[tag]
+                self._drop(tag)
             return
         box[peer] = payload
         self._peer_bytes[peer] = self._peer_bytes.get(peer, 0) + len(payload)
@@ -179,10 +189,33 @@ class Collective:
             log.warning("collective inbox over %d bytes: dropping tag %s", self.max_buffer_bytes, oldest)
             self._drop(oldest)
 
+    def _expire(self) -> None:
+        """Drop the waiting messages of tags whose first message came more than `max_wait_s` ago (the inbox is in
+        arrival order, so the oldest come first)."""
+        cutoff = self.clock() - self.max_wait_s
+        for tag in list(self._inbox):
+            if self._arrived.get(tag, cutoff) > cutoff:
+                return
+            if tag in self._active:
+                continue  # its exchange is collecting it now
+            box = self._drop(tag)
+            self.expired += len(box)
+            log.info("collective: %d message(s) for %s waited over %.0f s: dropped", len(box), tag, self.max_wait_s)
+
+    @property
+    def waiting_bytes(self) -> int:
+        """Payload bytes of messages waiting in the inbox for their exchange."""
+        return self._total_bytes
+
     def _drop(self, tag: str) -> dict[str, bytes]:
+        self._arrived.pop(tag, None)
         box = self._inbox.pop(tag, {})
         for peer, payload in box.items():
-            self._peer_bytes[peer] -= len(payload)
+            left = self._peer_bytes[peer] - len(payload)
+            if left:
+                self._peer_bytes[peer] = left
+            else:
+                del self._peer_bytes[peer]
             self._total_bytes -= len(payload)
         return box
 
@@ -257,10 +290,12 @@ class Collective:
         for p, b in sends.items():
             if not 0 < len(b) <= self.max_frame_bytes:
                 raise ValueError(f"message of {len(b)} bytes for {p} is outside 1..{self.max_frame_bytes}")
+        self._expire()
         others = expect - {self.me}
         sent: set[str] = set()
         failed: set[str] = set()
         box: dict[str, bytes] = {}
+        self._active.add(tag)
         try:
             with trio.move_on_after(0 if self.closed else timeout_s) as deadline:
                 self._waiting.add(deadline)
@@ -271,6 +306,7 @@ class Collective:
                     while not others - failed <= self._inbox.get(tag, {}).keys():
                         await self._changed.wait()
         finally:
+            self._active.discard(tag)
             self._waiting.discard(deadline)
             box = self._drop(tag)
             self._finish(tag)

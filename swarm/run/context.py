@@ -31,6 +31,9 @@ class RunContext:
     # stage -> the first step at which a group change can safely take effect (every member must hear of the
     # new table before it reaches that step); None: changes take effect from step 0 (nothing trains yet)
     switch_step: Callable[[int], int] | None = None
+    # the training step of the node hosting the broker (a member too, most often: the broker weighs its own step
+    # with the steps others sign in their status records); None: it trains nothing
+    step: Callable[[], int] | None = None
     # monotonic seconds for every timeout, lease and backoff (the membership's clock: liveness compares both);
     # wall-clock seconds only for what records carry (issue times, lease expiry)
     clock: Clock = time.monotonic

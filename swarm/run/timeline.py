@@ -34,6 +34,14 @@ def lane_peers(table: AssignmentTable, me: str) -> tuple[str | None, str | None]
     return prev, nxt
 
 
+def live_tables(tables: list[AssignmentTable], stage: int, step: int) -> list[AssignmentTable]:
+    """Of `tables` (oldest first), those whose group of `stage` can still act at or after `step`: the newest in
+    force at `step` and those announced for later steps."""
+    tables = [t for t in tables if stage < t.stages]
+    in_force = [t for t in tables if t.switch_step(stage) <= step][-1:]
+    return in_force + [t for t in tables if t.switch_step(stage) > step]
+
+
 class GroupTimeline:
     """The tables one node has accepted, newest last (owned by the event loop)."""
 
@@ -82,6 +90,12 @@ class GroupTimeline:
         if t is None or slot is None:
             return None
         return t.switch_step(slot[0]), slot[0], slot[1]
+
+    def names_on_lane(self, peer: str, stage: int, lane: int, other_stage: int, step: int) -> bool:
+        """Whether a table whose groups can still act at or after `step` puts `peer` in slot (stage, lane) and this
+        node in slot (other_stage, lane): a lane neighbour this node may link with."""
+        return any(t.slot_peer(stage, lane) == peer and t.slot_peer(other_stage, lane) == self.me
+                   for t in live_tables(self.tables, min(stage, other_stage), step))
 
     def switch_steps(self, table: AssignmentTable) -> set[int]:
         """The steps at which `table`'s groups take effect (members snapshot their state there for joiners)."""

@@ -50,12 +50,13 @@ class StateServer:
     def __init__(self, sh: SwarmHost, provider: Callable[[], Snapshot | None], *, penalties: Penalties | None = None,
                  config: StateTransferConfig = StateTransferConfig(),
                  by_revision: Callable[[int], Snapshot | None] | None = None, protocol: str = STATE_PROTOCOL,
-                 allow: Callable[[str], bool] | None = None):
+                 allow: Callable[[str], bool] | None = None, step: Callable[[], int] | None = None):
         self.sh = sh
         self.allow = allow  # whom state is served to (a run's members); None: anyone
         self.refused = 0
         self.provider = provider
         self.by_revision = by_revision  # serves requests for one exact revision (a joining replica's entry point)
+        self.step = step  # the server's own training step: a revision it passed and does not hold it never will
         self.penalties = penalties
         self.config = config
         self.served = 0
@@ -85,13 +86,14 @@ class StateServer:
                     snap = self.by_revision(rev) if self.by_revision is not None else None
                 if snap is None:
                     what = "no state to serve yet" if rev is None else f"revision {rev} is not available"
-                    await write_frame(stream, pack({"ok": False, "e": what}))
+                    never = rev is not None and self.step is not None and self.step() > rev
+                    await write_frame(stream, pack({"ok": False, "e": what, **({"never": True} if never else {})}))
                     await stream.close()
                     return
                 if only is not None and req["want"] == "state":  # hashing a part takes a while: not on the loop
                     snap = await trio.to_thread.run_sync(snap.only, tuple(only))
                 if req["want"] == "hash":  # what this replica holds, for a joiner to find the majority's state
-                    hsh = await trio.to_thread.run_sync(part_hash, snap, tuple(only or ("",)))
+                    hsh = snap.hash if only is None else await trio.to_thread.run_sync(part_hash, snap, tuple(only))
                     await write_frame(stream, pack({"ok": True, "revision": snap.revision, "hash": hsh}))
                     await stream.close()
                     return
