@@ -107,7 +107,7 @@ def test_a_relayed_members_row_is_never_fresher_than_its_signed_status():
 
 
 @pytest.mark.parametrize("secret, weak", [("hunter2", True), ("mysecretpassword", True), ("a" * 40, True),
-                                          ("correct horse battery staple", False), (new_secret(), False)])
+                                          ("correct horse battery staple", False), pytest.param(new_secret(), False, id="generated")])
 def test_a_chosen_join_secret_is_weak_when_short_or_low_in_entropy(secret, weak):
     assert (weak_secret(secret) is not None) == weak
 
