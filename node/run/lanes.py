@@ -61,9 +61,11 @@ class StageLinks:
             self.end.halt("this node is leaving the run")
 
     async def close(self) -> None:
+        """Close the current links; their bytes stay counted (counted while they are still the current ones)."""
+        if self.end is not None:
+            self._closed_bytes = self.bytes()
         end, self.end, self.peers = self.end, None, None
         if end is not None:
-            self._closed_bytes = self.bytes()
             await end.aclose()
 
     def drop_stores(self) -> None:

@@ -199,7 +199,10 @@ class RunRuntime:
         return None if g is not None and g.epoch <= self._abandoned.get(g.stage, -1) else g
 
     def group_at(self, step: int) -> Group | None:
-        return self.timeline.group_at(step)
+        """The group of the trainer's stage at `step` (a node the newest table moves to another stage trains on in
+        its old stage until the switch step; docs/placement.md, "Moving an active node")."""
+        t = self.replica.trainer
+        return self.timeline.group_at(step, t.stage if t is not None else None)
 
     def switch_step(self, stage: int) -> int:
         """Where a group change can take effect: the furthest step anyone reports, plus ~switch_lead_s of steps
@@ -388,8 +391,10 @@ class RunRuntime:
                 await entry.rejoin_lane(limit)
                 continue
             slot = self.timeline.entry()
-            if t is not None and step == 0 and slot is not None and slot[0] == 0 and slot[1:] != r.slot:
-                await entry.enter(*slot)  # moved before training began (a re-plan): the new slot's trainer
+            if t is not None and slot is not None and slot[0] == step and slot[1:] != r.slot and step < limit:
+                # moved at this switch step (a re-plan; at step 0 before training began): the new slot's trainer,
+                # with the new stage group's state at this step, as a promoted backup enters
+                await entry.enter(*slot)
                 continue
             g = self._group_to_train(step) if t is not None else None
             if g is not None and entry.left_behind(step):

@@ -76,9 +76,10 @@ class GroupTimeline:
                 return t
         return None
 
-    def group_at(self, step: int) -> Group | None:
-        """This node's group for the round of `step`, or None when it holds no slot then."""
-        stage = self.stage()
+    def group_at(self, step: int, stage: int | None = None) -> Group | None:
+        """This node's group of `stage` (default: the stage of its newest slot) for the round of `step`, or None
+        when it holds no slot of that stage then."""
+        stage = self.stage() if stage is None else stage
         t = self.table_at(step, stage) if stage is not None else None
         g = group_of(t, self.me) if t is not None else None
         return g if g is not None and g.stage == stage else None
