@@ -616,6 +616,10 @@ class Broker:
         """One re-plan: the placer plans on a snapshot of the seats in a worker thread (bounded by its time
         budget); a move it proposes is applied here, if the seats did not change meanwhile, as one seating change
         (new group epochs, a switch step, a new table). True if providers moved."""
+        if self.ctx.switch_step is not None and self.ctx.switch_step(0) == 0:
+            # no step done yet: a change now would take effect at step 0, which members may already be running
+            # (they would pass its switch step in their old slots); moves wait for the first step
+            return False
         seats = self.seats()
         job = self.placer.prepare(seats)
         if job is None:
