@@ -259,7 +259,7 @@ class ParallelPlan(WireRecord):
     replicas: int = spec(Int(1, 65536), default=1)
     sync: SyncSpec = _nested(SyncSpec)
     pipeline: PipelineSpec = _nested(PipelineSpec)
-    placement: str = spec(Choice(frozenset(PLACEMENTS)), default="network", omit_if_default=True)
+    placement: str = spec(Choice(frozenset(PLACEMENTS)), default="first-fit", omit_if_default=True)
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)

@@ -90,7 +90,7 @@ PLAN_FLAGS = (
     SpecFlag("--replicas", "plan.replicas", "data-parallel replicas D per stage", "D"),
     SpecFlag("--placement", "plan.placement", "who sits where: network places and re-places providers by their "
                                               "measured links and the step-time cost model (docs/placement.md); "
-                                              "first-fit seats them in the order they come"),
+                                              "first-fit (the default) seats them in the order they come"),
 )
 SYNC_FLAGS = (
     SpecFlag("--cocktail-p", "plan.sync.cocktail.p", "CocktailSGD: share of coordinates kept by the random mask", "P"),
