@@ -110,7 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      "(tokens/s with the network planner vs first fit, same run), throttle (one "
                                      "node's link drops: time until the run moves), noise (+-20 %% on every link "
                                      "for 10 minutes: moves made). Needs root; CPU-heavy: one scenario at a time.")
-    pl2.add_argument("--scenario", required=True, choices=("gain", "throttle", "noise"))
+    pl2.add_argument("--scenario", required=True, choices=("gain", "throttle", "noise"),
+                     help="gain: tokens/s by the network vs first fit; throttle: one node's link drops, time until the "
+                          "run moves; noise: +-20 %% on every link, moves made")
     pl2.add_argument("--nodes", type=int, default=8, help="active nodes, S = 2 (default: %(default)s; throttle "
                                                            "adds a backup)")
     pl2.add_argument("--between-mbit", type=float, default=10.0, help="the link between the sites (default: 10)")
