@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -197,7 +198,13 @@ def test_swarm_up_that_fails_to_start_says_so_without_a_hash_verdict(tmp_path):
                        env=env_for(tmp_path / "home"))
     assert r.returncode == 1 and "did not converge within 0.2 s" in r.stderr, r.stderr
     assert "stopped before any replica trained a step" in r.stderr and "hashes" not in r.stderr, r.stderr
-    assert "stopped 2 nodes: 2 exit 0;" in r.stderr, r.stderr
+    # both nodes stopped cleanly: exit 0 once joined, 130 while still starting (a node interrupted during start-up
+    # ends with 130: tests/e2e/test_cli_errors.py::test_interrupted_during_start_up); which one depends on how far
+    # each got in 0.2 s, never a crash's status
+    line = re.search(r"stopped 2 nodes: (.*?); output", r.stderr)
+    assert line, r.stderr
+    exits = [(int(n), int(code)) for n, code in re.findall(r"(\d+) exit (\d+)", line.group(1))]
+    assert sum(n for n, _ in exits) == 2 and {code for _, code in exits} <= {0, 130}, r.stderr
 
 
 def test_nodes_leave_when_their_supervisor_is_killed_and_swarm_down_status(tmp_path):
