@@ -207,6 +207,7 @@ class CheckpointWriter:
         self.skipped = 0  # offers replaced by a newer one before they were written
         self.last_step: int | None = None
         self.error: str | None = None
+        log.info("checkpoints every %d steps (and at the end) under %s", self.every_steps, self.root)
 
     def due(self, step: int) -> bool:
         """Whether the state at `step` is one the run's policy checkpoints (the end is always written)."""
@@ -240,8 +241,10 @@ class CheckpointWriter:
                 took = self.clock() - t0
                 self.last_step = meta.step
                 self.written = (self.written + [{"step": meta.step, "seconds": round(took, 3), "bytes": n}])[-8:]
-                log.info("checkpoint of %s at step %d written (%.1f MB, %.2f s)", slot_name(meta.stage, meta.replica),
-                         meta.step, n / 1e6, took)
+                # routine: DEBUG (a steady run's log stays flat; the writer says where at INFO when it starts, the
+                # status file carries every write)
+                log.debug("checkpoint of %s at step %d written (%.1f MB, %.2f s)", slot_name(meta.stage, meta.replica),
+                          meta.step, n / 1e6, took)
             self._idle.set()
 
 

@@ -62,6 +62,7 @@ class StageShards:
         self.placed_on: tuple[str, ...] = ()
         self.stats = EncodeStats()
         self._busy = False
+        self._last_skip: str | None = None  # the reason of the last skipped revision (logging)
         self._last_at, self._last_encode_s = -1e18, 0.0  # when the last encoding began, and what it took
 
     def due(self, revision: int) -> bool:
@@ -95,25 +96,37 @@ class StageShards:
         slots = sorted((s.replica, s.peer_id) for s in table.slots if s.stage == stage)
         return slots[0][1] if slots else None
 
+    def _skip(self, what: str, why: str) -> None:
+        """A skipped revision: said at INFO when its reason changes, at DEBUG while it stays the same (a run with too
+        few peers for shards would otherwise log a line every snapshot interval)."""
+        # the kind of reason, not its figures (a peer count that changes is news; a revision number is not)
+        reason = "placing" if "still being placed" in why else "share" if why.startswith("the last encoding") else why
+        # the first skip of a run is DEBUG too: a swarm too small for shards is the common case at start, and the
+        # status record's `shards` says what is placed
+        level = logging.INFO if self._last_skip is not None and reason != self._last_skip else logging.DEBUG
+        log.log(level, "%s: %s", what, why)
+        self._last_skip = reason
+
     async def encode_and_place(self, snap: Snapshot, table: AssignmentTable, stage: int) -> None:
         """Split `snap` (this node's stage at its revision) into shards and hand them to their holders. Skipped when
         the previous revision is still being placed, or when too few peers can hold shards."""
         if self._busy:
             self.stats.skipped += 1
-            log.info("stage %d snapshot at revision %d not encoded: revision %s is still being placed", stage,
-                     snap.revision, self.stats.revisions[-1]["revision"] if self.stats.revisions else "?")
+            self._skip(f"stage {stage} snapshot at revision {snap.revision} not encoded", "revision "
+                       f"{self.stats.revisions[-1]['revision'] if self.stats.revisions else '?'} is still being placed")
             return
         since = self.clock() - self._last_at
         if self._last_encode_s > ENCODE_SHARE * since:
             self.stats.skipped += 1
-            log.info("stage %d snapshot at revision %d not encoded: the last encoding took %.2f s, more than %.0f %% "
-                     "of the %.1f s since", stage, snap.revision, self._last_encode_s, 100 * ENCODE_SHARE, since)
+            self._skip(f"stage {stage} snapshot at revision {snap.revision} not encoded", "the last encoding took "
+                       f"{self._last_encode_s:.2f} s, more than {100 * ENCODE_SHARE:.0f} % of the {since:.1f} s since")
             return
         k, holders = shard_holders(table, stage, m=self.parity, max_k=self.max_k)
         if k < 1:
-            log.info("stage %d snapshot at revision %d not encoded: %d peers outside the stage, %d needed", stage,
-                     snap.revision, len(holders), self.parity + 1)
+            self._skip(f"stage {stage} snapshot at revision {snap.revision} not encoded",
+                       f"{len(holders)} peers outside the stage, {self.parity + 1} needed")
             return
+        self._last_skip = None
         self._busy = True
         try:
             t0 = self.clock()
