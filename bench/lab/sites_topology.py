@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import itertools
 
-from shoal.bench import netns
 from shoal.bench.netns import run
-from shoal.bench.topology import FRAME_BYTES, _LIVE, Topology, TopologyConfig, log, remove_leftovers
+from shoal.bench.topology import FRAME_BYTES, Topology, TopologyConfig, log
 
 
 class SitesTopology(Topology):
@@ -33,34 +32,27 @@ class SitesTopology(Topology):
         """The veth ends of the link between sites k < j: on site k's bridge, on site j's."""
         return f"{self.config.prefix}x{k}{j}a", f"{self.config.prefix}x{k}{j}b"
 
-    def create(self) -> None:
-        netns.require_root()
-        remove_leftovers(self.config.prefix)
+    def _check(self) -> None:
         if self.site_count > 10:
             raise ValueError("at most 10 sites (interface names)")
-        _LIVE[id(self)] = self
-        self.created = True
-        try:
-            c, sw = self.config, self.switch
-            run("ip", "netns", "add", sw)
-            run("ip", "-n", sw, "link", "set", "lo", "up")
-            for k in range(self.site_count):
-                br = self.site_bridge(k)
-                run("ip", "-n", sw, "link", "add", br, "type", "bridge")
-                run("ip", "-n", sw, "link", "set", br, "up")
-            run("ip", "-n", sw, "addr", "add", f"{self.switch_ip}/24", "dev", self.site_bridge(0))
-            frames = ("gso_max_size", str(FRAME_BYTES))
-            for k, j in itertools.combinations(range(self.site_count), 2):
-                a, b = self.pair_ends(k, j)
-                run("ip", "-n", sw, "link", "add", a, "type", "veth", "peer", "name", b)
-                run("ip", "-n", sw, "link", "set", a, *frames, "master", self.site_bridge(k), "up")
-                run("ip", "-n", sw, "link", "set", b, *frames, "master", self.site_bridge(j), "up")
-                self.between[(k, j)] = None
-            for i in range(c.nodes):
-                self._add_node(i, self.site_bridge(self.sites[i]))
-        except BaseException:
-            self.destroy()
-            raise
+
+    def _wire(self) -> None:
+        """One bridge per site in the switch namespace, a veth between every two sites, each node on its site's."""
+        c, sw = self.config, self.switch
+        for k in range(self.site_count):
+            br = self.site_bridge(k)
+            run("ip", "-n", sw, "link", "add", br, "type", "bridge")
+            run("ip", "-n", sw, "link", "set", br, "up")
+        run("ip", "-n", sw, "addr", "add", f"{self.switch_ip}/24", "dev", self.site_bridge(0))
+        frames = ("gso_max_size", str(FRAME_BYTES))
+        for k, j in itertools.combinations(range(self.site_count), 2):
+            a, b = self.pair_ends(k, j)
+            run("ip", "-n", sw, "link", "add", a, "type", "veth", "peer", "name", b)
+            run("ip", "-n", sw, "link", "set", a, *frames, "master", self.site_bridge(k), "up")
+            run("ip", "-n", sw, "link", "set", b, *frames, "master", self.site_bridge(j), "up")
+            self.between[(k, j)] = None
+        for i in range(c.nodes):
+            self._add_node(i, self.site_bridge(self.sites[i]))
         log.info("topology %s: %d namespaces in %d sites", self.config.prefix, self.config.nodes, self.site_count)
 
     def shape_between(self, k: int, j: int, mbit: float | None) -> None:

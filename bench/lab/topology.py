@@ -110,22 +110,31 @@ class Topology:
         self.destroy()
 
     def create(self) -> None:
+        """The switch namespace, then this topology's wiring (`_wire`); anything half made is destroyed on failure."""
         netns.require_root()
         remove_leftovers(self.config.prefix)
+        self._check()
         _LIVE[id(self)] = self
         self.created = True
         try:
-            c, sw = self.config, self.switch
-            run("ip", "netns", "add", sw)
-            run("ip", "-n", sw, "link", "set", "lo", "up")
-            run("ip", "-n", sw, "link", "add", self.bridge, "type", "bridge")
-            run("ip", "-n", sw, "addr", "add", f"{self.switch_ip}/24", "dev", self.bridge)
-            run("ip", "-n", sw, "link", "set", self.bridge, "up")
-            for i in range(c.nodes):
-                self._add_node(i, self.bridge)
+            run("ip", "netns", "add", self.switch)
+            run("ip", "-n", self.switch, "link", "set", "lo", "up")
+            self._wire()
         except BaseException:
             self.destroy()
             raise
+
+    def _check(self) -> None:
+        """Refuse a configuration this topology cannot build (before anything is made)."""
+
+    def _wire(self) -> None:
+        """One bridge in the switch namespace and every node on it."""
+        c, sw = self.config, self.switch
+        run("ip", "-n", sw, "link", "add", self.bridge, "type", "bridge")
+        run("ip", "-n", sw, "addr", "add", f"{self.switch_ip}/24", "dev", self.bridge)
+        run("ip", "-n", sw, "link", "set", self.bridge, "up")
+        for i in range(c.nodes):
+            self._add_node(i, self.bridge)
         log.info("topology %s: %d namespaces on bridge %s in %s", c.prefix, c.nodes, self.bridge, sw)
 
     def _add_node(self, i: int, bridge: str) -> None:
