@@ -20,7 +20,8 @@ import trio
 
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.wire import expect_map, get_field, pack, unpack
-from shoal.swarm.net.framing import BufferedReader, StreamClosed, close_quietly, frame, read_length
+from shoal.swarm.net.framing import (BufferedReader, StreamClosed, close_quietly, exchange_failures, frame,
+                                     read_length)
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.linkmeter import LinkMeter
 from shoal.swarm.net.penalty import Penalties
@@ -146,39 +147,30 @@ async def probe(sh: SwarmHost, peer: str, nbytes: int, meter: LinkMeter, *, time
     if not 0 < nbytes <= MAX_PROBE_BYTES:
         raise ValueError(f"nbytes must be in 1..{MAX_PROBE_BYTES}")
     start = clock()
-    try:
-        with trio.fail_after(timeout_s):
-            await sh.prepare_path(peer)
-            stream = await sh.open_stream(peer, PROBE_PROTOCOL, bulk=True)
-            try:
-                reader = BufferedReader(stream)
-                rtts = []
-                for _ in range(PINGS):
-                    t0 = clock()
-                    await stream.write(frame(pack({"op": "ping"})))
-                    if await reader.read(await read_length(stream, MAX_HEADER_BYTES, reader)) != b"pong":
-                        raise ProbeError("bad pong")
-                    rtts.append(clock() - t0)
-                rtt = min(rtts)
+    with exchange_failures(ProbeError, f"probe of {peer[:16]}…", timeout_s):
+        await sh.prepare_path(peer)
+        stream = await sh.open_stream(peer, PROBE_PROTOCOL, bulk=True)
+        try:
+            reader = BufferedReader(stream)
+            rtts = []
+            for _ in range(PINGS):
                 t0 = clock()
-                await stream.write(frame(pack({"op": "bulk", "n": nbytes, "back": nbytes})) + bytes(nbytes))
-                ack = expect_map(unpack(await reader.read(await read_length(stream, MAX_HEADER_BYTES, reader)),
-                                        max_bytes=MAX_HEADER_BYTES), "probe ack")
-                t_ack = clock()
-                if get_field(ack, "got", int) != nbytes:
-                    raise ProbeError("the peer acknowledged another size")
-                await reader.read(nbytes)
-                t_end = clock()
-            finally:
-                await close_quietly(stream)
-    except trio.TooSlowError:
-        raise ProbeError(f"no answer within {timeout_s:g} s") from None
-    except ProbeError:
-        raise
-    except (ProtocolError, StreamClosed) as e:
-        raise ProbeError(f"bad answer: {e}") from e
-    except Exception as e:  # noqa: BLE001 - a dial failure, a reset: the probe failed
-        raise ProbeError(f"{type(e).__name__}: {e}") from e
+                await stream.write(frame(pack({"op": "ping"})))
+                if await reader.read(await read_length(stream, MAX_HEADER_BYTES, reader)) != b"pong":
+                    raise ProbeError("bad pong")
+                rtts.append(clock() - t0)
+            rtt = min(rtts)
+            t0 = clock()
+            await stream.write(frame(pack({"op": "bulk", "n": nbytes, "back": nbytes})) + bytes(nbytes))
+            ack = expect_map(unpack(await reader.read(await read_length(stream, MAX_HEADER_BYTES, reader)),
+                                    max_bytes=MAX_HEADER_BYTES), "probe ack")
+            t_ack = clock()
+            if get_field(ack, "got", int) != nbytes:
+                raise ProbeError("the peer acknowledged another size")
+            await reader.read(nbytes)
+            t_end = clock()
+        finally:
+            await close_quietly(stream)
     # the bytes up took the ack's time less one round trip (at least a tenth of it: a link too fast to tell)
     up_s = max(t_ack - t0 - rtt, (t_ack - t0) / 10)
     down_s = max(t_end - t_ack, 1e-6)

@@ -23,7 +23,7 @@ from shoal.protocol.errors import ProtocolError
 from shoal.protocol.records import ShardHeld
 from shoal.protocol.shards import MAX_SHARDS, SHARD_PROTOCOL, SHARD_RECORD_TYPES, ShardManifest, ShardRequest
 from shoal.protocol.wire import pack, unpack
-from shoal.swarm.net.framing import StreamClosed, close_quietly, read_frame, write_frame
+from shoal.swarm.net.framing import StreamClosed, close_quietly, exchange_failures, read_frame, write_frame
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.state import erasure
@@ -394,25 +394,18 @@ async def pull_shard(sh: SwarmHost, peer: str, man: ShardManifest, index: int, *
                      config: ShardConfig = ShardConfig()) -> bytearray:
     """Shard `index` of `man` from `peer`, checked against the manifest's hash (StateTransferError if not)."""
     req = ShardRequest(want="shard", run_id=man.run_id, stage=man.stage, revision=man.revision, index=index)
-    try:
-        with trio.fail_after(config.timeout_s):
-            stream = await sh.open_stream(peer, SHARD_PROTOCOL, bulk=True)
-            try:
-                await write_frame(stream, pack(req.to_wire()))
-                ans = unpack(await read_frame(stream, MAX_FRAME), max_bytes=MAX_FRAME)
-                if not isinstance(ans, dict) or ans.get("ok") is not True:
-                    raise StateTransferError(f"refused: {str(ans.get('e') if isinstance(ans, dict) else ans)[:200]}")
-                if ans.get("bytes") != man.shard_bytes:
-                    raise StateTransferError(f"offers {ans.get('bytes')!r} bytes, the manifest says {man.shard_bytes}")
-                data = await read_into(stream, man.shard_bytes, config.chunk_bytes)
-            finally:
-                await close_quietly(stream)
-    except trio.TooSlowError:
-        raise StateTransferError(f"shard {index} not received within {config.timeout_s} s") from None
-    except StateTransferError:
-        raise
-    except Exception as e:  # noqa: BLE001 - dial errors, resets, bad frames: this shard is not to be had here
-        raise StateTransferError(f"shard {index}: {type(e).__name__}: {e}") from e
+    with exchange_failures(StateTransferError, f"shard {index} from {peer[:16]}…", config.timeout_s):
+        stream = await sh.open_stream(peer, SHARD_PROTOCOL, bulk=True)
+        try:
+            await write_frame(stream, pack(req.to_wire()))
+            ans = unpack(await read_frame(stream, MAX_FRAME), max_bytes=MAX_FRAME)
+            if not isinstance(ans, dict) or ans.get("ok") is not True:
+                raise StateTransferError(f"refused: {str(ans.get('e') if isinstance(ans, dict) else ans)[:200]}")
+            if ans.get("bytes") != man.shard_bytes:
+                raise StateTransferError(f"offers {ans.get('bytes')!r} bytes, the manifest says {man.shard_bytes}")
+            data = await read_into(stream, man.shard_bytes, config.chunk_bytes)
+        finally:
+            await close_quietly(stream)
     got = await trio.to_thread.run_sync(sha256_hex, data)
     if got != man.shard_hashes[index]:
         raise ShardForged(f"shard {index} hashes to {got[:12]}…, its manifest says {man.shard_hashes[index][:12]}…")
