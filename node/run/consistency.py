@@ -100,13 +100,15 @@ class Consistency:
     async def refetch(self, step: int, group: Group | None) -> None:
         """Load the state the group agrees on at `step` (the vote said ours is not it): its members hash their whole
         entry state there, and the one a majority holds is pulled from a random one of them. Given up (the next
-        vote decides again) when no majority state can be had, or the member the vote named is gone."""
+        vote decides again) when no majority state can be had, or the member the vote named is gone, and at once
+        when none of the members holds that revision or trains toward it (they are all entering or re-fetching
+        themselves: waiting, this node not training either, would hold the whole group still)."""
         assert self.pending is not None
         src, self.pending = self.pending[1], None
         self.replica.state = "syncing"
         members = [m for m in (group.members if group is not None else (src,)) if m != self.services.peer_id]
         try:
-            await self.replica.load(await self.pulls.revision(step, members,
+            await self.replica.load(await self.pulls.revision(step, members, unheld_gives_up=True,
                                                               wanted=lambda: src in self.services.live()))
         except StateTransferError as e:
             log.warning("could not re-fetch step %d (%s): voting again", step, e)

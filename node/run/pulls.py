@@ -14,7 +14,7 @@ from shoal.node.run.snapshots import SnapshotStore
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.run.client import RunClient
-from shoal.swarm.state.agreed import pull_agreed
+from shoal.swarm.state.agreed import NobodyHolds, pull_agreed
 from shoal.swarm.state.snapshot import Snapshot
 from shoal.swarm.state.transfer import StateTransferConfig, StateTransferError
 
@@ -44,13 +44,16 @@ class StatePulls:
         self.sources, self.config, self.snapshots = sources, config, snapshots
         self.evicted = evicted  # the members the run evicted (the newest table's list): they have no say
 
-    async def revision(self, revision: int, peers: list[str], *,
-                       wanted: Callable[[], bool] | None = None) -> Snapshot:
+    async def revision(self, revision: int, peers: list[str], *, wanted: Callable[[], bool] | None = None,
+                       unheld_gives_up: bool = False) -> Snapshot:
         """The whole entry state at exactly `revision` that the group's rule agrees on among `peers` (the members
         entitled to state it; the live ones vote, the others count as gone, and members the run evicted on a majority
         verdict have no say), from a random one of those holding it, checked before it is returned
         (swarm/state/agreed.py). Waits while no majority has reached the revision.
-        `wanted`: asked before every retry; once False the pull is given up (the slot it was for has changed)."""
+        `wanted`: asked before every retry; once False the pull is given up (the slot it was for has changed).
+        `unheld_gives_up`: give up at once when none of the live peers holds the revision or trains toward it (a
+        re-fetch: the node goes on from its own state instead of standing still while its group-mates, all pulling
+        themselves, wait on it)."""
         deadline = trio.current_time() + self.config.state_pull_timeout_s
         attempt = StateTransferConfig(timeout_s=min(self.config.state_pull_attempt_s, self.config.state_pull_timeout_s))
         last, rounds = None, 0
@@ -66,6 +69,8 @@ class StatePulls:
             except StateTransferError as e:
                 last = e
                 log.debug("revision %d: %s", revision, e)
+                if unheld_gives_up and isinstance(e, NobodyHolds):
+                    raise
             await trio.sleep(PULL_RETRY_S)
         raise StateTransferError(f"no majority of the members served revision {revision} within "
                                  f"{self.config.state_pull_timeout_s} s: {last}")

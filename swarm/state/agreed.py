@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 HASH_REPLY_BYTES = 1024
 
 
+class NobodyHolds(StateTransferError):
+    """None of the members asked holds the revision or is training toward it (every one answered NeverHeld): waiting
+    for their answers cannot help while that lasts."""
+
+
 class NeverHeld(StateTransferError):
     """The member does not hold that revision and will not come to by its own training (it passed it without keeping
     it, or it is not training toward it: a backup, a restarted node, a member that is itself entering or re-fetching
@@ -79,6 +84,8 @@ async def majority_hash(sh: SwarmHost, peers: list[str], *, revision: int, voter
     async with trio.open_nursery() as n:
         for p in peers:
             n.start_soon(ask, p)
+    if len(never) == len(peers):
+        raise NobodyHolds(f"none of the {len(peers)} members asked holds revision {revision} or trains toward it")
     top = agreed(answers, max((voters or len(peers)) - len(never), len(answers)))
     if top is None:
         raise StateTransferError(f"no majority of {voters or len(peers)} members holds one state at revision "

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shoal.swarm.net.penalty import Penalties
-from shoal.swarm.state.agreed import pull_agreed
+from shoal.swarm.state.agreed import NobodyHolds, pull_agreed
 from shoal.swarm.state.snapshot import Snapshot, StateTransferError
 from shoal.swarm.state.transfer import StateServer, StateTransferConfig
 from tests.adversarial.poisoner import serve_lies
@@ -75,8 +75,9 @@ async def test_a_source_off_the_majority_is_never_used_and_without_a_majority_no
 
 async def test_a_member_that_will_not_train_to_the_revision_has_no_say_one_still_training_holds_the_pull():
     """A member asked for a revision it does not hold: one that will not come to hold it by training (a backup, a
-    restarted node, a member itself entering or re-fetching there) has no say, so the others decide; one still
-    training toward it counts against every hash until it gets there (nothing loads on one member's word)."""
+    restarted node, a member itself entering or re-fetching there) has no say, so the others decide (when none of
+    those asked has one, the pull says so: NobodyHolds); one still training toward it counts against every hash
+    until it gets there (nothing loads on one member's word)."""
     held = replica_state(0)
     async with AsyncExitStack() as stack:
         holder, pulling, training = [await stack.enter_async_context(bare_host()) for _ in range(3)]
@@ -88,6 +89,8 @@ async def test_a_member_that_will_not_train_to_the_revision_has_no_say_one_still
         got = await pull_agreed(client, [holder.peer_id, pulling.peer_id], revision=REV, voters=2, penalties=pen,
                                 config=CFG)
         assert got.hash == held.hash
+        with pytest.raises(NobodyHolds):  # nobody asked holds it or trains toward it: a re-fetch stops waiting
+            await pull_agreed(client, [pulling.peer_id], revision=REV, voters=1, penalties=pen, config=CFG)
         with pytest.raises(StateTransferError, match="no majority of 2 members"):
             await pull_agreed(client, [holder.peer_id, training.peer_id], revision=REV, voters=2, penalties=pen,
                               config=CFG)
