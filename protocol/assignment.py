@@ -15,6 +15,7 @@ RUN_ID = Str(80, allow_empty=False)
 MAX_STAGES = 64
 MAX_REPLICAS = 256
 MAX_PROVIDERS = 384  # keeps a full table (~75 bytes per provider) well under the gossip and DHT record limits
+MAX_EVICTED = 64  # evicted peers a table lists (the newest): refused admission by the broker and its successors
 
 # docs/broker.md, "Providers and their states": REGISTERED -> BENCHMARKED -> BACKUP -> ACTIVE(stage) -> DRAINING -> GONE
 REGISTERED, BENCHMARKED, BACKUP, ACTIVE, DRAINING, GONE = (
@@ -129,6 +130,10 @@ class AssignmentTable(SignedRecord):
     # not its owner carries it; see swarm/run/authority.py)
     delegation: bytes | None = spec(Optional(Bytes(4096)), default=None, omit_if_default=True)
     rollback: Rollback | None = spec(Optional(Nested(Rollback)), default=None, omit_if_default=True)  # the last one
+    # members the run evicted on a majority verdict (their updates rejected by most of their group), oldest first:
+    # refused admission for the rest of the run, by this broker and by a standby that takes over (docs/broker.md,
+    # "Failure detection")
+    evicted: tuple[str, ...] = spec(Seq(PEER_ID, MAX_EVICTED), default=(), omit_if_default=True)
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)

@@ -4,7 +4,7 @@ revision (entering a group, a re-fetch, the final state) and a backup's warm cop
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 import trio
@@ -39,14 +39,17 @@ class Sources(Protocol):
 class StatePulls:
     """A node's pulls of run state from the peers `sources` reaches."""
 
-    def __init__(self, sources: Sources, config: RunConfig, snapshots: SnapshotStore):
+    def __init__(self, sources: Sources, config: RunConfig, snapshots: SnapshotStore,
+                 evicted: Callable[[], Collection[str]] = tuple):
         self.sources, self.config, self.snapshots = sources, config, snapshots
+        self.evicted = evicted  # the members the run evicted (the newest table's list): they have no say
 
     async def revision(self, revision: int, peers: list[str], *,
                        wanted: Callable[[], bool] | None = None) -> Snapshot:
         """The whole entry state at exactly `revision` that the group's rule agrees on among `peers` (the members
-        entitled to state it; the live ones vote, the others count as gone), from a random one of those holding it,
-        checked before it is returned (swarm/state/agreed.py). Waits while no majority has reached the revision.
+        entitled to state it; the live ones vote, the others count as gone, and members the run evicted on a majority
+        verdict have no say), from a random one of those holding it, checked before it is returned
+        (swarm/state/agreed.py). Waits while no majority has reached the revision.
         `wanted`: asked before every retry; once False the pull is given up (the slot it was for has changed)."""
         deadline = trio.current_time() + self.config.state_pull_timeout_s
         attempt = StateTransferConfig(timeout_s=min(self.config.state_pull_attempt_s, self.config.state_pull_timeout_s))
@@ -55,8 +58,8 @@ class StatePulls:
             if rounds and wanted is not None and not wanted():  # asked before every retry, with or without peers
                 raise StateTransferError(f"revision {revision} is no longer wanted (this node's slot changed): {last}")
             rounds += 1
-            live = self.sources.live()
-            voters = [p for p in peers if p in live or last is None]  # a silent member gets one try
+            live, evicted = self.sources.live(), set(self.evicted())
+            voters = [p for p in peers if (p in live or last is None) and p not in evicted]  # silent: one try
             try:
                 return await pull_agreed(self.sources.sh, voters, revision=revision, voters=len(voters),
                                          config=attempt, penalties=self.sources.penalties)

@@ -79,7 +79,8 @@ class RunRuntime:
         self.clock = services.clock
         self.replica = Replica(config, services.penalties)
         self.snapshots = SnapshotStore(every_steps=config.snapshot_every_steps)
-        self.pulls = StatePulls(services, config, self.snapshots)
+        self.pulls = StatePulls(services, config, self.snapshots,
+                                evicted=lambda: self.client.table.evicted if self.client and self.client.table else ())
         self.consistency = Consistency(services, config, self.replica, self.pulls, self.node_call,
                                        run_id=lambda: self._manifest().run_id, report=self._report_offenders)
         self.timeline = GroupTimeline(services.peer_id)
@@ -145,7 +146,9 @@ class RunRuntime:
             bytes_sent=s.bytes_sent if s is not None else None, bytes_recv=s.bytes_recv if s is not None else None,
             up_bytes_per_s=up, down_bytes_per_s=down,
             compression_ratio=round(s.compression_ratio, 2) if s is not None else None, ratio_now=ratio_now,
-            state_hash=state_hash or None, error=self.error[:200] if self.error else None,
+            state_hash=state_hash or None,
+            error="evicted from the run: most of its group rejected its updates" if c is not None and c.evicted()
+            else self.error[:200] if self.error else None,
             **(r.history_fields() if t is not None else {}), **self._recovery_status())
 
     def _recovery_status(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from shoal.protocol.assignment import (
-    ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_PROVIDERS, REGISTERED, AdmitRequest, AdmitResponse,
+    ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_EVICTED, MAX_PROVIDERS, REGISTERED, AdmitRequest, AdmitResponse,
     AssignmentTable, BrokerLease, MissingReport, ProviderEntry, Rollback, RollbackRequest, SlotEntry, parse_slot,
     slot_name)
 from shoal.protocol.envelope import seal
@@ -130,6 +130,7 @@ class Broker:
         self.gate = AdmissionGate(ctx, secret, config.admission)  # who may join
         self.delegation_env: bytes | None = None  # the owner's delegation naming this broker and its standby
         self.rollback: Rollback | None = None  # the run's last rollback (docs/snapshots.md)
+        self.evicted: dict[str, None] = {}  # peers evicted on a majority verdict, oldest first (docs/broker.md)
         self._seated_since: dict[str, int] = {}  # slot holder -> the step from which it holds its slot's state
         self._pin_switch = False  # the next rebuild keeps switch_steps as set (a rollback sets them back)
         if resume is not None:
@@ -155,6 +156,7 @@ class Broker:
         b = cls(ctx, config, lease_epoch=table.lease_epoch + 1, version=table.version, secret=secret)
         b.delegation_env = table.delegation
         b.rollback = table.rollback
+        b.evicted = dict.fromkeys(table.evicted)
         b.epochs = list(table.epochs)
         b.switch_steps = [table.switch_step(s) for s in range(table.stages)]
         backups = {pid: i for i, pid in enumerate(table.backups)}
@@ -200,7 +202,8 @@ class Broker:
                         for (s, r), pid in sorted(self.seating.slots.items())),
             backups=tuple(p.peer_id for p in backups), backup_stages=tuple(p.stage for p in backups),
             providers=tuple(ProviderEntry(peer_id=p.peer_id, state=p.state) for p in providers),
-            switch_steps=tuple(self.switch_steps), delegation=self.delegation_env, rollback=self.rollback)
+            switch_steps=tuple(self.switch_steps), delegation=self.delegation_env, rollback=self.rollback,
+            evicted=tuple(self.evicted))
         self.table_env = seal(self.table, self.ctx.sh.key)
         for cb in list(self.on_change):
             try:
@@ -238,6 +241,8 @@ class Broker:
         if not self.holds_lease():
             raise NotBroker("this node's broker does not hold the run's lease")
         why = await self.gate.refusal(peer_id, req)
+        if why is None and peer_id in self.evicted:
+            why = "evicted from this run: its updates were rejected by a majority of its group"
         if why is not None:
             if self.ctx.penalties is not None and peer_id != self.ctx.me:
                 self.ctx.penalties.penalize(peer_id, f"admission refused: {why}")
@@ -456,7 +461,12 @@ class Broker:
             why = f"updates rejected by a majority ({reporters}) of the {len(members) - 1} other members"
             if self.ctx.penalties is not None:
                 self.ctx.penalties.ban(offender, why)
-            self.mark_failed(offender, why)
+            self.evicted.pop(offender, None)
+            self.evicted[offender] = None
+            while len(self.evicted) > MAX_EVICTED:
+                del self.evicted[next(iter(self.evicted))]
+            if not self.mark_failed(offender, why):
+                self._rebuild()  # (already gone: the table lists the eviction all the same)
 
     def _lags(self, peer_id: str, members: tuple[str, ...]) -> bool | None:
         """The broker's own measurement of whether `peer_id` lags its group: the step it signs in its status

@@ -126,6 +126,11 @@ class RunClient:
     def provider_state(self) -> str | None:
         return self.table.provider_state(self.me) if self.table else None
 
+    def evicted(self) -> bool:
+        """The run evicted this node on a majority verdict (docs/broker.md, "Failure detection"): no broker of the run
+        admits it again."""
+        return self.table is not None and self.me in self.table.evicted
+
     def role(self) -> str:
         """The StatusRecord role: active (holds a slot), backup, broker (no slot), or idle."""
         if self.slot() is not None:
@@ -436,7 +441,11 @@ class RunClient:
                 else:
                     await self.take_over()
                     return
-        if self.admitted and self.provider_state() in (None, GONE):  # (a broker that took its lease back, too)
+        if self.admitted and self.evicted():
+            self.admitted = False
+            log.error("run %s evicted this node: most of its group rejected its updates; the run's brokers will not "
+                      "admit it again", self.ctx.run_id[:16])
+        elif self.admitted and self.provider_state() in (None, GONE):  # (a broker that took its lease back, too)
             log.warning("the table no longer lists this node as a provider; asking for admission again")
             try:
                 await self.admit()

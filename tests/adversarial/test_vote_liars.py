@@ -59,4 +59,7 @@ async def test_a_member_publishing_false_hashes_is_caught_at_the_first_vote_and_
                   f"over the next {WATCH_S:.0f} s (votes in all: {[n.runtime.consistency.hashes.votes for n in honest]}); reason: "
                   f"{first.penalties.reasons(liar.peer_id)[-1]!r}")
             assert after == before and max(before) <= 2  # one vote (two when it votes as it published), then none
+            # its ban has lapsed by now; its eviction has not: it is not seated again, and it stopped asking
+            t = first.runtime.client.table
+            assert liar.peer_id in t.evicted and t.provider_state(liar.peer_id) == GONE and liar.runtime.client.evicted()
             await wait_for(lambda: len(hashes(honest)) == 1, 30, "the honest replicas to agree")

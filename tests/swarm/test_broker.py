@@ -9,7 +9,7 @@ import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.protocol.assignment import ACTIVE, BACKUP, DRAINING, GONE
+from shoal.protocol.assignment import ACTIVE, BACKUP, DRAINING, GONE, AdmitRequest
 from shoal.protocol.manifest import JoinPolicy, ParallelPlan, RunManifest, SyncSpec
 from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig
 from shoal.swarm.run.context import RunContext
@@ -240,6 +240,12 @@ async def test_a_majority_of_offence_reports_evicts_and_a_live_missing_member_re
         t = b.broker.table
         assert t.provider_state(c.node.peer_id) == GONE and t.slot_of(d.node.peer_id) is not None
         assert b.node.penalties.is_banned(c.node.peer_id)  # and it cannot come straight back
+        # nor once its ban lapses: evicted for the rest of the run, by this broker and by a standby taking over
+        assert t.evicted == (c.node.peer_id,)
+        ans = await b.broker.admit(c.node.peer_id, AdmitRequest(run_id=m.run_id, hardware=HW))
+        assert not ans.admitted and "evicted" in ans.error and t.provider_state(c.node.peer_id) == GONE
+        assert list(Broker.from_table(b.ctx, REPORTS_ONLY, t).evicted) == [c.node.peer_id]
+        await wait_for(lambda: c.client.evicted() and not c.client.admitted, 10, "the evicted node to stop asking")
         n.cancel_scope.cancel()
 
 
