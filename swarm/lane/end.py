@@ -424,10 +424,11 @@ class LinkEnd:
 
     # -- sending --------------------------------------------------------------------------------------------
 
-    async def _open(self, link: _Link) -> None:
+    async def _open(self, link: _Link, step: int | None = None, phase: str = TRAIN) -> None:
         """Dial the neighbour, say hello, get the first credit. Each dial must be answered within dial_timeout_s;
         a neighbour that answers with a refusal (its end is not open yet: it is still entering its slot) is dialed
-        again, at growing intervals, until open_timeout_s has passed."""
+        again, at growing intervals, until open_timeout_s has passed, unless this end halts or `step` is given up
+        meanwhile (by a neighbour, or by this node) first."""
         if link.stream is not None:
             return
         if self.services.penalties.is_banned(link.peer):
@@ -466,6 +467,10 @@ class LinkEnd:
                 return
             await close_quietly(stream)
             refused = reply.reason if isinstance(reply, Refuse) else ""
+            if self._halted is not None:
+                raise self._halted
+            if step is not None:
+                self._check(step, phase, [])
             now = trio.current_time()
             if now >= give_up:
                 raise LinkError(LinkError.DIAL, f"refused for {max(cfg.dial_timeout_s, cfg.open_timeout_s):g} s: "
@@ -492,7 +497,7 @@ class LinkEnd:
 
     async def _send(self, link: _Link, rec: LaneMessage, step: int, phase: str, *, headers: Sequence[Any] = (),
                     frames: Sequence[bytes] = ()) -> None:
-        await self._open(link)
+        await self._open(link, step, phase)
         await self._wait(f"credit on {link.name}", step, phase, [link], lambda: link.credits > 0 or None,
                          self.config.send_timeout_s)
         link.credits -= 1

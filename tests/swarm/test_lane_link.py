@@ -242,6 +242,38 @@ async def test_a_neighbour_that_opens_its_end_after_a_dial_deadline_is_still_rea
         assert not pens[1].reasons(peers[0])
 
 
+async def test_dialing_a_refusing_neighbour_stops_when_the_step_is_given_up_or_the_node_leaves():
+    async with AsyncExitStack() as stack:
+        hosts, _, hubs = await chain(stack, 2, config=replace(FAST, dial_timeout_s=0.3, open_timeout_s=30.0))
+        peers = [h.peer_id for h in hosts]
+        hubs[1].open(spec(1, peers, lane=1))  # lane 0's end never opens there
+
+        async def abort(end) -> None:
+            await end.abort(0, "given up here")
+
+        async def halt(end) -> None:
+            end.halt("this node is leaving the run")
+
+        for stop in (abort, halt):
+            s0 = hubs[0].open(spec(0, peers))
+            got: list[LinkError] = []
+
+            async def send(end=s0) -> None:
+                try:
+                    await end.send_act(0, 0, list(range(B)), acts(0, 0))
+                except LinkError as e:
+                    got.append(e)
+            t0 = trio.current_time()
+            async with trio.open_nursery() as n:
+                n.start_soon(send)
+                await trio.sleep(0.5)
+                assert not got  # still dialing
+                await stop(s0)
+            assert [e.cause for e in got] == [LinkError.ABORTED], got
+            assert trio.current_time() - t0 < 3  # not open_timeout_s
+            await s0.aclose()
+
+
 async def test_an_abort_reaches_the_neighbour_at_once():
     async with AsyncExitStack() as stack:
         hosts, _, hubs = await chain(stack, 2)
