@@ -42,6 +42,9 @@ BROADCAST_RMS_FLOOR = 1e-12  # an all-zero median admits broadcasts up to this R
 class SyncConfig:
     round_timeout_s: float = ROUND_TIMEOUT_S  # one exchange phase; a member not heard by then is skipped
     # for the rest of the epoch
+    # the first round of an epoch waits this many round timeouts more for members entering the group: they pull
+    # the group's state before they can take part (docs/architecture.md, "Entering a group")
+    entry_grace_rounds: float = 2.0
     # A contribution is compared, by RMS, with the larger of the group's (low) median and this replica's own:
     clip_factor: float = 4.0  # above this multiple it is scaled down to it (an honest spike; no penalty)
     reject_factor: float = 1000.0  # above this multiple it is rejected and its sender penalized
@@ -50,9 +53,9 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         if (self.round_timeout_s <= 0 or not 1 < self.clip_factor <= self.reject_factor
-                or self.broadcast_norm_factor <= 1):
+                or self.broadcast_norm_factor <= 1 or self.entry_grace_rounds < 0):
             raise ValueError("round_timeout_s must be positive, 1 < clip_factor <= reject_factor, "
-                             "broadcast_norm_factor > 1")
+                             "broadcast_norm_factor > 1, entry_grace_rounds >= 0")
 
 
 class Rejected(ProtocolError):
@@ -171,6 +174,7 @@ class GroupSync(Synchronizer):
         self.fault: Fault | None = None
         self._epoch: tuple[str, int] | None = None
         self._skipped: set[str] = set()
+        self._entering: set[str] = set()  # members entering the group, waited for longer in this (first) round
         self._disagreements = Disagreements(config.robust)  # members' contributions, as this owner saw them
         self._owner_checks = Disagreements(config.robust)  # owners' broadcasts against this member's contributions
         self._distrusted: set[str] = set()  # reported by this owner's direction check: left out until the epoch ends
@@ -186,12 +190,14 @@ class GroupSync(Synchronizer):
     # -- group and faults
     def group(self, control: StepControl) -> Group:
         """This round's group: the broker's (carried by the StepControl), unchanged within its epoch; skips reset
-        when the epoch changes."""
+        when the epoch changes, and the epoch's first round waits longer for the members entering it."""
         g = control.group
         if not isinstance(g, Group):
             raise RuntimeError(f"step {control.step} has no group to synchronize with")
+        self._entering = set()
         if self._epoch != (g.run_id, g.epoch):
             self._epoch, self._skipped, self._distrusted = (g.run_id, g.epoch), set(), set()
+            self._entering = set(g.entering) - {g.me}
         return g
 
     def live(self, g: Group) -> set[str]:
@@ -222,7 +228,8 @@ class GroupSync(Synchronizer):
         message) still arrives in time, so one failure costs every member one deadline and is seen by one member.
         `dense_numel`: the coordinates one message stands for, if not its own size (fp32-equivalent accounting)."""
         timeout = self.config.round_timeout_s
-        timeout_s = max(round_start + phase_no * timeout - self.clock(), MIN_PHASE_SHARE * timeout)
+        grace = self.config.entry_grace_rounds * timeout if expect & self._entering else 0.0
+        timeout_s = max(round_start + phase_no * timeout + grace - self.clock(), MIN_PHASE_SHARE * timeout)
         me = group.me
         wire: dict[str, bytes] = {}
         for p, e in sends.items():

@@ -6,6 +6,8 @@ changes at; until then the previous table's group holds. This is the one place t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shoal.protocol.assignment import AssignmentTable
 from shoal.swarm.run.group import Group
 
@@ -82,7 +84,14 @@ class GroupTimeline:
         stage = self.stage() if stage is None else stage
         t = self.table_at(step, stage) if stage is not None else None
         g = group_of(t, self.me) if t is not None else None
-        return g if g is not None and g.stage == stage else None
+        if t is None or g is None or g.stage != stage:
+            return None
+        switch = t.switch_step(stage)
+        before = self.table_at(switch - 1, stage) if switch > 0 else None
+        if before is None:  # the run's first group, or one whose predecessor this node never saw
+            return g
+        was = set(before.group_members(stage))
+        return replace(g, entering=frozenset(m for m in g.members if m not in was))
 
     def entry(self) -> tuple[int, int, int] | None:
         """(switch step, stage, replica) of this node's slot in the newest table, or None when it has none."""
