@@ -246,6 +246,15 @@ class RunRuntime:
         self.snapshots.request(body)
         return {"ok": True, "step": self.replica.at_step}
 
+    def _may_hold(self, revision: int) -> bool:
+        """Whether this node may still come to hold `revision` by its own training: it is training and not past it.
+        Otherwise (it passed it without keeping it; a backup, a restarted node, a node entering or re-fetching the
+        group's state, which would only echo what the others hold) its state server tells a puller it has no say
+        about that revision, so an entry never waits on a member that cannot answer (docs/architecture.md,
+        "Entering a group")."""
+        r = self.replica
+        return r.trainer is not None and r.state == "training" and r.at_step <= revision
+
     async def _build(self, stage: int, replica: int) -> None:
         assert self.collective is not None and self._token is not None and self.files is not None
         assert self.data_source is not None
@@ -454,7 +463,7 @@ class RunRuntime:
                                      max_peer_buffer_bytes=lim.max_peer_buffer_bytes,
                                      max_buffer_bytes=lim.max_buffer_bytes)
         StateServer(sv.sh, lambda: self.snapshots.latest, penalties=sv.penalties, by_revision=self.snapshots.at,
-                    step=lambda: self.replica.at_step,
+                    may_hold=self._may_hold,
                     allow=self.entitled.member)  # model state for the run's members and backups only
         sv.register("run.snapshot_at", self._rpc_snapshot_at)
         self.recovery = self._recovery()

@@ -30,13 +30,15 @@ HASH_REPLY_BYTES = 1024
 
 
 class NeverHeld(StateTransferError):
-    """The member passed that revision without keeping it: it has no say about it (and never will)."""
+    """The member does not hold that revision and will not come to by its own training (it passed it without keeping
+    it, or it is not training toward it: a backup, a restarted node, a member that is itself entering or re-fetching
+    the group's state, which it would only echo): it has no say about it."""
 
 
 async def ask_hash(sh: SwarmHost, peer: str, *, revision: int, only: tuple[str, ...] | None = None,
                    config: StateTransferConfig) -> str:
     """The hash of `peer`'s whole state at `revision` (with `only`: `part_hash` over those prefixes); raises
-    StateTransferError (NeverHeld: the peer passed that revision without keeping it)."""
+    StateTransferError (NeverHeld: the peer does not hold that revision and will not train to it)."""
     with exchange_failures(StateTransferError, f"hash from {peer[:16]}…", config.timeout_s):
         stream = await sh.open_stream(peer, STATE_PROTOCOL)
         try:
@@ -46,7 +48,7 @@ async def ask_hash(sh: SwarmHost, peer: str, *, revision: int, only: tuple[str, 
         finally:
             await close_quietly(stream)
     if isinstance(h, dict) and h.get("ok") is False and h.get("never") is True:
-        raise NeverHeld(f"{peer[:16]}… passed revision {revision} without keeping it")
+        raise NeverHeld(f"{peer[:16]}… does not hold revision {revision} and will not train to it")
     if not isinstance(h, dict) or h.get("ok") is not True:
         raise StateTransferError(f"{peer[:16]}… has no hash for revision {revision}")
     hsh = h.get("hash")
@@ -60,8 +62,9 @@ async def majority_hash(sh: SwarmHost, peers: list[str], *, revision: int, voter
                         config: StateTransferConfig) -> tuple[str, list[str]]:
     """(the hash the group agrees on at `revision`, the peers reporting it): the rule of swarm/state/vote.py over
     the hashes of `peers`, counted against `voters` members (default: every peer asked; a peer that has not reached
-    the revision, or is gone, answers nothing and counts against every hash; one that passed it without keeping it
-    has no say, as in a vote). StateTransferError when none is."""
+    the revision, or is gone, answers nothing and counts against every hash; one that will never hold it by its own
+    training (NeverHeld: passed it without keeping it, or is not training toward it) has no say, as in a vote).
+    StateTransferError when none is."""
     answers: dict[str, str] = {}
     never: set[str] = set()
 

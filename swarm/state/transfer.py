@@ -50,13 +50,15 @@ class StateServer:
     def __init__(self, sh: SwarmHost, provider: Callable[[], Snapshot | None], *, penalties: Penalties | None = None,
                  config: StateTransferConfig = StateTransferConfig(),
                  by_revision: Callable[[int], Snapshot | None] | None = None, protocol: str = STATE_PROTOCOL,
-                 allow: Callable[[str], bool] | None = None, step: Callable[[], int] | None = None):
+                 allow: Callable[[str], bool] | None = None, may_hold: Callable[[int], bool] | None = None):
         self.sh = sh
         self.allow = allow  # whom state is served to (a run's members); None: anyone
         self.refused = 0
         self.provider = provider
         self.by_revision = by_revision  # serves requests for one exact revision (a joining replica's entry point)
-        self.step = step  # the server's own training step: a revision it passed and does not hold it never will
+        # whether this server may still come to hold a revision by its own training (None: it may); one it does not
+        # hold and never will it answers with `never`: the server has no say about that revision's state
+        self.may_hold = may_hold
         self.penalties = penalties
         self.config = config
         self.served = 0
@@ -86,7 +88,7 @@ class StateServer:
                     snap = self.by_revision(rev) if self.by_revision is not None else None
                 if snap is None:
                     what = "no state to serve yet" if rev is None else f"revision {rev} is not available"
-                    never = rev is not None and self.step is not None and self.step() > rev
+                    never = rev is not None and self.may_hold is not None and not self.may_hold(rev)
                     await write_frame(stream, pack({"ok": False, "e": what, **({"never": True} if never else {})}))
                     await stream.close()
                     return

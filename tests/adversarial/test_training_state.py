@@ -73,6 +73,27 @@ async def test_a_source_off_the_majority_is_never_used_and_without_a_majority_no
             await pull_agreed(client, [ids[2]], revision=REV, voters=3, penalties=pen, config=CFG)
 
 
+async def test_a_member_that_will_not_train_to_the_revision_has_no_say_one_still_training_holds_the_pull():
+    """A member asked for a revision it does not hold: one that will not come to hold it by training (a backup, a
+    restarted node, a member itself entering or re-fetching there) has no say, so the others decide; one still
+    training toward it counts against every hash until it gets there (nothing loads on one member's word)."""
+    held = replica_state(0)
+    async with AsyncExitStack() as stack:
+        holder, pulling, training = [await stack.enter_async_context(bare_host()) for _ in range(3)]
+        client = await stack.enter_async_context(bare_host([s.addrs[0] for s in (holder, pulling, training)]))
+        StateServer(holder, lambda: None, by_revision=lambda r: held if r == REV else None)
+        StateServer(pulling, lambda: None, by_revision=lambda r: None, may_hold=lambda r: False)
+        StateServer(training, lambda: None, by_revision=lambda r: None, may_hold=lambda r: r >= REV)
+        pen = Penalties()
+        got = await pull_agreed(client, [holder.peer_id, pulling.peer_id], revision=REV, voters=2, penalties=pen,
+                                config=CFG)
+        assert got.hash == held.hash
+        with pytest.raises(StateTransferError, match="no majority of 2 members"):
+            await pull_agreed(client, [holder.peer_id, training.peer_id], revision=REV, voters=2, penalties=pen,
+                              config=CFG)
+        assert not any(pen.reasons(s.peer_id) for s in (holder, pulling, training))
+
+
 @pytest.mark.parametrize("method", ["allreduce", "cocktail", "diloco-e3m0"])
 async def test_every_replica_serves_the_same_whole_entry_state_and_a_joiner_loads_the_group_state(method):
     """What a group serves an entering replica is its whole state (model, optimizer, synchronizer state, metadata)
