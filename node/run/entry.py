@@ -59,16 +59,17 @@ class Entry:
         if r.trainer is None:
             await self.build(stage, replica)
 
-    async def enter(self, step: int, stage: int, replica: int) -> None:
+    async def enter(self, step: int, stage: int, replica: int) -> bool:
         """Take a place in the group from `step`: build the trainer, and unless the run starts here, load the
-        state of exactly `step` from a replica that was in the group before."""
+        state of exactly `step` from a replica that was in the group before. False when no state could be had
+        (the node waited for the broker's next table; its own state is not at `step`)."""
         r = self.replica
         r.state = "joining"
         await self._trainer_for(stage, replica)
         if step == 0 and r.at_step == 0:
-            return
+            return True
         if await self._entered_from_disk_or_shards(step, stage, replica):
-            return
+            return True
         me = self.services.peer_id
         prev = self.timeline.group_at(step - 1) if step > 0 else None
         now = self.timeline.table_at(step, stage)
@@ -83,7 +84,7 @@ class Entry:
             log.info("the only member of stage %d: going on from its own state at step %d (was at %d)", stage, step,
                      r.at_step)
             r.trainer.step_count = r.at_step = step
-            return
+            return True
         clock = self.services.clock
         t0 = clock()
         log.info("entering the group at step %d: pulling that revision from %s", step, [p[-8:] for p in peers])
@@ -97,8 +98,9 @@ class Entry:
             log.warning("could not enter the group at step %d: %s", step, e)
             r.state = "ready"
             await self.wait_for_table(READY_POLL_S)
-            return
+            return False
         self._entered(step, snap.nbytes, t0)
+        return True
 
     def _entered(self, step: int, pulled: int, t0: float) -> None:
         took, whole = self.services.clock() - t0, self.replica.state_bytes()
@@ -196,9 +198,12 @@ class Entry:
         entry = self.timeline.entry()
         t = self.timeline.latest
         if entry is not None and t is not None and entry[0] > self.lane_broken_at and entry[2] in t.complete_lanes():
-            self.lane_broken_at = None
-            if entry[0] < limit:
-                await self.enter(*entry)
+            # the lane stays broken here until this node holds its group's state at the re-formed switch step: an
+            # entry that found no state (the slot changed again meanwhile, no majority yet) leaves the node at its
+            # old step, where its lane's neighbours are not, and training that step would block them and its own
+            # stage group (each waiting on the other's deadlines) instead of entering at the next table's step
+            if entry[0] >= limit or await self.enter(*entry):
+                self.lane_broken_at = None
             return
         self.replica.state = "ready"
         clock = self.services.clock

@@ -424,20 +424,25 @@ class LinkEnd:
 
     # -- sending --------------------------------------------------------------------------------------------
 
-    async def _open(self, link: _Link) -> None:
-        """Dial the neighbour, say hello, get the first credit; retried while it refuses, until the dial deadline."""
+    async def _open(self, link: _Link, step: int | None = None, phase: str = TRAIN) -> None:
+        """Dial the neighbour, say hello, get the first credit. Each dial must be answered within dial_timeout_s;
+        a neighbour that answers with a refusal (its end is not open yet: it is still entering its slot) is dialed
+        again, at growing intervals, until open_timeout_s has passed, unless this end halts or `step` is given up
+        meanwhile (by a neighbour, or by this node) first."""
         if link.stream is not None:
             return
         if self.services.penalties.is_banned(link.peer):
             raise LinkError(LinkError.DIAL, "the neighbour is banned", link.peer)
         hello = LinkHello(run=self.spec.run_id, boundary=link.boundary, lane=self.spec.lane,
                           direction=link.direction, peers=(self.me, link.peer))
-        deadline = trio.current_time() + self.config.dial_timeout_s
+        cfg = self.config
+        give_up = trio.current_time() + max(cfg.dial_timeout_s, cfg.open_timeout_s)
+        interval = cfg.retry_interval_s
         refused = ""
         while True:
             stream = None
             try:
-                with trio.fail_at(deadline):
+                with trio.fail_after(cfg.dial_timeout_s):
                     stream = await self.services.sh.open_stream(link.peer, LANE_PROTOCOL)
                     body = encode_message(hello)
                     await stream.write(LEN.pack(len(body)) + body)
@@ -462,9 +467,16 @@ class LinkEnd:
                 return
             await close_quietly(stream)
             refused = reply.reason if isinstance(reply, Refuse) else ""
-            if trio.current_time() + self.config.retry_interval_s >= deadline:
-                raise LinkError(LinkError.DIAL, f"refused: {refused}", link.peer)
-            await trio.sleep(self.config.retry_interval_s)
+            if self._halted is not None:
+                raise self._halted
+            if step is not None:
+                self._check(step, phase, [])
+            now = trio.current_time()
+            if now >= give_up:
+                raise LinkError(LinkError.DIAL, f"refused for {max(cfg.dial_timeout_s, cfg.open_timeout_s):g} s: "
+                                                f"{refused}", link.peer)
+            await trio.sleep(min(interval, give_up - now))
+            interval = min(2 * interval, cfg.max_retry_interval_s)
 
     async def _read_credits(self, link: _Link, stream) -> None:
         try:
@@ -485,7 +497,7 @@ class LinkEnd:
 
     async def _send(self, link: _Link, rec: LaneMessage, step: int, phase: str, *, headers: Sequence[Any] = (),
                     frames: Sequence[bytes] = ()) -> None:
-        await self._open(link)
+        await self._open(link, step, phase)
         await self._wait(f"credit on {link.name}", step, phase, [link], lambda: link.credits > 0 or None,
                          self.config.send_timeout_s)
         link.credits -= 1

@@ -32,7 +32,7 @@ from shoal.swarm.lane.spec import LEN, LaneSpec, LinkConfig, reset_quietly
 
 log = logging.getLogger(__name__)
 EARLY_FREE = 50  # dials of a provider not named by any table here refused unpunished within EARLY_WINDOW_S (a
-EARLY_WINDOW_S = 60.0  # replacement retries every retry_interval_s until its dial deadline)
+EARLY_WINDOW_S = 60.0  # replacement retries at doubling intervals up to 1 s for open_timeout_s: about 33 in 30 s)
 
 
 class LinkHub:

@@ -40,17 +40,22 @@ class Violation(ProtocolError):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkConfig:
     credit_window: int = 4  # data messages a sender may have sent that this receiver has not consumed
-    dial_timeout_s: float = 5.0  # open a stream, say hello, get the first credit (retried while refused)
+    dial_timeout_s: float = 5.0  # one dial: open a stream, say hello, get an answer (a credit or a refusal)
+    #: how long a dialer retries a neighbour that answers but refuses (its end of the link is not open yet: it is
+    #: still entering its slot at the switch step, pulling its group's state and its AQ-SGD stores, which can take
+    #: longer than one dial; the receiving side waits up to recv_timeout_s for the same first message)
+    open_timeout_s: float = 30.0
     send_timeout_s: float = 30.0  # wait for credit and write one message; also: finish a message once begun
     recv_timeout_s: float = 60.0  # wait for one message (the pipeline bubble is part of it)
     abort_timeout_s: float = 2.0  # tell the neighbours a step is given up (best effort)
-    retry_interval_s: float = 0.1  # between dials the peer refused (its end of the link not open yet)
+    retry_interval_s: float = 0.1  # between dials the peer refused, doubling up to max_retry_interval_s
+    max_retry_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.credit_window <= 1024:
             raise ValueError("credit_window must be in 1..1024")
-        if min(self.dial_timeout_s, self.send_timeout_s, self.recv_timeout_s, self.abort_timeout_s,
-               self.retry_interval_s) <= 0:
+        if min(self.dial_timeout_s, self.open_timeout_s, self.send_timeout_s, self.recv_timeout_s,
+               self.abort_timeout_s, self.retry_interval_s, self.max_retry_interval_s) <= 0:
             raise ValueError("timeouts must be positive")
 
 
