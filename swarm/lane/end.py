@@ -436,7 +436,8 @@ class LinkEnd:
         hello = LinkHello(run=self.spec.run_id, boundary=link.boundary, lane=self.spec.lane,
                           direction=link.direction, peers=(self.me, link.peer))
         cfg = self.config
-        give_up = trio.current_time() + max(cfg.dial_timeout_s, cfg.open_timeout_s)
+        patience = max(cfg.dial_timeout_s, cfg.open_timeout_s)
+        give_up = trio.current_time() + patience
         interval = cfg.retry_interval_s
         refused = ""
         while True:
@@ -473,8 +474,7 @@ class LinkEnd:
                 self._check(step, phase, [])
             now = trio.current_time()
             if now >= give_up:
-                raise LinkError(LinkError.DIAL, f"refused for {max(cfg.dial_timeout_s, cfg.open_timeout_s):g} s: "
-                                                f"{refused}", link.peer)
+                raise LinkError(LinkError.DIAL, f"refused for {patience:g} s: {refused}", link.peer)
             await trio.sleep(min(interval, give_up - now))
             interval = min(2 * interval, cfg.max_retry_interval_s)
 
