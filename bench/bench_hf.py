@@ -88,17 +88,24 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     corpus = load_corpus("stdlib", 20)
-    rows, summary = [], []
+    rows: list[dict] = []
     for stages in map(int, args.stages.split(",")):
-        ratios = []
         for pair in range(args.pairs):
             g = run("gpt", stages, args.steps, args.warmup, corpus)
             h = run("llama", stages, args.steps, args.warmup, corpus)
-            ratios.append(h["tokens_per_s"] / g["tokens_per_s"])
             rows += [{**g, "pair": pair}, {**h, "pair": pair}]
             print(json.dumps(rows[-2]), json.dumps(rows[-1]), flush=True)
+            lines = write(args, rows)  # after every pair: a run stopped early keeps what it measured
+    print("\n".join(lines))
+    return 0
+
+
+def write(args, rows: list[dict]) -> list[str]:
+    summary = []
+    for stages in sorted({r["stages"] for r in rows}):
         gp = [r for r in rows if r["stages"] == stages and r["kind"] == "gpt"]
         hp = [r for r in rows if r["stages"] == stages and r["kind"] == "llama"]
+        ratios = [h["tokens_per_s"] / g["tokens_per_s"] for g, h in zip(gp, hp)]
         summary.append({"stages": stages, "gpt_params": gp[0]["params"], "llama_params": hp[0]["params"],
                         "gpt_tokens_per_s": statistics.median(r["tokens_per_s"] for r in gp),
                         "llama_tokens_per_s": statistics.median(r["tokens_per_s"] for r in hp),
@@ -123,8 +130,7 @@ def main() -> int:
     lines += ["", "Target: within 10 % (ratio >= 0.90). Pairs ran alternately so load on the shared machine moves "
               "both sides of a ratio alike; absolute tokens/s on a shared 2-core machine are noise.", ""]
     (args.out / f"{args.name}.md").write_text("\n".join(lines))
-    print("\n".join(lines))
-    return 0
+    return lines
 
 
 if __name__ == "__main__":

@@ -209,3 +209,15 @@ def codec_for(e: Encoded) -> Codec:
     if e.codec == "e3m0":
         return E3M0Codec(e.bucket)
     raise ValueError(f"unknown codec {e.codec!r}")
+
+
+DENSE_WIRES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def wire_roundtrip(kind: str, x: torch.Tensor) -> torch.Tensor | None:
+    """What the other end of a dense wire of `kind` ("fp32", "fp16") decodes of `x`: float32 on the CPU, a private
+    copy; None for any other kind (a compressed wire's decoding depends on more than `x`)."""
+    dtype = DENSE_WIRES.get(kind)
+    if dtype is None:
+        return None
+    return x.detach().to("cpu", torch.float32).to(dtype).to(torch.float32).clone()

@@ -15,6 +15,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.node.failure import describe
+from shoal.node.links import LinksConfig, NodeLinks
 from shoal.node.version import shoal_version
 from shoal.protocol import PROTOCOL_VERSION
 from shoal.protocol.envelope import Signed, seal
@@ -62,6 +63,7 @@ class NodeConfig:
     rpc_timeout_s: float = 5.0
     nat_settle_s: float = 15.0  # with NAT traversal: at most this long for the first reachability verdict
     membership: MembershipConfig = field(default_factory=MembershipConfig)
+    links: LinksConfig = field(default_factory=LinksConfig)  # probes and link reports (in a run)
     run: RunConfig | None = None  # train in this run (None: a plain swarm member)
     # the recent-peers file (None: none kept): dialed at start, so a restarted node finds its swarm without --join
     peers_file: Path | None = None
@@ -115,8 +117,10 @@ class Node:
         self._remembered: dict[str, list[str]] = {}
         self._gossip_due = True  # publish the status at the next interval even if unchanged
         self._stop = trio.Event()
+        self._hurry = False
         self._revision = 0
         self._paths_for = None  # the run table whose replicas we last prepared direct paths to
+        self.links: NodeLinks | None = None  # link probes, this node's link reports, everyone's (the link book)
 
     @property
     def peer_id(self) -> str:
@@ -128,6 +132,8 @@ class Node:
         for ev in self.membership.observe(signed, age_s=age_s):
             self._event(ev)
         self.directory.observe(signed)
+        if self.links is not None:
+            self.links.ingest(signed)
         for consumer in self.extra_ingest:
             try:
                 consumer(signed)
@@ -325,13 +331,19 @@ class Node:
             doc.update(self._last_fields)  # what the last status record said
             # re-fetches, entries, the state hashes, the sequences computed (its share of the global batch) and the
             # AQ-SGD link ends' digests of the last steps (replicas and link ends compare over a window, not one
-            # sampled step), the warm copy's revision, link counters
+            # sampled step), the warm copy's revision, link counters, and in a verified run what this stage
+            # re-executed and found
             doc.update(self.runtime.detail().to_json())
+            if self.runtime.recovery is not None:  # checkpoints, shards, rebuilds (node/run/recovery.py)
+                doc["recovery"] = self.runtime.recovery.report()
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, path)
 
-    def stop(self) -> None:
+    def stop(self, *, hurry: bool = False) -> None:
+        """Leave the swarm. `hurry`: the whole swarm is going (a local swarm's supervisor is gone): a leave notice,
+        no goodbye to the run's broker, which is leaving too."""
+        self._hurry = hurry
         self._stop.set()
 
     # -- recent peers --------------------------------------------------------------------------------------
@@ -423,6 +435,8 @@ class Node:
             self.sh = sh
             if hasattr(sh.dht.validator, "on_refuse"):  # a peer whose DHT puts are refused is penalized
                 sh.dht.validator.on_refuse, sh.dht.validator.banned = self.penalties.penalize, self.penalties.is_banned
+            if sh.nat is not None:  # so is a peer asking the relay past its limits
+                sh.nat.relay.penalize, sh.nat.relay.banned = self.penalties.penalize, self.penalties.is_banned
             self.membership = Membership(sh.peer_id, self.config.membership, self.pulse.clock, self.pulse)
             self.gossip = RecordGossip(sh, self.penalties, self.ingest)
             rpc = self.rpc = RpcServer(sh, self.penalties, later=("run.",))
@@ -430,6 +444,7 @@ class Node:
             rpc.register("announce", self._rpc_announce)
             rpc.register("time", self._rpc_time)
             rpc.register("runs", self.directory.rpc_runs)
+            self.links = NodeLinks(sh, self.key, self.penalties, self.publish, self.config.links)  # probes, reports
             self._announcement = self._seal_announcement()
             self._last_status = seal(self.status_record(), self.key)
             async with trio.open_nursery() as nursery:
@@ -454,6 +469,7 @@ class Node:
                         periodic.start_soon(self._status_loop)
                         periodic.start_soon(self._announce_loop)
                         periodic.start_soon(self._remember_loop)
+                        await periodic.start(self.links.run)
                         if sh.nat is not None:
                             await periodic.start(sh.nat.run)
                             periodic.start_soon(self._reannounce_loop)
@@ -465,7 +481,7 @@ class Node:
                         task_status.started(self)
                         await self._stop.wait()
                         if self.runtime is not None:
-                            await self.runtime.leave()
+                            await self.runtime.leave(tell_broker=not self._hurry)
                         periodic.cancel_scope.cancel()  # no status may follow the leave notice
                 except BaseException as e:  # refused, failed or interrupted: the swarm need not wait for silence
                     with trio.CancelScope(shield=True):
@@ -476,9 +492,9 @@ class Node:
     def run_services(self) -> NodeServices:
         """What this node's run may use of it."""
         assert self.sh is not None and self.membership is not None and self.rpc is not None
-        return NodeServices(sh=self.sh, membership=self.membership, penalties=self.penalties,
+        return NodeServices(sh=self.sh, key=self.key, membership=self.membership, penalties=self.penalties,
                             register=self.rpc.register, publish=self.publish, ingest=self.extra_ingest.append,
-                            pulse=self.pulse, joined_by_address=bool(self.config.host.join),
+                            pulse=self.pulse, joined_by_address=bool(self.config.host.join), links=self.links,
                             directory=self.directory, choose_run=self.choose_run,
                             own_status=lambda: self.last_status)
 

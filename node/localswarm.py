@@ -21,9 +21,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 RUN_FIELDS = ("run_id", "slot", "warm_stage", "step", "loss", "eval_loss", "tokens_per_s", "bytes_sent", "bytes_recv",
-              "compression_ratio", "link_bytes_sent", "link_bytes_recv", "state_hash", "refetches", "entries",
-              "warm_revision", "lane_links", "error", "samples_per_s", "samples_done", "tokens_done")
+              "compression_ratio", "link_bytes_sent", "link_bytes_recv", "state_hash", "recent_hashes", "refetches",
+              "entries", "warm_revision", "lane_links", "error", "samples_per_s", "samples_done", "tokens_done")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+LOCAL_SWARM_FILE = "local-swarm.json"  # in $SHOAL_HOME: the swarm `shoal swarm up` runs here, for --local
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,15 +139,7 @@ class NodeProcess:
 
     def exit_text(self) -> str:
         """'running', or how the process ended: 'exit 0', 'SIGKILL'."""
-        code = self.proc.poll()
-        if code is None:
-            return "running"
-        if code < 0:
-            try:
-                return signal.Signals(-code).name
-            except ValueError:
-                return f"signal {-code}"
-        return f"exit {code}"
+        return exit_text(self.proc.poll())
 
 
 class LocalSwarm:
@@ -326,8 +319,31 @@ class LocalSwarm:
         return codes
 
 
+def exit_text(code: int | None) -> str:
+    """How a process ended, from its return code: 'running' (None), 'exit 0', 'SIGKILL'."""
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit {code}"
+
+
 def tail(path: Path, n: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return ""
+
+
+def find_local_swarm(home: Path) -> list[str]:
+    """Multiaddrs of a swarm started by `shoal swarm up` with this shoal home ([] if none is running)."""
+    path = Path(home) / LOCAL_SWARM_FILE
+    try:
+        doc = json.loads(path.read_text())
+        os.kill(int(doc["pid"]), 0)  # is the supervisor still alive?
+        return [str(a) for a in doc["bootstrap"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []

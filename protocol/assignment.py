@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -15,16 +16,24 @@ RUN_ID = Str(80, allow_empty=False)
 MAX_STAGES = 64
 MAX_REPLICAS = MAX_LANES
 MAX_PROVIDERS = 384  # keeps a full table (~75 bytes per provider) well under the gossip and DHT record limits
+MAX_EVICTED = 64  # evicted peers a table lists (the newest): refused admission by the broker and its successors
 
 # docs/broker.md, "Providers and their states": REGISTERED -> BENCHMARKED -> BACKUP -> ACTIVE(stage) -> DRAINING -> GONE
 REGISTERED, BENCHMARKED, BACKUP, ACTIVE, DRAINING, GONE = (
     "registered", "benchmarked", "backup", "active", "draining", "gone")
 PROVIDER_STATES = frozenset({REGISTERED, BENCHMARKED, BACKUP, ACTIVE, DRAINING, GONE})
+_SLOT = re.compile(r"^s(\d{1,4})r(\d{1,5})$")
 
 
 def slot_name(stage: int, replica: int) -> str:
     """The slot label status records carry: stage 0, replica 2 -> "s0r2"."""
     return f"s{stage}r{replica}"
+
+
+def parse_slot(name: str) -> tuple[int, int] | None:
+    """"s0r2" -> (0, 2); None for anything else."""
+    m = _SLOT.match(name) if isinstance(name, str) else None
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,6 +95,21 @@ class ProviderEntry(WireRecord):
     state: str = spec(Choice(PROVIDER_STATES))
 
 
+ROLLBACK_SOURCES = ("shards", "disk")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rollback(WireRecord):
+    """The run goes back to `revision` (the `count`-th time): a stage lost every replica and its replacement rebuilt
+    its state at that revision from erasure-coded shards, or from a disk checkpoint; every slot loads its own state
+    at `revision` and trains on from there (docs/snapshots.md)."""
+
+    count: int = spec(Int(1, 2**31))
+    revision: int = spec(Int(0, 2**62))
+    source: str = spec(Choice(frozenset(ROLLBACK_SOURCES)))
+    stage: int = spec(Int(0, MAX_STAGES - 1))  # the stage that was lost
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AssignmentTable(SignedRecord):
     """Who does what in a run. Signed by the broker (`peer_id`); (lease_epoch, version) only ever grows.
@@ -115,6 +139,11 @@ class AssignmentTable(SignedRecord):
     # the owner's sealed BrokerDelegation naming this table's broker and standby (a signed run's broker that is
     # not its owner carries it; see swarm/run/authority.py)
     delegation: bytes | None = spec(Optional(Bytes(4096)), default=None, omit_if_default=True)
+    rollback: Rollback | None = spec(Optional(Nested(Rollback)), default=None, omit_if_default=True)  # the last one
+    # members the run evicted on a majority verdict (their updates rejected by most of their group), oldest first:
+    # refused admission for the rest of the run, by this broker and by a standby that takes over (docs/broker.md,
+    # "Failure detection")
+    evicted: tuple[str, ...] = spec(Seq(PEER_ID, MAX_EVICTED), default=(), omit_if_default=True)
     # the global batch split over the complete lanes, in force from this table's switch steps (empty: even)
     shares: tuple[LaneShare, ...] = spec(Seq(Nested(LaneShare), MAX_REPLICAS), default=(), omit_if_default=True)
 
@@ -236,6 +265,17 @@ class MissingReport(WireRecord):
     offenders: tuple[str, ...] = spec(Seq(PEER_ID, MAX_REPLICAS), default=())
     # lane neighbours (the reporter's stage +- 1 of its lane) that a link to failed: a dial, a deadline, a close
     neighbours: tuple[str, ...] = spec(Seq(PEER_ID, 2), default=())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RollbackRequest(WireRecord):
+    """Body of `run.rollback`: the caller, which holds a slot of `stage` (every replica of which was lost), has
+    rebuilt that stage's state at `revision` from `source` and asks the run to go back there."""
+
+    run_id: str = spec(RUN_ID)
+    stage: int = spec(Int(0, MAX_STAGES - 1))
+    revision: int = spec(Int(0, 2**62))
+    source: str = spec(Choice(frozenset(ROLLBACK_SOURCES)))
 
 
 RUN_RECORD_TYPES: dict[str, type[SignedRecord]] = {cls.KIND: cls for cls in (BrokerLease, AssignmentTable,

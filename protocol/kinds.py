@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from shoal.protocol.advert import ADVERT_RECORD_TYPES
 from shoal.protocol.assignment import RUN_RECORD_TYPES
+from shoal.protocol.links import LINK_RECORD_TYPES
 from shoal.protocol.records import NODE_RECORD_TYPES
 from shoal.protocol.schema import SignedRecord
 
-RECORD_TYPES: dict[str, type[SignedRecord]] = {**NODE_RECORD_TYPES, **RUN_RECORD_TYPES, **ADVERT_RECORD_TYPES}
+RECORD_TYPES: dict[str, type[SignedRecord]] = {
+    **NODE_RECORD_TYPES, **RUN_RECORD_TYPES, **LINK_RECORD_TYPES, **ADVERT_RECORD_TYPES,
+}

@@ -96,6 +96,9 @@ class Act(StepMessage):
     base_versions: tuple[int, ...] = spec(Seq(STEP, MAX_ROWS), default=())
     n_first: int = spec(Int(0, MAX_ROWS), default=0)
     bits: int = spec(Int(0, 16), default=0)
+    # a verified run's training activations: the sender's signature of what the receiver decodes
+    # (`tensor_signing_payload`), the evidence its neighbours hold against it (docs/verified-stages.md)
+    sig: bytes = spec(Bytes(64), default=b"", omit_if_default=True)
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)
@@ -124,6 +127,7 @@ class Grad(StepMessage):
     step: int = spec(STEP)
     micro: int = spec(Int(0, MAX_MICRO - 1))
     ack: bool = spec(Bool(), default=False)  # AQ-SGD: the sender may commit the micro-batch's buffer rows
+    sig: bytes = spec(Bytes(64), default=b"", omit_if_default=True)  # a verified run's: as Act's
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -220,6 +224,16 @@ def decode_one(raw: bytes, cls: type[M]) -> M:
 def payload_nbytes(kind: str, batch: int, seq: int, hidden: int) -> int:
     """Tensor payload of one micro-batch at a dense kind: B·T·H·fb/8 (docs/pipeline.md, "The link protocol")."""
     return batch * seq * hidden * DENSE_KINDS[kind] // 8
+
+
+TENSOR_SIGNING_DOMAIN = b"shoal/lane-tensor/v1\0"
+
+
+def tensor_signing_payload(*, run: str, lane: int, boundary: int, direction: str, step: int, micro: int,
+                           ids: tuple[int, ...], digest: bytes) -> bytes:
+    """What a stage signs of a training tensor it sends across `boundary` of `lane`: where it went, which step and
+    micro-batch (and samples) it belongs to, and the digest of the tensor as the receiver decodes it."""
+    return TENSOR_SIGNING_DOMAIN + pack([run, lane, boundary, direction, step, micro, list(ids), digest])
 
 
 def lane_message_nbytes(rec: LaneMessage, *tensors: TensorHeader | None) -> int:

@@ -37,6 +37,9 @@ AQ_DIRECT_BITS = AQ_BITS + (16,)  # first visits and gradients: Q_b, or 16 = fp1
 AQ_BUFFERS = ("memory", "disk")
 JOIN_MODES = ("open", "secret", "allowlist")
 MAX_LANES = 256  # replicas (lanes) of a run at most: the assignment table's bound
+SNAPSHOT_EVERY_STEPS = 50  # erasure-coded snapshots (docs/snapshots.md, "Encoding and placement")
+#: who sits where: by the measured links and the step-time cost model (docs/placement.md), or first come first seated
+PLACEMENTS = ("network", "first-fit")
 
 
 def even_split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -233,6 +236,9 @@ class PipelineSpec(WireRecord):
     first_visit_bits: int = spec(Int(1, 16), default=8, omit_if_default=True)
     buffer: str = spec(Choice(frozenset(AQ_BUFFERS)), default="memory", omit_if_default=True)
     buffer_cap_mb: int = spec(Int(1, 1 << 30), default=4096, omit_if_default=True)
+    # verified stages (docs/verified-stages.md): the fraction of each lane's training micro-batches that a replica
+    # of the same stage in another lane re-executes and compares; 0: no verification, and no signatures on the wire
+    verify_fraction: float = spec(Float(0.0, 1.0), default=0.0, omit_if_default=True)
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)
@@ -261,6 +267,7 @@ class ParallelPlan(WireRecord):
     min_replicas: int = spec(Int(0, MAX_LANES), default=0, omit_if_default=True)  # 0: 1
     max_replicas: int = spec(Int(0, MAX_LANES), default=0, omit_if_default=True)  # 0: `replicas`
     backups: int = spec(Int(0, 1024), default=0, omit_if_default=True)  # warm backups per stage before new lanes
+    placement: str = spec(Choice(frozenset(PLACEMENTS)), default="first-fit", omit_if_default=True)
 
     def __post_init__(self) -> None:
         WireRecord.__post_init__(self)
@@ -269,6 +276,12 @@ class ParallelPlan(WireRecord):
         if not self.lanes_min <= self.replicas <= self.lanes_max:
             raise FieldError("replicas", f"need min_replicas {self.lanes_min} <= replicas {self.replicas} <= "
                                          f"max_replicas {self.lanes_max}")
+        if self.pipeline.verify_fraction > 0:  # re-execution needs bit-identical replicas and exact wires
+            if self.stages < 2 or self.replicas < 2:
+                raise FieldError("pipeline.verify_fraction", "verified stages need S >= 2 stages and D >= 2 lanes")
+            if self.sync.method != "allreduce" or self.pipeline.compression != "none":
+                raise FieldError("pipeline.verify_fraction", "verified stages need all-reduce (replicas of a stage "
+                                 "then hold bit-identical weights) and compression 'none' (fp32 or fp16 wires)")
 
     @property
     def lanes_min(self) -> int:
@@ -332,8 +345,16 @@ class EvalSpec(WireRecord):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointSpec(WireRecord):
+    """Disk checkpoints (every slot holder writes its own, docs/checkpoints.md) and erasure-coded in-memory
+    snapshots (each stage's state at every `snapshot_every_steps`-th revision split into k data + `parity` shards
+    held by peers outside the stage, k at most `max_data_shards`; docs/snapshots.md). The snapshot fields are left
+    out of the encoding at their defaults, so manifests written before them keep their run ids."""
+
     every_steps: int = spec(Int(0, 1 << 40), default=100)  # 0: only at the end
     keep_last: int = spec(Int(1, 1000), default=3)
+    snapshot_every_steps: int = spec(Int(0, 1 << 40), default=SNAPSHOT_EVERY_STEPS, omit_if_default=True)  # 0: none
+    parity: int = spec(Int(1, 16), default=2, omit_if_default=True)
+    max_data_shards: int = spec(Int(1, 16), default=8, omit_if_default=True)
 
 
 HEX = Str(128)

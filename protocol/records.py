@@ -19,6 +19,7 @@ STATES = frozenset({"starting", "ready", "joining", "training", "syncing", "wait
 # how others reach a node: dialable from anywhere; dialable only from its own network (a LAN, this machine);
 # only through a relay (behind a NAT); not at all (behind a NAT, no relay yet); not known (nobody dialed it back)
 REACHABILITY = ("public", "lan", "relayed", "unreachable", "unknown")
+HISTORY_POINTS = 16  # loss points (and as many held-out ones) a status record carries of the run so far
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,6 +83,18 @@ class LinkStatus(WireRecord):
             raise FieldError("check_digests", f"{len(self.check_digests)} digests for {len(self.check_steps)} steps")
 
 
+MAX_HELD = 8  # shards a status record lists
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardHeld(WireRecord):
+    """A shard a node keeps for others: shard `index` of `stage`'s snapshot at `revision` (protocol/shards.py)."""
+
+    stage: int = spec(Int(0, 1023))
+    revision: int = spec(Int(0, 2**62))
+    index: int = spec(Int(0, 31))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StatusRecord(SignedRecord):
     """What a node is doing now; published every few seconds over gossip, so it stays a few hundred bytes."""
@@ -103,7 +116,7 @@ class StatusRecord(SignedRecord):
     down_bytes_per_s: float = spec(Float(0.0, 1e13), default=0.0)
     bytes_sent: int = spec(Int(0, 2**62), default=0)
     bytes_recv: int = spec(Int(0, 2**62), default=0)
-    compression_ratio: float | None = spec(Optional(Float(0.0, 1e9)), default=None)
+    compression_ratio: float | None = spec(Optional(Float(0.0, 1e9)), default=None)  # the synchronizer's, since start
     link_bytes_sent: int = spec(Int(0, 2**62), default=0)  # a pipeline stage: wire bytes to its lane neighbours
     link_bytes_recv: int = spec(Int(0, 2**62), default=0)
     lane_links: tuple[LinkStatus, ...] = spec(Seq(Nested(LinkStatus), 4), default=(), omit_if_default=True)
@@ -116,6 +129,41 @@ class StatusRecord(SignedRecord):
     # what it computed that went into applied steps, since it started: sequences and their tokens
     samples_done: int = spec(Int(0, 2**62), default=0, omit_if_default=True)
     tokens_done: int = spec(Int(0, 2**62), default=0, omit_if_default=True)
+    # erasure-coded snapshots: the shards this node keeps for others, and the newest revision of its own stage's
+    # snapshot whose shards are placed (the stage's encoder only)
+    shards: tuple[ShardHeld, ...] = spec(Seq(Nested(ShardHeld), MAX_HELD), default=(), omit_if_default=True)
+    shards_placed: int | None = spec(Optional(Int(0, 2**62)), default=None, omit_if_default=True)
+    # the last recovery of a lost stage this node took part in ("rolled back to 140 from shards …"), for the
+    # dashboard's events
+    recovery: str | None = spec(Optional(Str(200)), default=None, omit_if_default=True)
+    # uncompressed (fp32) / wire bytes over the window of up_bytes_per_s (which counts the synchronizer's and the lane
+    # links' bytes together): the same window on every node, a late-promoted backup's included
+    ratio_now: float | None = spec(Optional(Float(0.0, 1e9)), default=None, omit_if_default=True)
+    # the loss since this replica started, thinned to at most HISTORY_POINTS points (steps, then losses in
+    # thousandths), and its held-out evaluations likewise: a dashboard started late draws the run so far from them
+    history_steps: tuple[int, ...] = spec(Seq(Int(0, 2**62), HISTORY_POINTS), default=(), omit_if_default=True)
+    history_mloss: tuple[int, ...] = spec(Seq(Int(0, 10**9), HISTORY_POINTS), default=(), omit_if_default=True)
+    eval_steps: tuple[int, ...] = spec(Seq(Int(0, 2**62), HISTORY_POINTS), default=(), omit_if_default=True)
+    eval_mloss: tuple[int, ...] = spec(Seq(Int(0, 10**9), HISTORY_POINTS), default=(), omit_if_default=True)
+
+    def __post_init__(self) -> None:
+        WireRecord.__post_init__(self)
+        for steps, values in (("history_steps", "history_mloss"), ("eval_steps", "eval_mloss")):
+            xs, ys = getattr(self, steps), getattr(self, values)
+            if len(xs) != len(ys):
+                raise FieldError(values, f"{len(ys)} values for {len(xs)} steps")
+            if any(b <= a for a, b in zip(xs, xs[1:])):
+                raise FieldError(steps, "steps must increase")
+            if xs and xs[-1] > self.step:
+                raise FieldError(steps, f"step {xs[-1]} is ahead of the record's step {self.step}")
+
+    def history(self) -> list[tuple[int, float]]:
+        """(step, training loss) of the thinned history."""
+        return [(x, y / 1000) for x, y in zip(self.history_steps, self.history_mloss)]
+
+    def evals(self) -> list[tuple[int, float]]:
+        """(step, held-out loss) of the thinned evaluations."""
+        return [(x, y / 1000) for x, y in zip(self.eval_steps, self.eval_mloss)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,6 +194,14 @@ class RunStatus:
     samples_per_s: float | None = None  # this node's own compute speed (the broker splits the batch by it)
     samples_done: int | None = None  # what it computed that went into applied steps
     tokens_done: int | None = None
+    shards: tuple[ShardHeld, ...] | None = None  # erasure-coded snapshots this node keeps for others
+    shards_placed: int | None = None
+    recovery: str | None = None
+    ratio_now: float | None = None
+    history_steps: tuple[int, ...] | None = None
+    history_mloss: tuple[int, ...] | None = None
+    eval_steps: tuple[int, ...] | None = None
+    eval_mloss: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -11,6 +11,8 @@ import pytest
 
 from hypothesis import HealthCheck, settings
 
+from tests.helpers.processes import children
+
 settings.register_profile(
     "ci", derandomize=True, deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -29,24 +31,11 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
 @pytest.fixture(autouse=True, scope="session")
 def reap_children():
     """Kill (by PID) any child process a test left running, so one failure cannot leak nodes into the next."""
     yield
-    for pid in _children(os.getpid()):
+    for pid in children(os.getpid()):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

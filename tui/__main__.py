@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 
@@ -33,18 +34,36 @@ def main(argv: list[str] | None = None) -> int:
         with os.fdopen(args.records_fd, "rb", buffering=1 << 16) as f:
             while True:
                 try:
-                    record = read_record(f)
+                    item = read_record(f)
                 except ProtocolError as e:
                     app.feed_threadsafe_problem(f"bad record from the observer: {e}")
                     return
-                if record is None:
+                if item is None:
                     app.feed_threadsafe_problem("the observer stopped")
                     return
-                app.feed_threadsafe(record)
+                app.feed_threadsafe(*item)
 
     threading.Thread(target=pump, name="shoal-dash-records", daemon=True).start()
+    quit_on_signals(app)
     app.run()
     return 0
+
+
+def quit_on_signals(app) -> None:
+    """SIGTERM and SIGHUP (the dashboard's owner is gone, or the terminal closed) quit the app the way `q` does, so it
+    leaves its full screen and restores the terminal instead of dying in it (which leaves a terminal needing
+    `reset`). The signal handler runs on the app's own thread: the exit is asked for from another one."""
+    def ask_exit() -> None:
+        try:
+            app.call_from_thread(app.exit)
+        except RuntimeError:  # not running (yet, or any more)
+            pass
+
+    def on_signal(signum, frame) -> None:
+        threading.Thread(target=ask_exit, daemon=True).start()
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
 
 
 if __name__ == "__main__":

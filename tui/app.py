@@ -84,16 +84,17 @@ class DashApp(App):
 
     # --- records in ----------------------------------------------------------------------------
 
-    def feed(self, record: Any) -> None:
-        """Fold one protocol record into the view; the screen catches up on the next idle moment."""
-        self.view.feed(record, self.clock())
+    def feed(self, record: Any, age_s: float = 0.0) -> None:
+        """Fold one protocol record (`age_s` old when the observer got it) into the view; the screen catches up on
+        the next idle moment."""
+        self.view.feed(record, self.clock(), age_s=age_s)
         if not self._refresh_pending:
             self._refresh_pending = True
             self.call_later(self.refresh_view)
 
-    def feed_threadsafe(self, record: Any) -> None:
+    def feed_threadsafe(self, record: Any, age_s: float = 0.0) -> None:
         """Queue a record from another thread (the observer's); the app takes it within INBOX_POLL_S."""
-        self._inbox.put(record)
+        self._inbox.put((record, age_s))
 
     def feed_threadsafe_problem(self, text: str) -> None:
         """Queue a problem report from another thread; shown like `report_problem`."""
@@ -108,7 +109,7 @@ class DashApp(App):
             if isinstance(record, _Problem):
                 self.report_problem(record.text)
             else:
-                self.feed(record)
+                self.feed(*record)
 
     def report_problem(self, text: str) -> None:
         """Shown in the header and as a notification (e.g. the observer lost the swarm)."""
@@ -124,9 +125,13 @@ class DashApp(App):
         view = self.view
         view.tick(now)
         summary = view.summary(now)
-        peers = len(view.counted_peers())
+        peers = len(view.present_peers(now))
         where = f"{self.source} · " if self.source else ""
-        self.sub_title = self.problem or f"{where}{peers} peers · {view.records_seen} records"
+        if not view.records_seen and not self.problem:
+            self.sub_title = f"{where}joining the swarm as an observer…"
+        else:
+            self.sub_title = self.problem or (f"{where}{peers} peer{'s' if peers != 1 else ''} · "
+                                              f"{view.records_seen} records")
         try:
             overview, peers_pane, events = (self.query_one(OverviewPane), self.query_one(PeersPane),
                                             self.query_one(EventsTable))

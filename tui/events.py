@@ -1,4 +1,5 @@
-"""The Events pane: joins, leaves, stale/gone peers, promotions, broker changes and errors, newest first."""
+"""The Events pane: joins, leaves, stale/gone peers, promotions, broker changes, recoveries of lost stages and
+errors, newest first."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ KIND_STYLE = {
     EventKind.PROMOTION: "bold blue",
     EventKind.BROKER: "bold cyan",
     EventKind.ERROR: "bold red",
+    EventKind.RECOVERY: "bold yellow",
     EventKind.BAN: "bold red",
 }
 
@@ -51,5 +53,5 @@ class EventsTable(DataTable):
                 fmt.clock(ev.time),
                 Text(ev.kind.value, KIND_STYLE.get(ev.kind, "")),
                 short_id(ev.peer_id) if ev.peer_id else "",
-                ev.text,
+                Text(ev.text),  # a peer's words (an error, a leave reason): plain text, never markup
             )

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from shoal.protocol.display import short_id  # noqa: F401 - the one abbreviation, re-exported for the panes
+from shoal.protocol.display import si
+from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import Announcement, LeaveNotice, StatusRecord
 
 
@@ -50,6 +52,7 @@ class EventKind(enum.StrEnum):
     PROMOTION = "promotion"  # backup -> active
     BROKER = "broker"  # the peer holding the broker role changed
     ERROR = "error"  # a status record's error field appeared or changed
+    RECOVERY = "recovery"  # a lost stage rebuilt (from shards or a disk checkpoint) and the run rolled back
     BAN = "ban"  # reserved for ban records (a later record kind)
 
 
@@ -77,6 +80,11 @@ class PeerView:
     # against its other end at a step both published: "agrees", "differs" or "pending"
     link_digests: dict[tuple[str, str], dict[int, str]] = field(default_factory=dict)
     link_verdicts: dict[tuple[str, str], str] = field(default_factory=dict)
+    # the steps whose training / held-out loss this peer already added to the view's history (each counted once,
+    # however many records repeat it)
+    counted: set[int] = field(default_factory=set)
+    counted_evals: set[int] = field(default_factory=set)
+    last_eval: float | None = None  # the held-out loss its last record gave (for records without an eval history)
 
     @property
     def is_observer(self) -> bool:
@@ -107,7 +115,8 @@ class LossPoint:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Summary:
     run_id: str | None
-    model: str | None  # known once run manifests/assignments are followed
+    model: str | None  # the run's model and size, once its manifest is known
+    plan: str | None  # its stages, replicas (lanes) and synchronizer
     global_step: int
     tokens_per_s: float
     active: int
@@ -116,8 +125,9 @@ class Summary:
     stale: int
     gone: int  # gone or left
     broker: str | None
-    wire_bytes_per_s: float  # sum of live peers' upload rates (each byte counted once, at its sender)
-    uncompressed_bytes_per_s: float  # what the same sync would send without compression
+    wire_bytes_per_s: float  # sum of live peers' upload rates, synchronization and lane links (each byte counted
+    #                          once, at its sender)
+    uncompressed_bytes_per_s: float  # what the same tensors would take uncompressed (fp32)
     last_loss: float | None
     last_eval_loss: float | None
 
@@ -149,6 +159,8 @@ class SwarmView:
         self.events: deque[Event] = deque(maxlen=self.config.max_events)
         self.broker: str | None = None
         self.model: str | None = None
+        self.plan: str | None = None
+        self.manifest: RunManifest | None = None
         self.run_id: str | None = self.config.run_id
         self._loss: dict[int, list[float]] = {}
         self._eval: dict[int, list[float]] = {}
@@ -156,18 +168,24 @@ class SwarmView:
         self.records_seen = 0
         self.records_ignored = 0
         self._pending: list[Event] = []  # events of the feed/tick in progress
+        self._heard_at: float | None = None  # when the record being fed was heard from its peer
 
     # --- feeding -------------------------------------------------------------------------------
 
-    def feed(self, record: Any, now: float) -> list[Event]:
-        """Fold one record into the view; returns the new events (also appended to `events`)."""
+    def feed(self, record: Any, now: float, age_s: float = 0.0) -> list[Event]:
+        """Fold one record into the view; returns the new events (also appended to `events`). `age_s`: how old the
+        record was when it arrived (a members snapshot's rows): it counts as heard from its peer that long ago."""
         handler = self.HANDLERS.get(type(record))
         if handler is None:
             self.records_ignored += 1
             return []
         self.records_seen += 1
         self._pending = []
-        handler(self, record, now)
+        self._heard_at = now - max(0.0, age_s)
+        try:
+            handler(self, record, now)
+        finally:
+            self._heard_at = None
         return self._pending
 
     def _emit(self, now: float, kind: EventKind, peer_id: str | None, text: str) -> None:
@@ -176,14 +194,19 @@ class SwarmView:
         self._pending.append(ev)
 
     def _touch(self, peer_id: str, now: float) -> PeerView:
-        """The peer's entry, marking it seen now; emits join/back events."""
+        """The peer's entry, marking it heard from when the record being fed was (now, unless it came old); emits
+        join/back events. An old record (a snapshot's row: a peer's last record from before it went silent) is not
+        news of the peer: it does not bring it "back"."""
+        heard = min(now, self._heard_at if self._heard_at is not None else now)
         p = self.peers.get(peer_id)
         if p is None:
-            p = self.peers[peer_id] = PeerView(peer_id=peer_id, first_seen=now, last_seen=now)
+            p = self.peers[peer_id] = PeerView(peer_id=peer_id, first_seen=now, last_seen=heard)
             self._emit(now, EventKind.JOIN, peer_id, "joined the swarm")
             return p
         was = p.liveness  # as of the last tick, so a "back" always follows a "stale"/"gone"/"leave" event
-        p.last_seen = max(p.last_seen, now)
+        p.last_seen = max(p.last_seen, heard)
+        if now - heard >= self.config.stale_after_s:
+            return p  # old news: liveness stays what silence made it
         p.left = None
         if was is not Liveness.LIVE:
             self._emit(now, EventKind.BACK, peer_id, f"reports again (was {was.value})")
@@ -222,6 +245,11 @@ class SwarmView:
     def counted_peers(self) -> list[PeerView]:
         return [p for p in self.peers.values() if not p.is_observer]
 
+    def present_peers(self, now: float) -> list[PeerView]:
+        """The counted peers that are still there (live or stale; not gone, not left)."""
+        return [p for p in self.counted_peers()
+                if p.liveness_at(now, self.config) not in (Liveness.GONE, Liveness.LEFT)]
+
     def summary(self, now: float) -> Summary:
         cfg = self.config
         counts = {"active": 0, "backup": 0, "idle": 0, "stale": 0, "gone": 0}
@@ -248,12 +276,13 @@ class SwarmView:
             if lv is Liveness.LIVE:
                 tps += s.tokens_per_s
                 wire += s.up_bytes_per_s
-                raw += s.up_bytes_per_s * (s.compression_ratio if s.compression_ratio else 1.0)
+                raw += s.up_bytes_per_s * ratio_of(s)
         last = self.loss_history()[-1:] or [LossPoint(0, None, None)]
         last_eval = next((pt.eval_loss for pt in reversed(self.loss_history()) if pt.eval_loss is not None), None)
         return Summary(
             run_id=self.run_id,
             model=self.model,
+            plan=self.plan,
             global_step=self._max_step if step is None else step,
             tokens_per_s=tps,
             active=counts["active"],
@@ -275,15 +304,29 @@ class SwarmView:
             for s in steps
         ]
 
-    def _add_loss(self, s: StatusRecord) -> None:
-        for value, table in ((s.loss, self._loss), (s.eval_loss, self._eval)):
-            if value is None:
-                continue
-            vals = table.setdefault(s.step, [])
-            if len(vals) < 64:
-                vals.append(value)
-            while len(table) > self.config.loss_points:
-                del table[min(table)]
+    def _add_loss(self, p: PeerView, s: StatusRecord) -> None:
+        """This peer's training loss at its step, and the points of its history (steps before this dashboard
+        started too) and its held-out evaluations at the steps they were taken, each step counted once per peer.
+        A record without a history (an older node) gives its held-out loss when it changes."""
+        points = s.history() + ([(s.step, s.loss)] if s.loss is not None else [])
+        evals = s.evals()
+        if not s.eval_steps and s.eval_loss is not None and (not p.counted_evals or s.eval_loss != p.last_eval):
+            evals = [(s.step, s.eval_loss)]
+        for pts, table, seen in ((points, self._loss, p.counted), (evals, self._eval, p.counted_evals)):
+            for step, value in pts:
+                if step in seen or (table and len(table) >= self.config.loss_points and step < min(table)):
+                    continue
+                seen.add(step)
+                vals = table.setdefault(step, [])
+                if len(vals) < 64:
+                    vals.append(value)
+                while len(table) > self.config.loss_points:
+                    del table[min(table)]
+            if len(seen) > 2 * self.config.loss_points:  # forget what fell off the history
+                low = min(table) if table else 0
+                seen.difference_update([x for x in seen if x < low])
+        if s.eval_loss is not None:
+            p.last_eval = s.eval_loss
 
 
 # --- handlers, one per record kind ----------------------------------------------------------------
@@ -315,6 +358,8 @@ def _on_status(view: SwarmView, s: StatusRecord, now: float) -> None:
         view._set_broker(s.peer_id, now, "")
     elif view.broker == s.peer_id:
         view._set_broker(None, now, f"is now {s.role}")
+    if s.recovery and (prev is None or prev.recovery != s.recovery):
+        view._emit(now, EventKind.RECOVERY, s.peer_id, s.recovery)
     if s.error and (prev is None or prev.error != s.error):
         p.errors.append((now, s.error))
         while len(p.errors) > view.config.errors_per_peer:
@@ -325,7 +370,7 @@ def _on_status(view: SwarmView, s: StatusRecord, now: float) -> None:
     if s.role == "active":
         view._max_step = max(view._max_step, s.step)
     if s.role in ("active", "broker"):
-        view._add_loss(s)
+        view._add_loss(p, s)
     _on_links(view, p, s)
 
 
@@ -369,6 +414,32 @@ def links_mark(p: PeerView) -> str:
     if not v:
         return ""
     return "aq✗" if "differs" in v else "aq…" if "pending" in v else "aq✓"
+
+
+@SwarmView.register(RunManifest)
+def _on_manifest(view: SwarmView, m: RunManifest, now: float) -> None:
+    """The run's manifest (fetched from a peer by the observer and checked against its run id): the Model row."""
+    if view.run_id is not None and m.run_id != view.run_id:
+        view.records_ignored += 1
+        return
+    view.manifest = m
+    view.run_id = m.run_id
+    view.model, view.plan = describe_run(m)
+
+
+def describe_run(m: RunManifest) -> tuple[str, str]:
+    """("tiny GPT · 0.4M params", "2 stages × 2 lanes · cocktail") of a run's manifest."""
+    params = sum(m.stage_params(s) for s in range(m.plan.stages))
+    model = f"{m.model.size} GPT · {si(params)} params"
+    plan = m.plan
+    shape = (f"{plan.stages} stages × {plan.replicas} lane{'s' if plan.replicas != 1 else ''}" if plan.stages > 1
+             else f"{plan.replicas} replica{'s' if plan.replicas != 1 else ''}")
+    return model, f"{shape} · {plan.sync.method}"
+
+
+def ratio_of(s: StatusRecord) -> float:
+    """A status's compression ratio over its recent window (the synchronizer's since its start from an older node)."""
+    return s.ratio_now or s.compression_ratio or 1.0
 
 
 @SwarmView.register(LeaveNotice)

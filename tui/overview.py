@@ -21,6 +21,7 @@ def summary_table(s: Summary) -> Table:
     run = s.run_id if s.run_id else "-"
     t.add_row("Run", Text(run[:24] + ("…" if len(run) > 24 else "")))
     t.add_row("Model", s.model or "-")
+    t.add_row("Plan", s.plan or "-")
     t.add_row("Step", f"{s.global_step:,}")
     t.add_row("Loss", Text.assemble(fmt.loss(s.last_loss), ("  eval ", "dim"), fmt.loss(s.last_eval_loss)))
     t.add_row("Tokens/s", fmt.si(s.tokens_per_s))
@@ -56,8 +57,8 @@ class LossPlot(PlotextPlot):
         held = [(p.step, p.eval_loss) for p in history if p.eval_loss is not None]
         if train:
             plt.plot([x for x, _ in train], [y for _, y in train], label="train", marker="braille")
-        if held:
-            plt.plot([x for x, _ in held], [y for _, y in held], label="eval", marker="dot", color="orange")
+        if held:  # evaluations are sparse points in time: drawn as points, never joined into flat lines
+            plt.scatter([x for x, _ in held], [y for _, y in held], label="eval", marker="dot", color="orange")
         self.refresh()
 
 

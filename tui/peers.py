@@ -52,21 +52,46 @@ def _state(p: PeerView) -> str:
     return _status(p, "state", "?")
 
 
+def _present(p: PeerView) -> bool:
+    """Still there (live or stale): a gone or departed peer's rates are no longer true, so they are not shown."""
+    return p.liveness not in (Liveness.GONE, Liveness.LEFT)
+
+
+def _live_figure(p: PeerView, name: str) -> float:
+    return _status(p, name, 0.0) if _present(p) else 0.0
+
+
+def _rate_cell(p: PeerView, name: str) -> str:
+    return fmt.si(_status(p, name, 0.0), digits=2) if _present(p) else "-"
+
+
+def _slot(p: PeerView) -> str:
+    """The slot it holds; a backup, the stage it keeps warm ("warm s1")."""
+    slot = _status(p, "slot")
+    if slot:
+        return slot
+    stage = _status(p, "warm_stage")
+    return f"warm s{stage}" if p.role == "backup" and stage is not None else "-"
+
+
+def _loss(p: PeerView) -> float | None:
+    """Its training loss (a pipeline's last stage; None at the others)."""
+    return _status(p, "loss")
+
+
 COLUMNS: tuple[Column, ...] = (
     Column("peer", "peer", lambda p, now: short_id(p.peer_id), lambda p, now: p.peer_id),
     Column("role", "role", lambda p, now: p.role, lambda p, now: (ROLE_ORDER.get(p.role, 9), _status(p, "slot") or "")),
-    Column("slot", "slot", lambda p, now: " ".join(x for x in (_status(p, "slot") or "-", links_mark(p)) if x),
-           lambda p, now: _status(p, "slot") or "~"),
-    Column("device", "device", lambda p, now: _device(p)[:10], lambda p, now: _device(p)),
+    Column("slot", "slot", lambda p, now: " ".join(x for x in (_slot(p), links_mark(p)) if x),
+           lambda p, now: _status(p, "slot") or _slot(p).replace("warm ", "~") or "~"),
+    Column("device", "device", lambda p, now: _device(p)[:8], lambda p, now: _device(p)),
     Column("step", "step", lambda p, now: str(_status(p, "step", 0)), lambda p, now: _status(p, "step", 0), True),
-    Column("tps", "tok/s", lambda p, now: fmt.si(_status(p, "tokens_per_s", 0.0), digits=2),
-           lambda p, now: _status(p, "tokens_per_s", 0.0), True),
-    Column("done", "tok done", lambda p, now: fmt.si(_status(p, "tokens_done", 0), digits=2),
-           lambda p, now: _status(p, "tokens_done", 0), True),  # its contribution: tokens of applied steps
-    Column("up", "up/s", lambda p, now: fmt.si(_status(p, "up_bytes_per_s", 0.0), digits=2),
-           lambda p, now: _status(p, "up_bytes_per_s", 0.0), True),
-    Column("down", "dn/s", lambda p, now: fmt.si(_status(p, "down_bytes_per_s", 0.0), digits=2),
-           lambda p, now: _status(p, "down_bytes_per_s", 0.0), True),
+    Column("loss", "loss", lambda p, now: "-" if _loss(p) is None else f"{_loss(p):.3f}",
+           lambda p, now: (_loss(p) is None, _loss(p) or 0.0), True),
+    Column("tps", "tok/s", lambda p, now: _rate_cell(p, "tokens_per_s"),
+           lambda p, now: _live_figure(p, "tokens_per_s"), True),
+    Column("up", "up/s", lambda p, now: _rate_cell(p, "up_bytes_per_s"),
+           lambda p, now: _live_figure(p, "up_bytes_per_s"), True),
     Column("seen", "seen", lambda p, now: fmt.ago(now - p.last_seen), lambda p, now: now - p.last_seen, True),
     Column("state", "state", lambda p, now: _state(p), lambda p, now: _state(p)),
 )
@@ -91,29 +116,36 @@ def peer_detail(p: PeerView, now: float) -> Table:
     if p.errors:
         t.add_row("Errors", Text("\n".join(f"{fmt.clock(at)} {text}" for at, text in reversed(p.errors)), "red"))
     if p.left is not None:
-        t.add_row("Left", f"{fmt.clock(p.left.time)} {p.left.reason}")
+        t.add_row("Left", Text(f"{fmt.clock(p.left.time)} {p.left.reason}"))
     s = p.status
     if s is not None:
-        t.add_row("Run", f"{s.run_id or '-'}  slot {s.slot or '-'}  step {s.step}")
+        t.add_row("Run", Text(f"{s.run_id or '-'}  slot {_slot(p)}  step {s.step}"))
+        losses = [f"loss {s.loss:.4f}" if s.loss is not None else "",
+                  f"held-out {s.eval_loss:.4f}" if s.eval_loss is not None else ""]
+        if any(losses):
+            t.add_row("Loss", " · ".join(x for x in losses if x))
         if s.samples_done or s.samples_per_s:
             t.add_row("Contributed", f"{fmt.si(s.samples_done, digits=3)} sequences · "
                       f"{fmt.si(s.tokens_done, digits=3)} tokens into applied steps · computes "
                       f"{s.samples_per_s:.3g} seq/s")
-        t.add_row("Traffic", f"up {fmt.rate(s.up_bytes_per_s)} · down {fmt.rate(s.down_bytes_per_s)} · "
-                  f"sent {fmt.nbytes(s.bytes_sent)} · recv {fmt.nbytes(s.bytes_recv)}")
-        ratio = "-" if s.compression_ratio is None else f"{s.compression_ratio:.1f}x"
-        t.add_row("Compress.", ratio)
-        t.add_row("State hash", s.state_hash or "-")
+        links = f" (links {fmt.nbytes(s.link_bytes_sent)})" if s.link_bytes_sent else ""
+        rates = (f"up {fmt.rate(s.up_bytes_per_s)} · down {fmt.rate(s.down_bytes_per_s)} · " if _present(p)
+                 else "")
+        t.add_row("Traffic", f"{rates}sent {fmt.nbytes(s.bytes_sent)}{links} · recv {fmt.nbytes(s.bytes_recv)}")
+        now_ratio = f"{s.ratio_now:.1f}x now" if s.ratio_now is not None and _present(p) else ""
+        since = f"{s.compression_ratio:.1f}x sync since start" if s.compression_ratio is not None else ""
+        t.add_row("Compress.", " · ".join(x for x in (now_ratio, since) if x) or "-")
+        t.add_row("State hash", Text(s.state_hash or "-"))
         if s.lane_links:
-            t.add_row("Links", "\n".join(_link_line(p, x) for x in s.lane_links))
+            t.add_row("Links", Text("\n".join(_link_line(p, x) for x in s.lane_links)))
     a = p.announcement
     if a is not None:
         hw = a.hardware
-        t.add_row("Device", f"{hw.device_kind} {hw.device_name}".strip())
+        t.add_row("Device", Text(f"{hw.device_kind} {hw.device_name}".strip()))
         t.add_row("Hardware", f"{fmt.nbytes(hw.memory_bytes)} mem · {hw.matmul_tflops:.1f} TFLOP/s · "
                   f"{hw.cpu_count} cpus · {fmt.nbytes(hw.free_disk_bytes)} free disk")
-        t.add_row("Software", f"shoal {a.software_version} (protocol {a.protocol_version})")
-        t.add_row("Addresses", "\n".join(a.addrs) if a.addrs else "-")
+        t.add_row("Software", Text(f"shoal {a.software_version} (protocol {a.protocol_version})"))
+        t.add_row("Addresses", Text("\n".join(a.addrs) if a.addrs else "-"))
     else:
         t.add_row("Hardware", Text("no announcement seen yet", "dim"))
     return t

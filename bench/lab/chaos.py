@@ -132,16 +132,17 @@ def plan(config: ChaosConfig) -> list[Fault]:
     return faults
 
 
-def write_run(workdir: Path, *, replicas: int, total_steps: int, seed: int = 3) -> Path:
-    """The tiny test model's run manifest, signed with node 0's identity (node 0 starts the run)."""
+def write_run(workdir: Path, *, replicas: int, total_steps: int, seed: int = 3, stages: int = 1) -> Path:
+    """The tiny test model's run manifest, signed with node 0's identity (node 0 starts the run): `stages` pipeline
+    stages (AQ-SGD across them, the default) of `replicas` lanes, CocktailSGD within each stage."""
     workdir.mkdir(parents=True, exist_ok=True)
     m = mf.RunManifest(
-        seed=seed, model=mf.ModelSpec(size="custom", n_layers=2, d_model=64, n_heads=4),
+        seed=seed, model=mf.ModelSpec(size="custom", n_layers=max(2, stages), d_model=64, n_heads=4),
         batch=mf.BatchSpec(batch_size=8, micro_batch_size=8, seq_len=64),
         optim=mf.OptimSpec(lr=3e-3, warmup_steps=5, total_steps=max(1000, total_steps)),
         eval=mf.EvalSpec(every_steps=0, batches=4),
-        plan=mf.ParallelPlan(replicas=replicas, sync=mf.SyncSpec(method="cocktail",
-                                                                 cocktail=mf.CocktailSpec(warmup_steps=0))))
+        plan=mf.ParallelPlan(stages=stages, replicas=replicas,
+                             sync=mf.SyncSpec(method="cocktail", cocktail=mf.CocktailSpec(warmup_steps=0))))
     path = workdir / "run.toml"
     path.write_text(m.signed(load_or_create_identity(workdir / "node0.key")).to_toml())
     return path

@@ -104,6 +104,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="take random and GCMA results of cases already in the result file (same seeds, population, "
                          "offspring and random samples) instead of running them again, and keep its other cases: "
                          "a long run one case at a time")
+    pl2 = sub.add_parser("placement-live", help="placement by the network on a live swarm in two namespace sites",
+                         description="N nodes in two sites (fast inside, a slow link between) started so that "
+                                     "first-fit seating strings every lane across the slow link. Scenarios: gain "
+                                     "(tokens/s with the network planner vs first fit, same run), throttle (one "
+                                     "node's link drops: time until the run moves), noise (+-20 %% on every link "
+                                     "for 10 minutes: moves made). Needs root; CPU-heavy: one scenario at a time.")
+    pl2.add_argument("--scenario", required=True, choices=("gain", "throttle", "noise"),
+                     help="gain: tokens/s by the network vs first fit; throttle: one node's link drops, time until the "
+                          "run moves; noise: +-20 %% on every link, moves made")
+    pl2.add_argument("--nodes", type=int, default=8, help="active nodes, S = 2 (default: %(default)s; throttle "
+                                                           "adds a backup)")
+    pl2.add_argument("--between-mbit", type=float, default=10.0, help="the link between the sites (default: 10)")
+    pl2.add_argument("--window", type=int, default=30, help="steps measured (default: %(default)s)")
+    pl2.add_argument("--replan-every", type=float, default=10.0, help="the broker's --replan-every (default: 10)")
+    pl2.add_argument("--move-every", type=float, default=20.0, help="the broker's --move-every (default: 20)")
+    pl2.add_argument("--noise-s", type=float, default=600.0, help="noise scenario: seconds of noise (default: 600)")
+    pl2.add_argument("--workdir", type=Path, default=None, help="node logs and status files (default: a temp dir)")
+    pl2.add_argument("--out", type=Path, default=RESULTS, help="folder for the result files (default: bench/results)")
+    pl2.add_argument("--name", default="placement_live", help="basename of the result files, whose other "
+                                                               "scenarios are kept (default: placement_live)")
     n = sub.add_parser("network", help="nodes in network namespaces on shaped links, unshaped, and hivemind beside",
                        description="N shoal nodes, each in its own network namespace, train over links shaped by tbf "
                                    "(per node and direction) for each scenario, then unshaped (the limit), and "
@@ -293,6 +313,8 @@ def main(args: argparse.Namespace) -> int:
         return pipeline(args)
     if args.bench == "placement":
         return placement(args)
+    if args.bench == "placement-live":
+        return placement_live(args)
     if args.bench != "codecs":
         return 2
     if args.threads > 0:
@@ -368,6 +390,45 @@ def placement(args: argparse.Namespace) -> int:
     doc["commands"] = doc.pop("earlier_commands") + [doc["command"]]
     doc["machine"] = f"{platform.machine()} {os.cpu_count()} CPUs, numpy single process"
     write_results(args.out, args.name, doc, placement_bench.markdown(doc))
+    return 0
+
+
+def placement_live(args: argparse.Namespace) -> int:
+    """`shoal bench placement-live`: the runner lives in bench/lab/placement_live.py."""
+    import dataclasses
+    import logging
+    import platform
+
+    from shoal.bench import placement_live as pl
+    from shoal.bench.netns import NetnsError
+    from shoal.bench.topology import install_signal_teardown
+
+    try:
+        cfg = pl.LiveConfig(nodes=args.nodes, between_mbit=args.between_mbit, window_steps=args.window,
+                            replan_every_s=args.replan_every, move_every_s=args.move_every, noise_s=args.noise_s)
+    except ValueError as e:
+        print(f"shoal bench placement-live: {e}", file=sys.stderr)
+        return 2
+    logging.getLogger("shoal.bench").setLevel(logging.WARNING)
+    install_signal_teardown()
+
+    def progress(line: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shoal-bench-placement-live-"))
+    try:
+        result = pl.RUNNERS[args.scenario](cfg, workdir, workdir / "home", progress)
+    except (NetnsError, RuntimeError, TimeoutError) as e:
+        print(f"shoal bench placement-live: {type(e).__name__}: {e} (node logs in {workdir})", file=sys.stderr)
+        return 1
+    result["config"] = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("prefix", "subnet")}
+    path = args.out / f"{args.name}.json"
+    doc = json.loads(path.read_text()) if path.exists() else {"scenarios": {}, "commands": []}
+    doc["scenarios"][args.scenario] = result
+    doc["commands"] = [c for c in doc.get("commands", []) if f"--scenario {args.scenario}" not in c] + \
+        [command_line()]
+    doc["machine"] = f"{platform.machine()} {os.cpu_count()} CPUs, 1 torch thread per node"
+    write_results(args.out, args.name, doc, pl.markdown(doc))
     return 0
 
 

@@ -110,31 +110,45 @@ class Topology:
         self.destroy()
 
     def create(self) -> None:
+        """The switch namespace, then this topology's wiring (`_wire`); anything half made is destroyed on failure."""
         netns.require_root()
         remove_leftovers(self.config.prefix)
+        self._check()
         _LIVE[id(self)] = self
         self.created = True
         try:
-            c, sw = self.config, self.switch
-            run("ip", "netns", "add", sw)
-            run("ip", "-n", sw, "link", "set", "lo", "up")
-            run("ip", "-n", sw, "link", "add", self.bridge, "type", "bridge")
-            run("ip", "-n", sw, "addr", "add", f"{self.switch_ip}/24", "dev", self.bridge)
-            run("ip", "-n", sw, "link", "set", self.bridge, "up")
-            frames = ("gso_max_size", str(FRAME_BYTES))  # segments of one frame, as a real link carries them
-            for i, ns in enumerate(self.node_ns):
-                e, s = c.veth_name(i, "e"), c.veth_name(i, "s")
-                run("ip", "netns", "add", ns)
-                run("ip", "link", "add", e, "netns", ns, "type", "veth", "peer", "name", s, "netns", sw)
-                run("ip", "-n", sw, "link", "set", s, *frames, "master", self.bridge, "up")
-                run("ip", "-n", ns, "link", "set", e, *frames)
-                run("ip", "-n", ns, "link", "set", "lo", "up")
-                run("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", e)
-                run("ip", "-n", ns, "link", "set", e, "up")
+            run("ip", "netns", "add", self.switch)
+            run("ip", "-n", self.switch, "link", "set", "lo", "up")
+            self._wire()
         except BaseException:
             self.destroy()
             raise
+
+    def _check(self) -> None:
+        """Refuse a configuration this topology cannot build (before anything is made)."""
+
+    def _wire(self) -> None:
+        """One bridge in the switch namespace and every node on it."""
+        c, sw = self.config, self.switch
+        run("ip", "-n", sw, "link", "add", self.bridge, "type", "bridge")
+        run("ip", "-n", sw, "addr", "add", f"{self.switch_ip}/24", "dev", self.bridge)
+        run("ip", "-n", sw, "link", "set", self.bridge, "up")
+        for i in range(c.nodes):
+            self._add_node(i, self.bridge)
         log.info("topology %s: %d namespaces on bridge %s in %s", c.prefix, c.nodes, self.bridge, sw)
+
+    def _add_node(self, i: int, bridge: str) -> None:
+        """Node i's namespace, its veth to `bridge` in the switch namespace, its address."""
+        c, sw, ns = self.config, self.switch, self.node_ns[i]
+        frames = ("gso_max_size", str(FRAME_BYTES))  # segments of one frame, as a real link carries them
+        e, s = c.veth_name(i, "e"), c.veth_name(i, "s")
+        run("ip", "netns", "add", ns)
+        run("ip", "link", "add", e, "netns", ns, "type", "veth", "peer", "name", s, "netns", sw)
+        run("ip", "-n", sw, "link", "set", s, *frames, "master", bridge, "up")
+        run("ip", "-n", ns, "link", "set", e, *frames)
+        run("ip", "-n", ns, "link", "set", "lo", "up")
+        run("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", e)
+        run("ip", "-n", ns, "link", "set", e, "up")
 
     def destroy(self) -> None:
         """Stop whatever runs inside the namespaces (by PID), then delete them; safe to call twice."""

@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "swarm": "shoal.node.cli.swarm",
     "run": "shoal.node.cli.run",
     "train": "shoal.node.cli.train",
+    "export": "shoal.node.cli.export",
     "bench": "shoal.bench.command",
     "dash": "shoal.node.cli.dash",
     "doctor": "shoal.node.cli.doctor",

@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a peer silent this long is shown as stale (default: 6)")
     p.add_argument("--gone-after", type=float, default=15.0, metavar="SECONDS",
                    help="a peer silent this long is shown as gone (default: 15)")
+    p.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)  # `swarm up --dash`: close with it
 
 
 def main(args: argparse.Namespace) -> int:
@@ -40,7 +41,6 @@ def main(args: argparse.Namespace) -> int:
 
     from shoal.node.cli.peers import resolve_join
     from shoal.protocol.pipe import encode_record
-    from shoal.swarm.net.observer import run_observer
 
     log = logging.getLogger(__name__)
     join = resolve_join(args, "shoal dash")
@@ -63,22 +63,29 @@ def main(args: argparse.Namespace) -> int:
            "--stale-after", str(args.stale_after), "--gone-after", str(args.gone_after)]
     if args.run:
         cmd += ["--run", args.run]
-    ui = subprocess.Popen(cmd, pass_fds=(read_fd,))
+    ui = subprocess.Popen(cmd, pass_fds=(read_fd,))  # first: the screen says it is joining while libp2p loads
     os.close(read_fd)
+    from shoal.swarm.net.observer import run_observer
+
     out = os.fdopen(write_fd, "wb", buffering=0)
     stop = threading.Event()
     lock = threading.Lock()
 
-    def on_record(record) -> None:
+    def on_record(record, age_s: float = 0.0) -> None:
+        try:
+            data = encode_record(record, age_s)
+        except ValueError as e:  # a manifest too big for the pipe: the dashboard goes on without it
+            log.warning("not shown: %s", e)
+            return
         try:
             with lock:
-                out.write(encode_record(record))
-        except (BrokenPipeError, ValueError):  # the UI quit
+                out.write(data)
+        except (BrokenPipeError, ValueError):  # the UI quit (a closed pipe)
             stop.set()
 
     def observe() -> None:
         try:
-            run_observer(join, on_record, stop)
+            run_observer(join, on_record, stop, manifests=True)
         except Exception as e:  # the dashboard stays up and says the feed stopped
             log.warning("observer stopped: %s: %s", type(e).__name__, e)
         finally:
@@ -87,11 +94,34 @@ def main(args: argparse.Namespace) -> int:
 
     thread = threading.Thread(target=observe, name="shoal-dash-observer", daemon=True)
     thread.start()
+    orphaned = threading.Event()
+    if args.parent is not None:
+        threading.Thread(target=watch_parent, args=(args.parent, ui, orphaned), name="shoal-dash-parent",
+                         daemon=True).start()
     try:
         code = ui.wait()
     except KeyboardInterrupt:
-        ui.terminate()
+        ui.terminate()  # the UI leaves its full screen and gives the terminal back as it exits
         code = ui.wait()
     stop.set()
     thread.join(timeout=5.0)
+    if orphaned.is_set():
+        print(f"shoal dash: the swarm it showed is gone (its supervisor, pid {args.parent}, ended)", file=sys.stderr)
+        return 0
     return code
+
+
+def watch_parent(parent: int, ui, orphaned) -> None:
+    """`swarm up --dash`: once the supervisor is gone (killed outright, it could not stop us), close the UI at once,
+    cleanly (SIGTERM: it restores the terminal as it exits), before the shell takes the terminal back from under it."""
+    import os
+    import time
+
+    while os.getppid() == parent and ui.poll() is None:
+        time.sleep(PARENT_POLL_S)
+    if ui.poll() is None:
+        orphaned.set()
+        ui.terminate()
+
+
+PARENT_POLL_S = 0.1

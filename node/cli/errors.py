@@ -56,6 +56,7 @@ EXPECTED: dict[str, Exit] = {
     "shoal.node.train.device.DeviceUnavailable": Exit.NO_DEVICE,
     "shoal.node.run.preflight.DoesNotFit": Exit.DOES_NOT_FIT,
     "shoal.swarm.net.listen.AddressInUse": Exit.ADDRESS_IN_USE,
+    "shoal.node.run.runtime.ResumeError": Exit.USAGE,
     "shoal.node.train.datacheck.DataUnavailable": Exit.INPUTS_UNAVAILABLE,
     "shoal.node.train.hf.MissingPackage": Exit.INPUTS_UNAVAILABLE,
     "shoal.node.train.tokens.MissingTokenizers": Exit.INPUTS_UNAVAILABLE,
@@ -65,6 +66,10 @@ EXPECTED: dict[str, Exit] = {
 #: hints for expected errors whose exit status's hint (HINTS) says too little, by class as in EXPECTED
 CLASS_HINTS: dict[str, str] = {
     "shoal.node.run.preflight.UntrustedData": "give this node its copy of the run's data with --data PATH",
+    "shoal.node.run.runtime.ResumeError": "name the folder a run's checkpoints are in (its nodes' --checkpoint-dir)",
+    "shoal.node.run.preflight.NotTheOwner": "start the run's first node with the identity that signed it "
+                                            "(--identity KEY), or sign the run with this node's: shoal run create "
+                                            "--identity KEY; other nodes join it with --join ADDR --run RUN_ID",
 }
 
 

@@ -71,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how often to publish status (default: %(default)g)")
     p.add_argument("--gone-after", type=float, default=12.0, metavar="SECONDS",
                    help="a peer silent this long is marked gone (default: %(default)g)")
+    p.add_argument("--probe-every", type=float, default=10.0, metavar="SECONDS",
+                   help="in a run: probe one peer whose link this node has not measured this often "
+                        "(default: %(default)g)")
+    p.add_argument("--link-report-every", type=float, default=30.0, metavar="SECONDS",
+                   help="in a run: publish this node's link figures this often when one moved by 20 %% "
+                        "(default: %(default)g)")
     p.add_argument("--parent", type=int, default=None, metavar="PID",
                    help="leave the swarm when process PID exits (how `shoal swarm up` keeps its nodes from "
                         "outliving it)")
@@ -105,6 +111,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--dissolve-after", type=float, default=defaults.DISSOLVE_AFTER_S, metavar="SECONDS",
                    help="a pipeline lane whose empty slot no backup can fill for this long is dissolved and its "
                         "nodes return to the backup pool (default: %(default)g; the broker's setting)")
+    t.add_argument("--replan-every", type=float, default=30.0, metavar="SECONDS",
+                   help="a run placed by the network (the default): re-plan who sits where this often, and soon "
+                        "after nodes join or leave (default: %(default)g; the broker's setting)")
+    t.add_argument("--move-every", type=float, default=60.0, metavar="SECONDS",
+                   help="... and move at most one lane towards a better plan this often; a node moved stays put "
+                        "for 10 minutes (default: %(default)g; the broker's setting)")
     t.add_argument("--split-every", type=float, default=SplitDefaults().every_s, metavar="SECONDS",
                    help="the global batch's split across replicas is re-measured this often: a faster or slower "
                         "replica gets a bigger or smaller share after at most this long (default: %(default)g; the "
@@ -112,9 +124,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--backup-refresh", type=float, default=defaults.BACKUP_REFRESH_S, metavar="SECONDS",
                    help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
                         "the group's synchronized state (default: %(default)g; raise it for big models)")
+    t.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+                   help="where this node writes its slot's checkpoints, as the run's [checkpoint] says (default: "
+                        "$SHOAL_HOME/checkpoints; a folder per run, one per slot)")
+    t.add_argument("--resume", type=Path, default=None, metavar="DIR",
+                   help="go on with a stopped run from its last complete checkpoint in DIR (a --checkpoint-dir, or "
+                        "one run's folder in it): the run's owner restarts the run there (without --run, the "
+                        "manifest comes from DIR), and any node takes its slot back with its own checkpoint")
     t.add_argument("--min-step-time", type=float, default=0.0, metavar="SECONDS",
                    help="pace training: every step takes at least this long, as a slower model's would (for tests "
                         "and benchmarks on a fast machine; default: 0, no pacing)")
+
+
+PARENT_POLL_S = 0.2  # a node started with --parent notices within this long that its parent is gone
 
 
 def _say(text: str) -> None:
@@ -132,6 +154,10 @@ def main(args: argparse.Namespace) -> int:
 
     if args.parent is not None and os.getppid() != args.parent:
         raise CliError(f"the process that started this node (pid {args.parent}) is gone", Exit.INTERRUPTED, hint="")
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack, for a bug report
     home = shoal_home()
     join = expand_join(args.join, args.join_wait)  # typed input is checked before anything runs
     if args.data is not None:
@@ -154,8 +180,10 @@ def main(args: argparse.Namespace) -> int:
     _say("probing hardware…")
     device, free = args.device, None
     run = None
-    if args.run is not None and args.no_train:
-        raise CliError("--run and --no-train do not go together")
+    if (args.run is not None or args.resume is not None) and args.no_train:
+        raise CliError("--run and --resume do not go together with --no-train")
+    if args.resume is not None and args.run is None:
+        args.run = str(resume_manifest(args.resume))
     if args.run is not None or (join and not args.no_train):
         device, free = resolve_training_device(args.device)
         run = run_config(args, join, device, free)
@@ -166,6 +194,8 @@ def main(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         raise CliError(str(e), Exit.FAILED, hint="shoal doctor checks this machine") from None
     from shoal.node.daemon import NodeConfig, status_gossip_s
+    from shoal.node.links import LinksConfig
+    from shoal.swarm.net.linkprobe import ProbeConfig
     from shoal.swarm.net.host import HostConfig
     from shoal.swarm.net.membership import MembershipConfig
     from shoal.swarm.net.recent_peers import recent_peers_path
@@ -187,6 +217,8 @@ def main(args: argparse.Namespace) -> int:
             home=home,
             status_file=args.status_file,
             status_interval_s=args.status_interval,
+            links=LinksConfig(probe=ProbeConfig(interval_s=args.probe_every), report_s=args.link_report_every,
+                              renew_s=max(120.0, args.link_report_every)),
             membership=MembershipConfig(  # suspect once a gossiped status is overdue by half a period
                 suspect_after_s=min(1.5 * status_gossip_s(args.status_interval, args.gone_after,
                                                           run.broker.fail_after_s if run else None), args.gone_after),
@@ -285,9 +317,9 @@ def serve(args: argparse.Namespace, config, hardware, key, device: str | None, f
 
                 async def watch_parent() -> None:
                     while os.getppid() == args.parent:
-                        await trio.sleep(1.0)
+                        await trio.sleep(PARENT_POLL_S)
                     _say(f"the process that started this node (pid {args.parent}) is gone; leaving the swarm…")
-                    node.stop()
+                    node.stop(hurry=True)  # its swarm is going too
 
                 async def run_node(task_status=trio.TASK_STATUS_IGNORED) -> None:
                     await node.run(task_status=task_status)
@@ -363,8 +395,9 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
     from shoal.protocol.manifest import RunManifest
     from shoal.swarm.run.batchsplit import SplitConfig
     from shoal.swarm.run.broker import BrokerConfig
+    from shoal.swarm.run.replan import ReplanConfig
 
-    manifest, select = None, ""  # no --run: the swarm's open run
+    manifest, run_id, select = None, None, ""  # no --run: the swarm's open run
     if args.run is not None:
         path = Path(args.run)
         if path.exists():
@@ -377,20 +410,53 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
         elif not join or path.suffix == ".toml" or "/" in args.run:
             raise CliError(f"--run {args.run}: no such manifest file"
                            + ("" if join else " (a run's name or id needs --join)"))
+        elif args.resume is not None:
+            run_id, select = args.run, None  # resuming: the run's full id (its checkpoints are filed under it)
         else:
             select = args.run
+    resume = None
+    if args.resume is not None:
+        resume = resume_root(args.resume, manifest.run_id if manifest is not None else args.run)
     try:
-        config = RunConfig(manifest=manifest, select=select,
+        config = RunConfig(manifest=manifest, run_id=run_id, select=select,
                            secret=args.secret or os.environ.get("SHOAL_JOIN_SECRET"), device=device,
                            device_free_bytes=free, threads=args.threads, max_steps=args.steps, data=args.data,
                            round_timeout_s=args.round_timeout,
                            broker=BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after,
                                                               split=SplitConfig(every_s=args.split_every)),
                            backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time,
-                           aq_buffer_dir=str(shoal_home() / "aq"), blob_dir=str(shoal_home() / "blobs"))
+                           aq_buffer_dir=str(shoal_home() / "aq"), blob_dir=str(shoal_home() / "blobs"),
+                           checkpoint_dir=str(args.checkpoint_dir or shoal_home() / "checkpoints"),
+                           resume_dir=None if resume is None else str(resume),
+                           replan=ReplanConfig(check_s=args.replan_every, period_s=args.move_every))
     except ValueError as e:
         raise CliError(str(e)) from None
     if manifest is not None:
         preflight(manifest, config)
         check_inputs(manifest, config.data or manifest.data.source)  # packages, the Hub: before the node starts
     return config
+
+
+def resume_manifest(path: Path) -> Path:
+    """The manifest file of the one run whose checkpoints --resume names (CliError when there is not exactly one)."""
+    from shoal.node.cli.errors import CliError
+    from shoal.node.run.checkpoints import MANIFEST_FILE, find_run_dirs
+
+    found = find_run_dirs(path)
+    if len(found) != 1:
+        raise CliError(f"--resume {path}: " + (f"holds the checkpoints of {len(found)} runs" if found else
+                                               "holds no run's checkpoints (no run.toml in it or under it)"),
+                       hint="name one run's folder, or say which run with --run")
+    return found[0] / MANIFEST_FILE
+
+
+def resume_root(path: Path, run_id: str) -> Path:
+    """The checkpoint folder (the one holding run folders) of --resume for `run_id`."""
+    from shoal.node.cli.errors import CliError
+    from shoal.node.run.checkpoints import run_dir
+
+    path = path.expanduser()
+    for root in (path.parent, path):
+        if run_dir(root, run_id).is_dir():
+            return root
+    raise CliError(f"--resume {path}: no checkpoints of run {run_id[:16]}… there")

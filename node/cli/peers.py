@@ -34,7 +34,7 @@ def resolve_join(args: argparse.Namespace, prog: str) -> list[str] | None:
 
     from shoal.node.cli.joinfile import expand_join
     from shoal.node.cli.node import shoal_home
-    from shoal.swarm.net.observer import find_local_swarm
+    from shoal.node.localswarm import find_local_swarm
 
     join = expand_join(args.join, args.join_wait)  # a bad address: one line with a hint, exit 2
     if getattr(args, "local", False):

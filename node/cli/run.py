@@ -84,6 +84,11 @@ OPTIM_FLAGS = (
     SpecFlag("--eval-every", "eval.every_steps", "held-out evaluation every N steps", "N"),
     SpecFlag("--ckpt-every", "checkpoint.every_steps", "checkpoint every N steps", "N"),
     SpecFlag("--keep", "checkpoint.keep_last", "checkpoints to keep", "N"),
+    SpecFlag("--snapshot-every", "checkpoint.snapshot_every_steps", "every N steps each stage's state is "
+             "erasure-coded into shards held outside the stage, so the stage survives losing every replica (0: never)",
+             "N"),
+    SpecFlag("--parity", "checkpoint.parity", "parity shards per stage snapshot: the stage comes back with any M of "
+                                              "its shard holders gone", "M"),
 )
 PLAN_FLAGS = (
     SpecFlag("--stages", "plan.stages", "pipeline stages S: the model split into S consecutive pieces on different "
@@ -91,6 +96,9 @@ PLAN_FLAGS = (
     SpecFlag("--replicas", "plan.replicas", "data-parallel replicas (lanes) D the run starts with", "D"),
     SpecFlag("--backups", "plan.backups", "warm backups each stage keeps (for fast replacement) before volunteers "
                                           "form new replicas", "N"),
+    SpecFlag("--placement", "plan.placement", "who sits where: network places and re-places providers by their "
+                                              "measured links and the step-time cost model (docs/placement.md); "
+                                              "first-fit (the default) seats them in the order they come"),
 )
 SYNC_FLAGS = (
     SpecFlag("--cocktail-p", "plan.sync.cocktail.p", "CocktailSGD: share of coordinates kept by the random mask", "P"),
@@ -119,6 +127,10 @@ PIPELINE_FLAGS = (
                                                     "per link end under $SHOAL_HOME/aq/RUN/, removed when the "
                                                     "node's links close"),
     SpecFlag("--aq-buffer-cap-mb", "plan.pipeline.buffer_cap_mb", "AQ-SGD: buffer cap per link end", "MB"),
+    SpecFlag("--verify-stages", "plan.pipeline.verify_fraction", "verified pipeline stages: the fraction of each "
+             "lane's micro-batches a replica of the same stage in another lane re-executes and compares (0.06 "
+             "catches a stage tampering with 1 %% of its micro-batches within 1,000 steps at 99 %%); needs --sync "
+             "allreduce, --pipeline-compression none and 2+ lanes (docs/verified-stages.md); 0: off", "FRACTION"),
     SpecFlag("--train-subset", "data.train_subset", "train on the first N samples only, epoch after epoch (0: all)",
              "N"),
 )
@@ -191,16 +203,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="file holding the join secret; a new 256-bit secret is written there when the file does "
                         "not exist (the manifest stores nothing derived from it); nodes join with --secret")
     j.add_argument("--allow", action="append", metavar="PEER_ID", help="admit only these peers (repeat)")
+    c.add_argument("--allow-weak-secret", action="store_true",
+                   help="use the secret in --join-secret-file even if it looks easy to guess (fewer than 16 "
+                        "characters or about 80 bits); the broker limits guesses, but a weak secret still falls")
     s = sub.add_parser("show", help="print a manifest and verify its signature",
                        description="Print a run manifest, its run id, and whether its signature is valid.")
     s.add_argument("path", metavar="RUN.toml", help="the manifest file")
 
 
-def _secret_file(path: str) -> str:
-    """The join secret in `path`; a new high-entropy one written there (owner-only) when the file is missing."""
+def _secret_file(path: str, *, allow_weak: bool = False) -> str:
+    """The join secret in `path`; a new high-entropy one written there (owner-only) when the file is missing. A
+    secret the owner chose that looks easy to guess is refused (ValueError) unless `allow_weak`."""
     import os
+    import sys
 
-    from shoal.protocol.admission import new_secret
+    from shoal.protocol.admission import new_secret, weak_secret
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -212,6 +229,13 @@ def _secret_file(path: str) -> str:
             f.write(secret + "\n")
     if not secret:
         raise ValueError(f"{path} holds no join secret")
+    why = weak_secret(secret)
+    if why is not None and not allow_weak:
+        raise ValueError(f"the join secret in {path} is weak: {why}; anyone may try it online. Delete the file to "
+                         f"have a 256-bit secret made there, or pass --allow-weak-secret to use it anyway")
+    if why is not None:
+        print(f"WARNING: the join secret in {path} is weak ({why}); guesses are rate-limited, but it can fall",
+              file=sys.stderr)
     return secret
 
 
@@ -237,7 +261,7 @@ def build_manifest(args: argparse.Namespace):
         max(args.replicas, min(max(4 * args.replicas, 8), global_batch // granule, mf.MAX_LANES))
     sync_method = args.sync or ("none" if max_replicas == 1 else "cocktail")
     if args.join_secret_file:
-        _secret_file(args.join_secret_file)
+        _secret_file(args.join_secret_file, allow_weak=args.allow_weak_secret)
         join = mf.JoinPolicy.private()
     elif args.allow:
         join = mf.JoinPolicy(mode="allowlist", allowlist=tuple(args.allow))

@@ -4,6 +4,8 @@ cleanly (never orphaned), and found again from another terminal."""
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
 HELP = "run a whole local swarm on this machine that trains a model together (start here)"
 DESCRIPTION = """\
@@ -28,11 +30,14 @@ SIGHUP (a closed terminal); a node whose supervisor is gone leaves by itself.
   shoal swarm up --no-train --nodes 5 --duration 30 --json   # membership only
   shoal swarm up --stages 2                    # a pipeline: 2 stages x 2 lanes + a backup per stage (6 nodes)
   shoal swarm up --listen /ip4/0.0.0.0/tcp/4001   # joinable from other machines (it prints the command)
+  shoal swarm up --resume DIR --steps 400      # go on with a stopped one from its last complete checkpoint
 
 While it runs, other terminals can look at it:  shoal peers --local  ·  shoal dash --local
 Kill one node's process (kill -9 PID from the table) and watch the backup take its slot.
 Each node's output is in DIR/nodeN.out, its log in DIR/nodeN.log, its metrics (JSON lines) in
-DIR/nodeN.metrics.jsonl (DIR: --dir).
+DIR/nodeN.metrics.jsonl (DIR: --dir); every active node writes its slot's checkpoints under DIR/checkpoints (the
+run's [checkpoint] every_steps, and at the end): `shoal export DIR --out MODEL` takes the trained model away,
+`shoal swarm up --resume DIR` goes on from them.
 """
 
 
@@ -60,7 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--dir", type=str, default=None, metavar="PATH",
                     help="where node keys, status files, output and logs go (default: a new folder under "
                          "$SHOAL_HOME/swarms)")
+    up.add_argument("--keep-dirs", type=int, default=KEEP_DIRS, metavar="N",
+                    help="keep the folders of the last N swarms under $SHOAL_HOME/swarms, removing older ones as a "
+                         "new one starts (not with --dir; default: %(default)s)")
     up.add_argument("--dash", action="store_true", help="open the dashboard on the swarm (quitting it stops the swarm)")
+    up.add_argument("--resume", type=str, default=None, metavar="DIR",
+                    help="go on with the run a stopped `shoal swarm up` left in DIR, from its last complete "
+                         "checkpoint: the same run, nodes (their keys) and step; --steps N is then the step to "
+                         "reach, counted from the run's start")
     up.add_argument("--device", default="cpu", metavar="DEVICE",
                     help="device for every node: cpu, cuda, cuda:N, mps or auto (default: %(default)s; the nodes "
                          "share it)")
@@ -78,6 +90,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             description="Show the local swarm started by `shoal swarm up` with this $SHOAL_HOME: "
                                         "its supervisor and every node (pid, role, step, loss, …).")
     status.add_argument("--json", action="store_true", help="print it as JSON")
+
+
+KEEP_DIRS = 10  # swarm folders kept under $SHOAL_HOME/swarms
+DIR_NAME = re.compile(r"\d{8}-\d{6}(-\d+)?")  # the folders `swarm up` names (and so may remove)
+
+
+def new_swarm_dir(root: Path, keep: int, now: float) -> tuple[Path, list[Path]]:
+    """A new folder for a swarm under `root` (named by the time, never one that exists), and the older folders
+    `swarm up` made there removed so that `keep` remain with the new one: (new folder, removed folders)."""
+    import shutil
+    import time
+
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    path, n = root / stamp, 1
+    while True:
+        try:
+            path.mkdir()
+            break
+        except FileExistsError:  # two swarms started within a second
+            n += 1
+            path = root / f"{stamp}-{n}"
+    ours = sorted((p for p in root.iterdir() if p.is_dir() and DIR_NAME.fullmatch(p.name) and p != path),
+                  key=lambda p: (p.stat().st_mtime, p.name))
+    removed = ours[: max(0, len(ours) - (keep - 1))]
+    for old in removed:
+        shutil.rmtree(old, ignore_errors=True)
+    return path, removed
 
 
 def layout(args: argparse.Namespace) -> tuple[int, int, int]:
@@ -121,6 +161,34 @@ def write_manifest(args: argparse.Namespace, workdir, replicas: int, backups: in
     path = workdir / "run.toml"
     path.write_text(m.to_toml())
     return path, m
+
+
+def resumed_layout(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(nodes, backups, lanes) of the stopped swarm in --resume DIR, read from its run.toml and node keys; checks
+    that its checkpoints hold a step to go on from (CliError when not). Sets args.stages, args.resumed (the
+    manifest) and args.resume_step."""
+    from pathlib import Path
+
+    from shoal.node.cli.errors import CliError
+    from shoal.node.run.checkpoints import resume_point
+    from shoal.protocol.errors import ProtocolError
+    from shoal.protocol.manifest import RunManifest
+
+    d = Path(args.resume)
+    try:
+        m = RunManifest.from_toml((d / "run.toml").read_text())
+        m.verify()
+    except (OSError, ProtocolError, ValueError) as e:
+        raise CliError(f"--resume {d}: not a `shoal swarm up` folder with a signed run.toml ({e})") from None
+    point = resume_point(d / "checkpoints", m.run_id, m.plan.stages)
+    if point is None:
+        raise CliError(f"--resume {d}: no checkpoint of every stage of run {m.run_id[:16]}… under {d}/checkpoints",
+                       hint="checkpoints are written every [checkpoint] every_steps and at a run's end")
+    keys = len(list(d.glob("node*.key")))
+    nodes = args.nodes if args.nodes is not None else max(keys, m.plan.stages * m.plan.replicas)
+    args.stages, args.resumed, args.resume_step = m.plan.stages, m, point.step
+    lanes = m.plan.replicas
+    return nodes, max(0, nodes - lanes * m.plan.stages), lanes
 
 
 def table(rows: list[dict], nodes: int, title: str, training: bool):
@@ -174,22 +242,68 @@ def _stage(slot: str) -> str:
     return slot.split("r", 1)[0]
 
 
-def run_summary(rows: list[dict], wall_s: float, train_s: float | None) -> dict:
-    """The run as a whole: steps every active replica reached, times, steps/s, whether the state hashes of each
-    stage's replicas agree, and the held-out loss."""
+def run_summary(rows: list[dict], wall_s: float, train_s: float | None, stages: int = 1) -> dict:
+    """The run as a whole: the data-parallel replicas (lanes) and stages its active nodes hold, steps every one of
+    them reached, times, steps/s, whether the state hashes of each stage's replicas agree at a step they all hold
+    (None when there is none: nothing to compare yet, e.g. stopped during start-up), and the held-out loss: the mean
+    of the replicas' (the last stage's) figures and their spread. Replicas evaluate the same fixed held-out batches,
+    each on its own parameters: with CocktailSGD or DiLoCo those also hold the replica's not yet synchronized part
+    (x - g, or the inner steps since the last outer step), which the state hash does not cover, so equal hashes can
+    come with held-out losses a few hundredths apart."""
     active = [r for r in rows if r.get("slot") and r["alive"]]
     steps = min((r.get("step") or 0 for r in active), default=0)
-    by_stage: dict[str, set] = {}
+    by_stage: dict[str, list[dict]] = {}
     for r in active:
-        by_stage.setdefault(_stage(r["slot"]), set()).add(r.get("state_hash"))
+        by_stage.setdefault(_stage(r["slot"]), []).append(r)
+    verdicts = [_hashes_agree(stage) for stage in by_stage.values()]
     evals = [r["eval_loss"] for r in active if r.get("eval_loss") is not None]
     return {
-        "replicas": len(active), "steps": steps, "wall_s": round(wall_s, 2),
+        "replicas": len({r["slot"].split("r", 1)[1] for r in active}), "stages": stages, "active_nodes": len(active),
+        "steps": steps, "wall_s": round(wall_s, 2),
         "train_s": round(train_s, 2) if train_s is not None else None,
         "steps_per_s": round(steps / train_s, 3) if train_s and steps else None,
-        "hashes_agree": bool(active) and all(len(h) == 1 and None not in h for h in by_stage.values()),
-        "eval_loss": min(evals) if evals else None, "eval_loss_spread": (max(evals) - min(evals)) if evals else None,
+        "hashes_agree": False if False in verdicts else None if None in verdicts or not verdicts else True,
+        "eval_loss": round(sum(evals) / len(evals), 4) if evals else None,
+        "eval_loss_spread": round(max(evals) - min(evals), 4) if evals else None,
     }
+
+
+def _hashes_agree(replicas: list[dict]) -> bool | None:
+    """Whether the replicas of one stage held the same state at the newest step they all report a hash for (their
+    status files keep the last steps' hashes: replicas stopped mid-run are a step or two apart); None when they
+    share no such step (nobody trained yet)."""
+    held = [{int(k): v for k, v in (r.get("recent_hashes") or {}).items()} for r in replicas]
+    common = set.intersection(*(set(h) for h in held)) if held else set()
+    if not common:
+        return None
+    step = max(common)
+    return len({h[step] for h in held}) == 1
+
+
+def exits_line(codes: dict[int, int | None]) -> str:
+    """How the nodes ended, one entry per distinct way: 'stopped 4 nodes: 3 exit 0, 1 SIGKILL (node 2)'."""
+    from shoal.node.localswarm import exit_text
+
+    by: dict[str, list[int]] = {}
+    for index, code in sorted(codes.items()):
+        by.setdefault(exit_text(code), []).append(index)
+    parts = []
+    for text, nodes in sorted(by.items(), key=lambda kv: (kv[0] != "exit 0", kv[0])):
+        which = "" if text == "exit 0" else f" (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})"
+        parts.append(f"{len(nodes)} {text}{which}")
+    return f"stopped {len(codes)} node{'s' if len(codes) != 1 else ''}: {', '.join(parts)}"
+
+
+def outcome_line(s: dict) -> str:
+    """The run's end in one line; no verdict on hashes where no replica trained (a stop during start-up)."""
+    if not s["steps"] and s["hashes_agree"] is None:
+        return "stopped before any replica trained a step"
+    shape = f"{s['replicas']} replica{'s' if s['replicas'] != 1 else ''}" + (
+        f" of {s['stages']} stages" if s["stages"] > 1 else "")
+    agree = {True: ", state hashes agree", False: ", state hashes differ", None: ""}[s["hashes_agree"]]
+    return (f"{shape} reached step {s['steps']} in {s['wall_s']:.0f} s"
+            + (f" ({s['steps_per_s']:.2f} steps/s)" if s["steps_per_s"] else "")
+            + (f", held-out loss {s['eval_loss']:.3f}" if s["eval_loss"] is not None else "") + agree)
 
 
 def _all_done(rows: list[dict], steps: int) -> bool:
@@ -208,15 +322,14 @@ def main(args: argparse.Namespace) -> int:
 def up(args: argparse.Namespace) -> int:
     import json
     import time
-    from pathlib import Path
 
     from rich.console import Console
 
     from shoal.node.cli.errors import CliError, Exit
-    from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig, SignalGuard
-    from shoal.node.cli.node import shoal_home
-    from shoal.swarm.net.observer import LOCAL_SWARM_FILE
+    from shoal.node.cli.node import check_device, shoal_home
+    from shoal.node.localswarm import LOCAL_SWARM_FILE, LocalSwarm, LocalSwarmConfig, SignalGuard, exit_text
 
+    check_device(args.device)  # before any node starts: exit 9 once, not a failed start per node
     guard = SignalGuard()
     guard.install()  # SIGINT, SIGTERM, SIGHUP: stop every node by PID, never orphan them
     err = Console(stderr=True, soft_wrap=True)
@@ -231,19 +344,34 @@ def up(args: argparse.Namespace) -> int:
     if running is not None and running_supervisor(running):
         raise CliError(f"a local swarm is already running here (pid {running['pid']}, {running['workdir']})",
                        hint="shoal swarm down stops it, shoal swarm status shows it; or use another SHOAL_HOME")
-    workdir = Path(args.dir) if args.dir else home / "swarms" / time.strftime("%Y%m%d-%H%M%S")
+    if args.resume is not None:
+        nodes, backups, lanes = resumed_layout(args)
+    if args.keep_dirs < 1:
+        raise CliError("--keep-dirs must be at least 1 (the new swarm's folder)")
     extra: tuple[str, ...] = () if training else ("--no-train",)  # membership only: nobody looks for a run
     t0 = time.monotonic()
     try:
-        workdir.mkdir(parents=True, exist_ok=True)
+        if args.resume or args.dir:  # a resumed swarm goes on in its own folder
+            workdir = Path(args.resume or args.dir)
+            workdir.mkdir(parents=True, exist_ok=True)
+        else:
+            workdir, removed = new_swarm_dir(home / "swarms", args.keep_dirs, time.time())
+            if removed:
+                err.print(f"removed {len(removed)} old swarm folder{'s' if len(removed) > 1 else ''} from "
+                          f"{workdir.parent} (keeping the last {args.keep_dirs}: --keep-dirs)")
         if training:
-            run_file, manifest = write_manifest(args, workdir, replicas=lanes, backups=backups)
-            extra = ("--run", str(run_file), "--threads", "1", "--round-timeout", "10", "--fail-after", "8")
+            run_file, manifest = (workdir / "run.toml", args.resumed) if args.resume else \
+                write_manifest(args, workdir, replicas=lanes, backups=backups)
+            extra = ("--run", str(run_file), "--threads", "1", "--round-timeout", "10", "--fail-after", "8",
+                     "--checkpoint-dir", str(workdir / "checkpoints"))
+            if args.resume:
+                extra += ("--resume", str(workdir / "checkpoints"))
             if args.steps is not None:
                 extra += ("--steps", str(args.steps))
             shape = f"{lanes} replicas" if args.stages == 1 else f"{args.stages} stages x {lanes} lanes"
-            err.print(f"run {manifest.run_id[:8]}…: tiny GPT, {shape} with {args.sync}, {backups} backup(s); nodes' "
-                      f"output and logs in {workdir}")
+            err.print(f"run {manifest.run_id[:8]}…: tiny GPT, {shape} with {manifest.plan.sync.method}, {backups} "
+                      f"backup(s); nodes' output and logs in {workdir}"
+                      + (f"; resuming at step {args.resume_step}" if args.resume else ""))
         swarm = LocalSwarm(LocalSwarmConfig(nodes=nodes, workdir=workdir, home=home, device=args.device,
                                             extra_node_args=extra, swarm_file=local_file, listen=args.listen), guard)
     except (ValueError, OSError) as e:
@@ -284,22 +412,19 @@ def up(args: argparse.Namespace) -> int:
         codes = swarm.stop()
         local_file.unlink(missing_ok=True)
     train_s = time.monotonic() - train_from if train_from is not None else None
-    summary = run_summary(rows, wall_s, train_s) if training else None
+    summary = run_summary(rows, wall_s, train_s, stages=args.stages) if training else None
+    for row in rows:  # how each node ended, now that it has (the rows were read while they ran)
+        row["exit_code"] = codes.get(row["index"])
+        row["exit"] = exit_text(row["exit_code"])
     if args.json:
-        for row in rows:
-            row["exit_code"] = codes.get(row["index"])
         print(json.dumps({"converged_after_s": converged_after, "workdir": str(workdir), "run": summary,
                           "nodes": rows}, indent=1))
     else:
-        if training:
+        if training and summary["steps"]:
             err.print(table(rows, len(swarm.nodes), "the swarm at its end (before it was stopped)", training))
-            s = summary
-            err.print(f"{s['replicas']} replicas reached step {s['steps']} in {s['wall_s']:.0f} s"
-                      + (f" ({s['steps_per_s']:.2f} steps/s)" if s["steps_per_s"] else "")
-                      + (f", held-out loss {s['eval_loss']:.3f}" if s["eval_loss"] is not None else "")
-                      + (", state hashes agree" if s["hashes_agree"] else ", state hashes differ"))
-        err.print(f"stopped {len(codes)} nodes (exit codes {sorted(set(codes.values()))}); output and logs in "
-                  f"{workdir}")
+        if training:
+            err.print(outcome_line(summary))
+        err.print(f"{exits_line(codes)}; output and logs in {workdir}")
     return int(code)
 
 
@@ -324,7 +449,10 @@ def watch(args, swarm, err, going, interactive: bool, training: bool, t0: float)
         return f"shoal local swarm: {alive}/{len(swarm.nodes)} nodes, up {time.monotonic() - t0:.0f} s"
 
     if args.dash:
-        dash = subprocess.Popen([sys.executable, "-m", "shoal.node.cli", "dash", "--local"])
+        import os
+
+        dash = subprocess.Popen([sys.executable, "-m", "shoal.node.cli", "dash", "--local", "--parent",
+                                 str(os.getpid())])
         try:
             while dash.poll() is None and going():
                 time.sleep(0.3)
@@ -381,7 +509,7 @@ def down(args: argparse.Namespace) -> int:
     import time
 
     from shoal.node.cli.node import shoal_home
-    from shoal.swarm.net.observer import LOCAL_SWARM_FILE
+    from shoal.node.localswarm import LOCAL_SWARM_FILE
 
     path = shoal_home() / LOCAL_SWARM_FILE
     doc = read_swarm_file(path)
@@ -419,7 +547,7 @@ def status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from shoal.node.cli.node import shoal_home
-    from shoal.swarm.net.observer import LOCAL_SWARM_FILE
+    from shoal.node.localswarm import LOCAL_SWARM_FILE
 
     doc = read_swarm_file(shoal_home() / LOCAL_SWARM_FILE)
     if doc is None:

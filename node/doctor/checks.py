@@ -210,9 +210,11 @@ def check_listen(listen: str) -> Check:
         return Check(name="listen", verdict="ok", summary=f"{listen}: public address, others can dial it if TCP {port} "
                      f"is open in the firewall ({shown})", data=data)
     return Check(name="listen", verdict="info",
-                 summary=f"{listen}: private addresses only ({shown}): machines on the same network can dial it",
-                 fix=f"for peers elsewhere, forward TCP port {port if port else 4001} on your router to this machine "
-                     f"(and listen on that fixed port)", data=data)
+                 summary=f"{listen}: private addresses only ({shown}): machines on the same network dial it; peers "
+                         f"elsewhere reach it through a relay and hole punching, with nothing to configure",
+                 fix=f"optional: to be dialable from anywhere (and relay for others), forward TCP port "
+                     f"{port if port else 4001} on your router to this machine and listen on that fixed port",
+                 data=data)
 
 
 def check_disk(home: Path) -> Check:

@@ -8,6 +8,7 @@ from shoal.node.defaults import BACKUP_REFRESH_S, ROUND_TIMEOUT_S
 from shoal.protocol.manifest import RunManifest
 from shoal.swarm.run.broker import BrokerConfig
 from shoal.swarm.run.client import RunClientConfig
+from shoal.swarm.run.replan import ReplanConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,9 +36,12 @@ class RunConfig:
     snapshot_every_steps: int = 50  # besides the steps joiners need, a fresh snapshot for backups this often
     min_step_s: float = 0.0  # pace: every step takes at least this long (a slower model, emulated for tests/benches)
     aq_buffer_dir: str | None = None  # AQ-SGD disk buffers (manifest buffer = "disk"); None: the temp directory
+    checkpoint_dir: str | None = None  # where this node writes its slot's checkpoints (None: it writes none)
+    resume_dir: str | None = None  # a stopped run's checkpoints to go on from (node/run/checkpoints.py)
     blob_dir: str | None = None  # files the run names by hash (weights, tokenizer); None: a folder in the temp directory
     blob_pull_attempt_s: float = 600.0  # how long one peer may take to send one such file
     broker: BrokerConfig = field(default_factory=BrokerConfig)  # when this node hosts (or takes over) the broker
+    replan: ReplanConfig = field(default_factory=ReplanConfig)  # ... and places the run by the network
     client: RunClientConfig = field(default_factory=RunClientConfig)
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """Keeping a stage's replicas on one state: after a step, a published hash that differs from ours starts a vote
-(node/run/votes.py); a replica outside the majority asks a majority peer to keep its state a few steps ahead and
-loads it there; at the end of the run the final state is checked the same way (docs/architecture.md, "Consistency").
-"""
+(node/run/votes.py); a replica outside the majority asks every member to keep its state a few steps ahead and loads
+there the state the members agree on, from a random one of them (never one peer's word); at the end of the run the
+final state is checked the same way (docs/architecture.md, "Consistency"). Members the vote finds lying are
+penalized and reported to the broker (most members' reports evict)."""
 
 from __future__ import annotations
 
@@ -25,14 +26,18 @@ FINAL_POLL_S = 0.5  # the end of a run: the pause between asks for the group's f
 VOTE_EXTRA_STEPS = 2  # after a vote, the next one waits the switch lead plus this many steps
 
 
+Report = Callable[[Group, list[str]], None]  # (group, offenders): tell the broker (without waiting)
+
+
 class Consistency:
     """Owned by the event loop: `record` each step's hash, `check` after each step, `refetch` when due."""
 
     def __init__(self, services: NodeServices, config: RunConfig, replica: Replica, pulls: StatePulls, call: Call,
-                 run_id: Callable[[], str]):
+                 run_id: Callable[[], str], report: Report):
         self.services, self.config, self.replica, self.pulls = services, config, replica, pulls
         self.call = call
         self.run_id = run_id
+        self.report = report
         self.hashes = HashVotes(services.peer_id, call)
         self.refetches = 0  # states loaded from the majority after ours differed
         self.pending: tuple[int, str] | None = None  # (step, majority peer): load that peer's state at that step
@@ -41,41 +46,76 @@ class Consistency:
     def record(self, step: int, state_hash: str) -> None:
         self.hashes.record(step, state_hash)
 
+    def forget_after(self, revision: int) -> None:
+        """The run rolled back to `revision`: hashes recorded after it, a re-fetch planned after it, go; the next
+        vote waits the switch lead."""
+        self.hashes.forget_after(revision)
+        self.pending = None
+        self._vote_after = revision + self.config.switch_lead_min_steps
+
     def refetch_due(self, step: int) -> bool:
         return self.pending is not None and step >= self.pending[0]
 
+    async def ask_snapshot(self, peer: str, step: int) -> int | None:
+        """Ask `peer` to keep its state at `step` (a re-fetch, a backup's warm copy); its own step, or None."""
+        try:
+            ans = await self.call(peer, "run.snapshot_at", step)
+        except RpcError as e:
+            log.info("snapshot request to %s failed: %s", peer, e)
+            return None
+        got = ans.get("step") if isinstance(ans, dict) else None
+        return got if isinstance(got, int) and not isinstance(got, bool) else None
+
     async def check(self, group: Group | None) -> None:
         """After a step: if a member published a different hash for a step we hold, vote; a minority replica asks
-        a majority peer for a snapshot a few steps ahead and loads it there (`refetch`)."""
+        every member for a snapshot a few steps ahead and loads the agreed one there (`refetch`)."""
         step = self.replica.at_step
-        if self.pending is not None or step < self._vote_after or \
-                not self.hashes.disagrees(group, self.run_id(), self.services.statuses()):
+        self.hashes.note_claims(group, self.run_id(), self.services.statuses())
+        claims = self.hashes.due_claims()
+        if group is None or self.pending is not None or step < self._vote_after or not claims:
             return
         lead = self.config.switch_lead_min_steps
         self._vote_after = step + lead + VOTE_EXTRA_STEPS
-        src = await self.hashes.vote(group)
-        if src is not None:
-            target = step + lead
-            try:
-                await self.call(src, "run.snapshot_at", target)
-                self.pending = (target, src)
-            except RpcError as e:
-                log.info("snapshot request to %s failed: %s", src, e)
+        src = await self.hashes.vote(group, claims)
+        offenders = self.hashes.take_offenders()
+        for peer, why in offenders.items():  # most members' reports evict it (the broker's rule)
+            self.services.penalties.penalize(peer, why)
+        if offenders:
+            self.report(group, sorted(offenders))
+        if src is None:
+            return
+        target = step + lead  # every member keeps its state there: the majority's is loaded then
+        kept: list[str] = []
 
-    async def refetch(self, step: int) -> None:
-        """Load the majority's state at `step` from the peer the vote named. Should that peer go (killed after the
-        vote), the re-fetch is given up once it is no longer live, and the next vote names another."""
+        async def ask(peer: str) -> None:
+            if await self.ask_snapshot(peer, target) is not None:
+                kept.append(peer)
+        async with trio.open_nursery() as n:
+            for peer in group.members:
+                if peer != self.services.peer_id:
+                    n.start_soon(ask, peer)
+        if src in kept:
+            self.pending = (target, src)
+
+    async def refetch(self, step: int, group: Group | None) -> None:
+        """Load the state the group agrees on at `step` (the vote said ours is not it): its members hash their whole
+        entry state there, and the one a majority holds is pulled from a random one of them. Given up (the next
+        vote decides again) when no majority state can be had, or the member the vote named is gone, and at once
+        when none of the members holds that revision or trains toward it (they are all entering or re-fetching
+        themselves: waiting, this node not training either, would hold the whole group still)."""
         assert self.pending is not None
         src, self.pending = self.pending[1], None
         self.replica.state = "syncing"
+        members = [m for m in (group.members if group is not None else (src,)) if m != self.services.peer_id]
         try:
-            snap = await self.pulls.revision(step, [src], wanted=lambda: src in self.services.live())
+            await self.replica.load(await self.pulls.revision(step, members, unheld_gives_up=True,
+                                                              wanted=lambda: src in self.services.live()))
         except StateTransferError as e:
-            log.warning("could not re-fetch step %d from %s (%s): voting again", step, src[-8:], e)
+            log.warning("could not re-fetch step %d (%s): voting again", step, e)
             return
-        await self.replica.load(snap)
         self.refetches += 1
-        log.warning("state hash disagreed with the majority: re-fetched step %d from %s", step, src)
+        log.warning("state hash disagreed with the majority: re-fetched the state the members agree on at step %d",
+                    step)
 
     def voters(self, g: Group) -> set[str]:
         """The members of `g` that can still vote: this node and those its membership view holds live (a member
@@ -85,7 +125,7 @@ class Consistency:
 
     async def settle_final(self, g: Group, final_rev: int) -> None:
         """The end of the run: make sure this replica ends with the majority's final state (revision `final_rev`,
-        already recorded here), pulling it from a member that holds the agreed hash when ours is not it."""
+        already recorded here), loading the state the members agree on when ours is not it."""
         self.replica.state = "syncing"
         votes: dict[str, str] = {}
         abstained: set[str] = set()  # members that hold no final state (one that never entered): after the
@@ -100,16 +140,13 @@ class Consistency:
         src = self.hashes.source(g, final_rev, votes, voters=len(voters)) if votes else None
         if src is None:
             return
-        me = self.services.peer_id  # any member holding the agreed hash serves it, should the one named be gone
-        holders = [src] + sorted(p for p, h in votes.items() if h == votes[src] and p not in (src, me))
+        others = sorted(voters - {self.services.peer_id})  # the final state the members agree on, from any of them
         try:
-            snap = await self.pulls.revision(final_rev, holders)
+            await self.replica.load(await self.pulls.revision(final_rev, others), step=final_rev - 1)
         except StateTransferError as e:
-            log.warning("final state hash disagreed with the majority, and no member holding it served it "
-                        "(%s): this replica ends with its own state", e)
+            log.warning("final state hash disagreed with the majority, and no state the members agree on could be "
+                        "loaded (%s): this replica ends with its own state", e)
             return
-        await self.replica.load(snap)
         self.refetches += 1
         self.hashes.record(final_rev, self.replica.sync.state_hash())
-        log.warning("final state hash disagreed with the majority: re-fetched the final state from one of %s",
-                    [p[-8:] for p in holders])
+        log.warning("final state hash disagreed with the majority: loaded the final state the members agree on")

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from shoal.protocol.assignment import GONE, AssignmentTable
 from shoal.protocol.records import StatusRecord
 
-MAX_STEP_LEAD = 64  # a member's reported step counts at most this far past the members' median (or our own step)
-MAX_RATE_RATIO = 4.0  # a member's reported tokens/s counts at most this many times the members' median
+MAX_STEP_LEAD = 64  # a member's reported step counts at most this far past the group's median (ours included)
+MAX_RATE_RATIO = 4.0  # a member's reported tokens/s counts at most this many times the group's median
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,18 +41,20 @@ class Entitlement:
         t = self.table()
         return t is not None and (t.slot_of(peer) is not None or t.provider_state(peer) not in (None, GONE))
 
-    def progress(self, own_step: int, run_id: str, statuses: Iterable[tuple[str, StatusRecord]]
-                 ) -> list[tuple[int, float]]:
+    def progress(self, own_step: int, run_id: str, statuses: Iterable[tuple[str, StatusRecord]],
+                 own_rate: float = 0.0) -> list[tuple[int, float]]:
         """(step, tokens/s) of this node and of the run's members: a record of anyone else is not counted, and a
-        member's step or rate far beyond the others' (or ours) is clamped, so no single report can push a group
-        change (or the broker's table) out of reach."""
+        member's step or rate far beyond the group's is clamped. The group's figure is the lower median of every
+        member's *and this node's own*: liars that are half of those counted (one of two members) cannot move it
+        past an honest figure, so no report can push a group change (or the broker's table) out of reach."""
         rows = [(st.step, st.tokens_per_s) for peer, st in statuses if st.run_id == run_id and self.member(peer)]
+        own = (own_step, own_rate)
         if not rows:
-            return [(own_step, 0.0)]
-        top = max(own_step, int(statistics.median_low(s for s, _ in rows))) + self.max_lead_steps
-        rates = [r for _, r in rows if r > 0]  # backups and members just starting report none
+            return [own]
+        top = max(own_step, int(statistics.median_low([own_step] + [s for s, _ in rows]))) + self.max_lead_steps
+        rates = [r for _, r in [own, *rows] if r > 0]  # backups and members just starting report none
         rate_cap = MAX_RATE_RATIO * statistics.median_low(rates) if rates else 0.0
-        return [(own_step, 0.0)] + [(min(s, top), min(r, rate_cap)) for s, r in rows]
+        return [own] + [(min(s, top), min(r, rate_cap)) for s, r in rows]
 
     def snapshot_refusal(self, peer: str, step: int, own_step: int) -> tuple[str, bool] | None:
         """Why `peer`'s request for a snapshot at `step` is refused, and whether that is an offence (None: keep

@@ -1,6 +1,6 @@
 """Taking a place in a stage group (docs/architecture.md, "Entering a group"): at the switch step R the table names,
-a node builds its trainer and loads exactly revision R, agreed by a majority of the group (a warm backup pulls only
-what its copy lacks); a slot that takes effect after the run's last step takes the run's final state instead; a
+a node builds its trainer and loads exactly revision R, the whole entry state a majority of the group agrees on
+(node/run/pulls.py); a slot that takes effect after the run's last step takes the run's final state instead; a
 node far behind its group enters the group's next step; a stage whose lane failed waits for the lane to re-form."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from shoal.node.run.config import RunConfig
 from shoal.node.run.context import NodeServices
 from shoal.node.run.lanes import StageLinks
 from shoal.node.run.pulls import StatePulls
+from shoal.node.run.recovery import StageRecovery
 from shoal.node.run.replica import Replica
+from shoal.node.run.snapshots import SnapshotStore
 from shoal.swarm.run.client import RunClient
 from shoal.swarm.run.timeline import GroupTimeline
 from shoal.swarm.state.transfer import StateTransferError
@@ -33,10 +35,12 @@ class Entry:
 
     def __init__(self, *, services: NodeServices, config: RunConfig, run_id: str, replica: Replica,
                  timeline: GroupTimeline, pulls: StatePulls, client: RunClient, links: StageLinks | None,
-                 build: Build, spawn: Spawn):
+                 build: Build, spawn: Spawn, recovery: StageRecovery, snapshots: SnapshotStore,
+                 rolled: Callable[[], int]):
         self.services, self.config, self.run_id = services, config, run_id
         self.replica, self.timeline, self.pulls, self.client, self.links = replica, timeline, pulls, client, links
         self.build, self.spawn = build, spawn
+        self.recovery, self.snapshots, self.rolled = recovery, snapshots, rolled  # rolled: rollbacks applied
         self.entries: list[dict[str, Any]] = []
         self.lane_broken_at: int | None = None  # the step at which this stage's lane failed, until re-formed
         self._lane_report_at = 0.0
@@ -55,14 +59,17 @@ class Entry:
         if r.trainer is None:
             await self.build(stage, replica)
 
-    async def enter(self, step: int, stage: int, replica: int) -> None:
+    async def enter(self, step: int, stage: int, replica: int) -> bool:
         """Take a place in the group from `step`: build the trainer, and unless the run starts here, load the
-        state of exactly `step` from a replica that was in the group before."""
+        state of exactly `step` from a replica that was in the group before. False when no state could be had
+        (the node waited for the broker's next table; its own state is not at `step`)."""
         r = self.replica
         r.state = "joining"
         await self._trainer_for(stage, replica)
         if step == 0 and r.at_step == 0:
-            return
+            return True
+        if await self._entered_from_disk_or_shards(step, stage, replica):
+            return True
         me = self.services.peer_id
         prev = self.timeline.group_at(step - 1) if step > 0 else None
         now = self.timeline.table_at(step, stage)
@@ -71,24 +78,73 @@ class Entry:
         peers = sorted((m for m in (prev.members if prev else ()) if m != me), key=lambda m: m not in staying)
         if not peers:
             peers = [m for m in (now.members(stage) if now else ()) if m != me]
+        if not peers and 0 < r.at_step < step and r.slot == (stage, replica):
+            # the stage's only member (one lane) whose lane is re-formed further on: nobody trained the stage
+            # meanwhile, nobody else holds it; it goes on from its own state at the re-formed step
+            log.info("the only member of stage %d: going on from its own state at step %d (was at %d)", stage, step,
+                     r.at_step)
+            r.trainer.step_count = r.at_step = step
+            return True
         clock = self.services.clock
         t0 = clock()
         log.info("entering the group at step %d: pulling that revision from %s", step, [p[-8:] for p in peers])
         try:
-            snap, pulled = await self.pulls.group_state(
-                step, peers, r.sync.group_state, wanted=lambda: self.timeline.entry() == (step, stage, replica))
+            snap = await self.pulls.revision(step, peers,
+                                             wanted=lambda: self.timeline.entry() == (step, stage, replica))
+            await r.load(snap)
         except StateTransferError as e:  # no majority state to enter with (the replicas differ until their vote
-            # settles it), or the slot changed: wait for the broker's next table and try its entry then
+            # settles it), a state that does not fit, or the slot changed: wait for the broker's next table and try
+            # its entry then
             log.warning("could not enter the group at step %d: %s", step, e)
             r.state = "ready"
             await self.wait_for_table(READY_POLL_S)
-            return
-        await r.load(snap)
-        took = clock() - t0
-        self.entries.append({"step": step, "bytes_pulled": pulled, "state_bytes": snap.nbytes,
-                             "seconds": round(took, 3)})
-        log.info("entered the group at step %d with state from a replica: %d of %d bytes pulled (%.2f s)", step,
-                 pulled, snap.nbytes, took)
+            return False
+        self._entered(step, snap.nbytes, t0)
+        return True
+
+    def _entered(self, step: int, pulled: int, t0: float) -> None:
+        took, whole = self.services.clock() - t0, self.replica.state_bytes()
+        self.entries.append({"step": step, "bytes_pulled": pulled, "state_bytes": whole, "seconds": round(took, 3)})
+        log.info("entered the group at step %d with the state its members agree on: %d bytes pulled for a state of "
+                 "%d (%.2f s)", step, pulled, whole, took)
+
+    async def _entered_from_disk_or_shards(self, step: int, stage: int, replica: int) -> bool:
+        """Entering at `step` without pulling from the group: a resumed node loads its own checkpoint of the slot;
+        when every member a stage had before `step` is gone, the replacement of that stage rebuilds it (shards, else
+        disk) and asks for the run to roll back, and the other stages wait for that rollback instead of pulling
+        from members that cannot serve them (node/run/recovery.py). False: pull from the group as usual."""
+        rec, r = self.recovery, self.replica
+        snap = await rec.resume_state(stage, replica, step)
+        if snap is not None:
+            await r.load(snap, enter=False)
+            self.snapshots.add(snap, exact=True)
+            self.entries.append({"step": step, "bytes_pulled": 0, "state_bytes": snap.nbytes, "seconds": 0.0,
+                                 "source": "checkpoint"})
+            return True
+        latest = self.timeline.latest
+        if latest is not None and latest.rollback is not None and latest.rollback.revision == step:
+            return False  # entering a rollback's revision: the stage's members serve it
+        lost = rec.lost_stages(step, stage, holds_own=r.at_step > 0 and r.slot == (stage, replica))
+        if not lost:
+            return False
+        r.state = "syncing"
+        if stage in lost:
+            got = await rec.rebuild(stage, replica, step)
+            why = "nothing to rebuild it from" if got is None else \
+                await self.client.rollback(stage, got[0].revision, got[1])
+            if why is not None:
+                log.error("stage %d cannot come back now (%s): waiting for the next table", stage, why)
+                r.state = "ready"
+                await self.wait_for_table(self.config.round_timeout_s)
+                return True
+        else:
+            log.warning("stage(s) %s lost every replica: waiting for the run to roll back instead of entering at "
+                        "step %d", lost, step)
+        with trio.move_on_after(self.config.state_pull_timeout_s):
+            while StageRecovery.rollback_due(self.timeline.latest, self.rolled()) is None \
+                    and self.timeline.entry() == (step, stage, replica):
+                await self.client.wait_changed()
+        return True
 
     async def enter_at_end(self, limit: int, stage: int, replica: int) -> None:
         """Our slot takes effect at or past the run's last step (a slot filled near the end): the run ends before
@@ -102,7 +158,14 @@ class Entry:
         peers = sorted({m for t in tables for m in t.members(stage)} - {self.services.peer_id})
         log.info("our slot takes effect after the run's last step %d: pulling the final state from %s", limit,
                  [p[-8:] for p in peers])
-        await r.load(await self.pulls.revision(limit + 1, peers))
+        t0 = self.services.clock()
+        try:
+            snap = await self.pulls.revision(limit + 1, peers)
+            await r.load(snap, step=limit)  # the final state: at step N
+        except StateTransferError as e:
+            log.warning("no final state the group agrees on (%s): this node ends with its own", e)
+            return
+        self._entered(limit + 1, snap.nbytes, t0)
 
     def left_behind(self, step: int) -> bool:
         """The other members of our stage report steps more than `switch_lead_min_steps` ahead of ours (we entered
@@ -135,9 +198,12 @@ class Entry:
         entry = self.timeline.entry()
         t = self.timeline.latest
         if entry is not None and t is not None and entry[0] > self.lane_broken_at and entry[2] in t.complete_lanes():
-            self.lane_broken_at = None
-            if entry[0] < limit:
-                await self.enter(*entry)
+            # the lane stays broken here until this node holds its group's state at the re-formed switch step: an
+            # entry that found no state (the slot changed again meanwhile, no majority yet) leaves the node at its
+            # old step, where its lane's neighbours are not, and training that step would block them and its own
+            # stage group (each waiting on the other's deadlines) instead of entering at the next table's step
+            if entry[0] >= limit or await self.enter(*entry):
+                self.lane_broken_at = None
             return
         self.replica.state = "ready"
         clock = self.services.clock

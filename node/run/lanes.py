@@ -10,6 +10,7 @@ from typing import Any
 
 import trio
 
+from shoal.node.train.transcript import RecordingBoundary, Transcript
 from shoal.protocol.assignment import AssignmentTable
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import LinkStatus
@@ -26,13 +27,14 @@ class StageLinks:
     """This stage's links (several stages only): `connect` before each step, `close` when the slot changes."""
 
     def __init__(self, hub: LinkHub, token: trio.lowlevel.TrioToken, manifest: RunManifest, me: str,
-                 buffer_dir: str | None):
+                 buffer_dir: str | None, transcript: Transcript | None = None):
         self.hub, self._token, self.manifest, self.me = hub, token, manifest, me
+        self.transcript = transcript  # a verified run: what crosses the links is recorded there (evidence)
         #: this run's AQ-SGD disk buffers: under the node's configured folder (its data directory), by run
         self.buffer_dir = None if buffer_dir is None else os.path.join(buffer_dir, manifest.run_id[:16])
         self.end: LinkEnd | None = None
         self.peers: tuple[str | None, str | None] | None = None  # (previous, next) stage's peer of the lane
-        self._closed_bytes = (0, 0)  # (sent, received) on links closed since the start
+        self._closed_bytes = (0, 0, 0)  # (sent, received, fp32 of the sent) on links closed since the start
 
     async def connect(self, trainer, table: AssignmentTable | None, step: int) -> None:
         """Make the links of `trainer`'s stage go to the lane neighbours that `table` (in force at `step`) names,
@@ -48,14 +50,31 @@ class StageLinks:
         self.peers = peers
         await self.end.adopt(step)  # AQ-SGD: a replacement pulls its links' stores from the survivors
         trainer.boundary = BlockingLinkEnd(self.end, self._token)
+        if self.transcript is not None:
+            trainer.boundary = RecordingBoundary(trainer.boundary, self.transcript, spec.kind)
         log.info("lane %d stage %d links: previous %s, next %s", trainer.replica, trainer.stage,
                  (peers[0] or "-")[-8:], (peers[1] or "-")[-8:])
 
+    def halt(self) -> None:
+        """This node is leaving: the trainer thread's waits on the lane fail now instead of at their deadlines."""
+        if self.end is not None:
+            self.end.halt("this node is leaving the run")
+
     async def close(self) -> None:
+        """Close the current links; their bytes stay counted (counted while they are still the current ones)."""
+        if self.end is not None:
+            self._closed_bytes = self.bytes()
         end, self.end, self.peers = self.end, None, None
         if end is not None:
-            self._closed_bytes = self.bytes()
             await end.aclose()
+
+    def drop_stores(self) -> None:
+        """Forget every AQ-SGD store of this node (the run rolled back: each link starts empty, first visits)."""
+        self.hub.aq_stores.close()
+
+    def signatures(self, step: int, micro: int) -> dict[str, bytes]:
+        """The signatures the current links hold for a training micro-batch (a verified run; empty otherwise)."""
+        return self.end.signatures(step, micro) if self.end is not None else {}
 
     def counters(self) -> dict[str, Any]:
         """The current links ("b0/fwd"...): the neighbour and the messages and bytes each way."""
@@ -65,16 +84,18 @@ class StageLinks:
         """"link/side" -> {step: digest} after each of the last steps (AQ-SGD stores; empty otherwise)."""
         return self.end.recent_digests() if self.end is not None else {}
 
-    def bytes(self) -> tuple[int, int]:
-        """Wire bytes (sent, received) on this stage's links since the start."""
-        sent, recv = self._closed_bytes
+    def bytes(self) -> tuple[int, int, int]:
+        """Wire bytes (sent, received) on this stage's links since the start, and what the sent tensors would have
+        taken on the fp32 wire."""
+        sent, recv, fp32 = self._closed_bytes
         for c in self.counters().values():
             sent, recv = sent + c["sent"]["wire_bytes"], recv + c["recv"]["wire_bytes"]
-        return sent, recv
+            fp32 += c["sent"]["fp32_bytes"]
+        return sent, recv, fp32
 
     def total_bytes(self) -> tuple[int, int] | None:
         """Wire bytes (sent, received) on this stage's links since the start; None before any link was opened."""
-        return self.bytes() if self.end is not None or any(self._closed_bytes) else None
+        return self.bytes()[:2] if self.end is not None or any(self._closed_bytes) else None
 
     def statuses(self) -> tuple[LinkStatus, ...] | None:
         """What the status record says of each current link (None: no links open)."""

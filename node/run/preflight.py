@@ -20,6 +20,10 @@ class UnknownRun(RunError, ConnectionError):
     """No joined peer knows the run (its manifest or its broker)."""
 
 
+class NotTheOwner(UnknownRun):
+    """Nobody knows the run, and this node may not start it: only the identity that signed its manifest may."""
+
+
 class DoesNotFit(RunError):
     """The run's stage needs more memory than the device has free."""
 

@@ -10,16 +10,22 @@ from pathlib import Path
 import trio
 
 from shoal.node.run.config import RunConfig
-from shoal.node.run.status import Throughput
+from shoal.node.run.status import Thinned, Throughput
 from shoal.node.sync.interface import Synchronizer
+from shoal.node.train.checkpoint import CheckpointError
 from shoal.node.train.control import StepControl, StepResult
 from shoal.protocol.manifest import RunManifest
+from shoal.protocol.records import HISTORY_POINTS
 from shoal.swarm.net.penalty import Penalties
-from shoal.swarm.state.snapshot import Snapshot
+from shoal.swarm.state.snapshot import Snapshot, StateTransferError, flatten_state
 
 log = logging.getLogger(__name__)
 
 Exchange = Callable[[str, dict[str, bytes], set[str], float], dict[str, bytes]]  # Collective.blocking's call
+
+
+class _HalfLoaded(RuntimeError):
+    """Loading a state failed after it began: the trainer holds part of it."""
 
 
 class Replica:
@@ -33,6 +39,8 @@ class Replica:
         self.at_step = 0  # optimizer steps the trainer has done (updated between steps, on the loop)
         self.state = "joining"  # what the status record says the run is doing here
         self.last: StepResult | None = None  # the last step's result
+        self.loss_history = Thinned(HISTORY_POINTS)  # for a dashboard that starts late (the status record's history)
+        self.eval_history = Thinned(HISTORY_POINTS)
 
     @property
     def slot(self) -> tuple[int, int] | None:
@@ -73,20 +81,40 @@ class Replica:
         """Forget the trainer (the slot moved: another stage holds other parameters, another lane other samples)."""
         self.trainer = None
 
-    async def load(self, snap: Snapshot) -> None:
-        """Load the group's state, then let the synchronizer restart local state from the synchronized one."""
+    async def load(self, snap: Snapshot, *, step: int | None = None, enter: bool = True) -> None:
+        """Load the group's entry state (pulled with the hash the group agrees on), then (`enter`) let the
+        synchronizer restart local state from it; a slot's own whole state (a checkpoint, a rollback) is loaded as
+        it is. `step`: the training step the state must be at (default: its revision; the run's final
+        state, revision N + 1, is at step N). A state that does not fit this trainer is refused before any of it is
+        loaded; one that fails while loading leaves a trainer of unknown state, which is dropped (rebuilt before the
+        next entry). Either way StateTransferError: never an error that stops the node."""
         state = snap.state()
         trainer, sync = self.trainer, self.sync
 
         def load() -> None:
-            trainer.load_state_dict(state)
-            sync.enter(trainer.model)
+            trainer.check_entry(state, snap.revision if step is None else step)  # CheckpointError: nothing loaded
+            try:
+                trainer.load_state_dict(state)
+                if enter:
+                    sync.enter(trainer.model)
+            except Exception as e:  # noqa: BLE001 - a half-loaded trainer must not train on
+                raise _HalfLoaded(f"{type(e).__name__}: {e}") from e
 
-        await trio.to_thread.run_sync(load)
+        try:
+            await trio.to_thread.run_sync(load)
+        except CheckpointError as e:
+            raise StateTransferError(f"the agreed state does not fit this trainer: {e}") from e
+        except _HalfLoaded as e:
+            self.trainer = self.sync = None
+            raise StateTransferError(f"loading the agreed state failed half way ({e}): the trainer is rebuilt") from e
         self.at_step = trainer.step_count
 
+    def state_bytes(self) -> int:
+        """Bytes of this replica's whole state (its tensors), as a checkpoint holds it."""
+        return sum(t.numel() * t.element_size() for t in flatten_state(self.trainer.state_dict())[0].values())
+
     def snapshot(self, control: StepControl, revision: int | None = None) -> Snapshot:
-        """Worker thread: the state at the round boundary of `control.step`, as a snapshot (taken as revision
+        """Worker thread: the entry state at the round boundary of `control.step`, as a snapshot (taken as revision
         `revision`, by default that step)."""
         state = self.trainer.snapshot(control)
         return Snapshot.of(state, control.step if revision is None else revision, copy=False)
@@ -94,6 +122,18 @@ class Replica:
     async def take(self, control: StepControl, revision: int | None = None) -> Snapshot:
         """`snapshot` in a worker thread."""
         return await trio.to_thread.run_sync(self.snapshot, control, revision)
+
+    async def take_whole(self, control: StepControl) -> Snapshot:
+        """This slot's whole state at `control.step` (its checkpoint, its stage's shards), not hashed yet (disk and
+        shards hash it off the step path), in a worker thread; it changes nothing of training."""
+        def whole() -> Snapshot:
+            return Snapshot.of(self.trainer.whole_state(control), control.step, copy=False, hashed=False)
+
+        return await trio.to_thread.run_sync(whole)
+
+    async def close(self, control: StepControl) -> None:
+        """Apply the synchronizer's round still in flight (the end of training), in a worker thread."""
+        await trio.to_thread.run_sync(self.trainer.close, control)
 
     async def step(self, control: StepControl, now: Callable[[], float]) -> StepResult:
         """Run `control`'s step in a worker thread; the step count and throughput follow it."""
@@ -106,3 +146,18 @@ class Replica:
     async def evaluate(self) -> None:
         trainer = self.trainer
         trainer.last_eval_loss = await trio.to_thread.run_sync(trainer.evaluate)
+        if trainer.last_eval_loss is not None:
+            self.eval_history.add(self.at_step, trainer.last_eval_loss)
+
+    def sample_history(self, loss: float | None) -> None:
+        """Add the loss a status publishes (None: none at this stage) and the last step's held-out loss to the
+        thinned histories."""
+        if loss is not None:
+            self.loss_history.add(self.at_step, loss)
+        if self.last is not None and self.last.eval_loss is not None:
+            self.eval_history.add(self.last.step, self.last.eval_loss)
+
+    def history_fields(self) -> dict[str, tuple[int, ...]]:
+        """The histories as the status record carries them (its history_* and eval_* fields)."""
+        return {**self.loss_history.fields("history_steps", "history_mloss", upto=self.at_step),
+                **self.eval_history.fields("eval_steps", "eval_mloss", upto=self.at_step)}

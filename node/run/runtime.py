@@ -16,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import trio
 
+from shoal.node.run.checkpoints import CheckpointWriter
 from shoal.node.run.config import RunConfig
 from shoal.node.run.consistency import Consistency
 from shoal.node.run.context import NodeServices
@@ -28,16 +30,22 @@ from shoal.node.run.entry import READY_POLL_S, Entry
 from shoal.node.run.find import fetch_manifest, find_table, serve_manifest
 from shoal.node.run.lanes import StageLinks
 from shoal.node.run.files import RunFiles
-from shoal.node.run.preflight import UnknownRun, check_inputs, data_source, preflight
+from shoal.node.run.preflight import NotTheOwner, check_inputs, data_source, preflight
 from shoal.node.run.pulls import StatePulls
+from shoal.node.run.recovery import StageRecovery
 from shoal.node.run.replica import Replica
 from shoal.node.run.resolve import RunFinder
+from shoal.node.run.shards import StageShards
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.node.run.status import Contribution, RunDetail
+from shoal.node.run.verified import Checks, VerifiedStage
+from shoal.node.run.verify import StageVerifier
 from shoal.node.run.votes import MIN_VOTERS
+from shoal.node.run.workload import make_placer
 from shoal.node.train.batch import StepBatch
 from shoal.node.train.control import StepControl
-from shoal.protocol.assignment import GONE, AssignmentTable
+from shoal.protocol.assignment import GONE, AssignmentTable, Rollback
+from shoal.protocol.lane import FWD, LinkHello
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.records import HardwareProfile, RunStatus
 from shoal.swarm.lane.hub import open_link_hub
@@ -46,7 +54,7 @@ from shoal.swarm.net.rpc import call
 from shoal.swarm.run.broker import AdmissionError, Broker
 from shoal.swarm.run.client import RunClient
 from shoal.swarm.run.collective import Collective
-from shoal.swarm.run.collective_gate import CollectiveGate
+from shoal.swarm.run.collective_gate import CollectiveGate, inbox_limits
 from shoal.swarm.run.group import Group
 from shoal.swarm.run.timeline import GroupTimeline
 from shoal.swarm.state.snapshot import Snapshot
@@ -56,6 +64,10 @@ log = logging.getLogger(__name__)
 
 START_POLL_S = 0.5  # a new run's first members re-check whether the group is full this often
 RECENT_SAMPLES = 64  # steps whose share this node keeps for its status file
+
+
+class ResumeError(RuntimeError):
+    """--resume names a folder without a checkpoint of every stage of the run."""
 
 
 class RunRuntime:
@@ -70,9 +82,10 @@ class RunRuntime:
         self.clock = services.clock
         self.replica = Replica(config, services.penalties)
         self.snapshots = SnapshotStore(every_steps=config.snapshot_every_steps)
-        self.pulls = StatePulls(services, config, self.snapshots)
+        self.pulls = StatePulls(services, config, self.snapshots,
+                                evicted=lambda: self.client.table.evicted if self.client and self.client.table else ())
         self.consistency = Consistency(services, config, self.replica, self.pulls, self.node_call,
-                                       run_id=lambda: self._manifest().run_id)
+                                       run_id=lambda: self._manifest().run_id, report=self._report_offenders)
         self.timeline = GroupTimeline(services.peer_id)
         self.entitled = Entitlement(lambda: self.client.table if self.client is not None else None, self.clock)
         self.finder = RunFinder(services.sh, services.directory, clock=self.clock,
@@ -84,8 +97,11 @@ class RunRuntime:
         self.broker: Broker | None = None
         self.collective: Collective | None = None
         self.links: StageLinks | None = None  # a pipeline stage's links to its lane neighbours (several stages)
+        self.verified: VerifiedStage | None = None  # a pipeline stage's part in verified stages (several stages)
         self.entry: Entry | None = None
         self.files: RunFiles | None = None  # the files the run names by hash (weights, tokenizer)
+        self.recovery: StageRecovery | None = None  # checkpoints, shards, rollbacks (node/run/recovery.py)
+        self._rolled = 0  # the count of the newest rollback this node applied
         self.error: str | None = None
         self.finished = trio.Event()
         self._start_deadline = 0.0
@@ -109,19 +125,25 @@ class RunRuntime:
         c, r = self.client, self.replica
         t, s, last = r.trainer, r.sync, r.last
         loss = last.loss if t is not None and last is not None else None  # None at a stage that is not the last
+        loss = loss if loss is not None and math.isfinite(loss) else None
+        if t is not None:  # the history is sampled as the status is taken (reading a loss waits for the GPU's step)
+            r.sample_history(loss)
         link_bytes = self.links.total_bytes() if self.links is not None else None
-        up = down = state_hash = None
+        up = down = ratio_now = state_hash = None
         if s is not None:
             hashes = self.consistency.hashes.hashes
             # the hash recorded with the step published (once done, the final state's)
             state_hash = hashes[max(hashes)] if r.state == "done" and hashes else hashes.get(r.at_step)
-            up, down = r.throughput.rates(self.clock(), s.bytes_sent, s.bytes_recv)
+            # the byte rates count the lane links' bytes too, and the ratio is over the same window on every node
+            link_sent, link_recv, link_fp32 = self.links.bytes() if self.links is not None else (0, 0, 0)
+            up, down, ratio_now = r.throughput.rates(self.clock(), s.bytes_sent + link_sent,
+                                                     s.bytes_recv + link_recv, s.fp32_bytes + link_fp32)
         return RunStatus(
             run_id=self.manifest.run_id, state=r.state,
             role=None if c is None else "broker" if c.is_broker() else c.role(),  # the broker may hold a slot too
             slot=None if c is None else c.slot_name(), warm_stage=None if c is None else c.backup_stage(),
             step=r.at_step if t is not None else None,
-            loss=loss if loss is not None and math.isfinite(loss) else None,
+            loss=loss,
             tokens_per_s=round(r.throughput.tokens_per_s(last.tokens_per_s), 1)
             if t is not None and last is not None else None,
             eval_loss=t.last_eval_loss if t is not None else None,
@@ -130,9 +152,18 @@ class RunRuntime:
             lane_links=self.links.statuses() if self.links is not None else None,
             bytes_sent=s.bytes_sent if s is not None else None, bytes_recv=s.bytes_recv if s is not None else None,
             up_bytes_per_s=up, down_bytes_per_s=down,
-            compression_ratio=round(s.compression_ratio, 2) if s is not None else None,
-            state_hash=state_hash or None, error=self.error[:200] if self.error else None,
-            samples_per_s=round(t.speed.rate(), 3) if t is not None else None, **self.contribution.fields())
+            compression_ratio=round(s.compression_ratio, 2) if s is not None else None, ratio_now=ratio_now,
+            state_hash=state_hash or None,
+            error="evicted from the run: most of its group rejected its updates" if c is not None and c.evicted()
+            else self.error[:200] if self.error else None,
+            samples_per_s=round(t.speed.rate(), 3) if t is not None else None, **self.contribution.fields(),
+            **(r.history_fields() if t is not None else {}), **self._recovery_status())
+
+    def _recovery_status(self) -> dict[str, Any]:
+        rec = self.recovery
+        if rec is None:
+            return {}
+        return {"shards": tuple(rec.shards.holdings()), "shards_placed": rec.shards.placed, "recovery": rec.notice}
 
     def detail(self) -> RunDetail:
         """What the node's status file adds about the run."""
@@ -143,13 +174,26 @@ class RunRuntime:
                          recent_samples=dict(sorted(self.step_samples.items())[-16:]),
                          warm_revision=self.warm.revision if self.warm is not None else None,
                          links=links.counters() if links is not None else {},
-                         recent_link_digests=links.recent_digests() if links is not None else {})
+                         recent_link_digests=links.recent_digests() if links is not None else {},
+                         verified=self._verified_detail())
+
+    def _verified_detail(self) -> dict[str, Any] | None:
+        """A verified run's stage: what it re-executed and found (None: not a verified run)."""
+        v = self.verified.verifier if self.verified is not None else None
+        if v is None or not v.enabled:
+            return None
+        return {"checked": v.stats.checked, "skipped": v.stats.skipped, "confirmations": v.stats.confirmations,
+                "findings": [[f.step, f.micro, f.lane, f.stage, f.suspect, f.why] for f in v.stats.findings[-16:]]}
 
     # -- groups by step ------------------------------------------------------------------------------------
     def _on_table(self, table: AssignmentTable) -> None:
         if self.timeline.add(table):
             for step in self.timeline.switch_steps(table):
                 self.snapshots.request(step)
+            if StageRecovery.rollback_due(table, self._rolled) is not None and self.links is not None:
+                # a step still waiting on a lane neighbour that is gone would hold the rollback up until its
+                # deadline: the links go now (the rollback reopens them), and the step is given up at once
+                self._nursery.start_soon(self.links.close)
             if table.provider_state(self.services.peer_id) == GONE and self.replica.at_step > 0:
                 self._abandon(self.group_at(self.replica.at_step))
 
@@ -167,13 +211,19 @@ class RunRuntime:
         return None if g is not None and g.epoch <= self._abandoned.get(g.stage, -1) else g
 
     def group_at(self, step: int) -> Group | None:
-        return self.timeline.group_at(step)
+        """The group of the trainer's stage at `step` (a node the newest table moves to another stage trains on in
+        its old stage until the switch step; docs/placement.md, "Moving an active node")."""
+        t = self.replica.trainer
+        return self.timeline.group_at(step, t.stage if t is not None else None)
 
     def switch_step(self, stage: int) -> int:
         """Where a group change can take effect: the furthest step anyone reports, plus ~switch_lead_s of steps
         (every stage of a run steps together, so the same bound serves each)."""
         m = self._manifest()
-        steps = self.entitled.progress(self.replica.at_step, m.run_id, self.services.statuses())  # members, clamped
+        r = self.replica
+        own_rate = r.throughput.tokens_per_s(r.last.tokens_per_s) \
+            if r.throughput is not None and r.last is not None else 0.0
+        steps = self.entitled.progress(r.at_step, m.run_id, self.services.statuses(), own_rate)  # members, clamped
         top = max(s for s, _ in steps)
         if top == 0:
             return 0  # nothing trained yet: the change can apply from the start
@@ -187,6 +237,13 @@ class RunRuntime:
         own = th.steps_per_s() if th is not None else 0.0
         rate = max(tps / per_step, own) if tps > 0 or own > 0 else 1.0
         return top + max(self.config.switch_lead_min_steps, math.ceil(self.config.switch_lead_s * rate))
+
+    def _lane_named(self, peer: str, hello: LinkHello) -> bool:
+        """Whether the tables this node follows (in force from the step before ours, or announced) name `peer` at
+        the dialing end of `hello`'s link and this node at the other (swarm/lane/hub.py asks, for every dial)."""
+        lower, upper = hello.boundary, hello.boundary + 1
+        dialer, mine = (lower, upper) if hello.direction == FWD else (upper, lower)
+        return self.timeline.names_on_lane(peer, dialer, hello.lane, mine, max(0, self.replica.at_step - 1))
 
     def _group_full(self) -> bool:
         t = self.timeline.latest
@@ -203,6 +260,16 @@ class RunRuntime:
             raise ValueError(f"snapshot_at refused: {refusal[0]}")
         self.snapshots.request(body)
         return {"ok": True, "step": self.replica.at_step}
+
+    def _may_hold(self, revision: int) -> bool:
+        """Whether this node may still come to hold `revision` by its own training: it is training (or waiting, with
+        its group below the run's minimum of lanes, to train on from where it stands) and not past it. Otherwise (it
+        passed it without keeping it; a backup, a restarted node, a node entering or re-fetching the group's state,
+        which would only echo what the others hold) its state server tells a puller it has no say about that
+        revision, so an entry never waits on a member that cannot answer (docs/architecture.md, "Entering a
+        group")."""
+        r = self.replica
+        return r.trainer is not None and r.state in ("training", "waiting") and r.at_step <= revision
 
     async def _build(self, stage: int, replica: int) -> None:
         assert self.collective is not None and self._token is not None and self.files is not None
@@ -222,13 +289,17 @@ class RunRuntime:
         table = self.timeline.table_at(r.at_step, t.stage)
         if self.links is not None:
             await self.links.connect(t, table, r.at_step)
-        batch = StepBatch.of(self._manifest(), t.replica, table.lane_shares() if table is not None else None,
-                             lanes=list(table.complete_lanes()) if table is not None else None)
+        batch = StepBatch.in_table(self._manifest(), t.replica, table)
         control = StepControl(step=r.at_step, group=group, batch=batch)
+        if self.recovery.wants(control.step):  # this slot's whole state: checkpoint, shards, hashed off this path
+            self.recovery.taken(await r.take_whole(control), t.stage, t.replica, self._nursery)
         if self.snapshots.wanted(control.step):
             self.snapshots.add(await r.take(control))
+        checks: Checks | None = await self.verified.before(control.step) if self.verified is not None else None
         t0 = self.clock()
         result = await r.step(control, self.clock)
+        if self.verified is not None:
+            self.verified.after(group, checks)
         self.contribution.add(result)
         self.step_samples[control.step] = result.samples  # this lane's share of the step (for the status file)
         self.step_samples.pop(control.step - RECENT_SAMPLES, None)
@@ -269,6 +340,13 @@ class RunRuntime:
                 sorted(control.missing), epoch=group.epoch, stage=group.stage, offenders=sorted(control.offenders),
                 neighbours=neighbours))
 
+    def _report_offenders(self, group: Group, offenders: list[str]) -> None:
+        """Tell the broker about members found lying in a hash vote (most members' reports evict)."""
+        client = self.client
+        if client is not None and self._nursery is not None:
+            self._nursery.start_soon(lambda: client.report_missing([], epoch=group.epoch, stage=group.stage,
+                                                                   offenders=offenders))
+
     async def _finish(self, limit: int) -> None:
         """The end of the run: apply the last round, then make sure this replica ends with the majority's state
         (a divergence in the last steps would otherwise outlive the run). The final state is revision limit + 1
@@ -277,13 +355,50 @@ class RunRuntime:
         r, final_rev = self.replica, limit + 1
         g = self.group_at(limit - 1)
         control = StepControl(step=r.at_step, group=g)
+        # the checkpoint of the end: the state as training would go on from it (a longer run's, bit for bit)
+        resumable = await r.take_whole(StepControl(step=r.at_step, group=g))
+        await r.close(control)  # the last round applied: the run's final state
         self.snapshots.add(await r.take(control, final_rev), exact=True)
         self.consistency.record(final_rev, r.sync.state_hash())
         if g is not None:
             self._report(control, g)
         if g is not None and g.size >= MIN_VOTERS:
+            refetches = self.consistency.refetches
             await self.consistency.settle_final(g, final_rev)
+            if self.consistency.refetches != refetches:  # the majority's final state replaced ours
+                resumable = await r.take_whole(StepControl(step=r.at_step, group=g))
+        await self.recovery.final(resumable, r.trainer.stage, r.trainer.replica)  # the run's end is always on disk
         await r.evaluate()
+
+    async def _roll_back(self, order: Rollback) -> None:
+        """The run goes back to `order.revision`: every trace of what came after it goes, and this slot's own state
+        at that revision is loaded (or, when this node holds none, it enters there from its stage group)."""
+        r, entry, rec = self.replica, self.entry, self.recovery
+        assert entry is not None and rec is not None
+        self._rolled, rev = order.count, order.revision
+        log.warning("rolling back to revision %d (%s): stage %d had lost every replica", rev, order.source,
+                    order.stage)
+        self.snapshots.forget_after(rev)
+        self.consistency.forget_after(rev)
+        rec.forget_after(rev)
+        entry.lane_broken_at = None
+        if self.links is not None:
+            await self.links.close()
+            self.links.drop_stores()  # AQ-SGD: every link of the run starts empty (first visits)
+        latest = self.timeline.latest
+        slot = latest.slot_of(self.services.peer_id) if latest is not None else None
+        snap = await rec.state_at(order, *slot) if slot is not None and r.slot == slot else None
+        if snap is None:
+            if slot is not None:
+                r.drop()  # enter at the revision with the stage group's state
+            return
+        snap = await trio.to_thread.run_sync(snap.hashed)  # served to joiners from here on
+        data = snap.skeleton.get("data") if isinstance(snap.skeleton, dict) else None
+        own = isinstance(data, dict) and data.get("replica") == slot[1]  # else another lane's (rebuilt) state
+        await r.load(snap, enter=not own)
+        self.snapshots.add(snap, exact=True)
+        entry.entries.append({"step": rev, "bytes_pulled": 0, "state_bytes": snap.nbytes, "seconds": 0.0,
+                              "source": f"rollback ({order.source})"})
 
     # -- the loop ------------------------------------------------------------------------------------------
     async def _train(self) -> None:
@@ -291,6 +406,10 @@ class RunRuntime:
         assert entry is not None
         limit = self.config.max_steps if self.config.max_steps is not None else m.optim.total_steps
         while True:
+            order = StageRecovery.rollback_due(self.timeline.latest, self._rolled)
+            if order is not None:
+                await self._roll_back(order)
+                continue
             t, step = r.trainer, r.at_step
             if t is not None and step >= limit:
                 await self._finish(limit)
@@ -303,6 +422,12 @@ class RunRuntime:
                 continue
             if entry.lane_broken_at is not None:
                 await entry.rejoin_lane(limit)
+                continue
+            slot = self.timeline.entry()
+            if t is not None and slot is not None and slot[0] == step and slot[1:] != r.slot and step < limit:
+                # moved at this switch step (a re-plan; at step 0 before training began): the new slot's trainer,
+                # with the new stage group's state at this step, as a promoted backup enters
+                await entry.enter(*slot)
                 continue
             g = self._group_to_train(step) if t is not None else None
             if g is not None and entry.left_behind(step):
@@ -323,7 +448,7 @@ class RunRuntime:
                 await entry.wait_for_table(READY_POLL_S)
                 continue
             if self.consistency.refetch_due(step):
-                await self.consistency.refetch(step)
+                await self.consistency.refetch(step, self.group_at(step))
             r.state = "training"
             await self._step(g)
             await self.consistency.check(self.group_at(r.at_step))
@@ -351,13 +476,13 @@ class RunRuntime:
                                                me=sv.peer_id, has_secret=bool(cfg.secret), on_wait=up,
                                                choose=sv.choose_run)
             if isinstance(found_run, str):
-                self.manifest = await fetch_manifest(sv, found_run, joined, timeout_s=cfg.client.rpc_timeout_s)
+                self.manifest = await fetch_manifest(sv, found_run, joined, cfg.client)
             else:
                 self.manifest, brokers = found_run.manifest, [found_run.advert.peer_id]
                 log.info("joining run %s (%s): %s", found_run.run_id[:16], found_run.name, self.finder.reason)
         elif self.manifest is None:
             assert cfg.run_id is not None
-            self.manifest = await fetch_manifest(sv, cfg.run_id, joined, timeout_s=cfg.client.rpc_timeout_s)
+            self.manifest = await fetch_manifest(sv, cfg.run_id, joined, cfg.client)
         m = self.manifest
         preflight(m, cfg)  # the device's memory (run/preflight.py)
         if m.join.mode == "secret" and not cfg.secret:  # to prove it, or as broker to check it
@@ -368,22 +493,46 @@ class RunRuntime:
         self.entitled.max_lead_steps = max(MAX_STEP_LEAD, 2 * sync.diloco.inner_steps
                                            if sync.method == "diloco" else 0)
         serve_manifest(sv, m)
-        ctx = sv.run_context(m, self.switch_step)
+        placer = None
+        if sv.links is not None:
+            if m.plan.placement == "network":  # measure links (probes, reports) for the broker's placer
+                sv.links.follow(lambda: self.client.table if self.client is not None else None)
+            placer = make_placer(m, sv.links.book, cfg.replan)
+        ctx = sv.run_context(m, self.switch_step, placer, step=lambda: self.replica.at_step)
+        lim = inbox_limits(m, cfg.round_timeout_s)
+        overlap = 1 + (sync.diloco.overlap_steps if sync.method == "diloco" else 0)  # a round runs on that long
         self.collective = Collective(sv.sh, sv.penalties,  # only members of known groups, under their tags
-                                     gate=CollectiveGate(m.run_id, lambda: self.timeline.tables))
+                                     gate=CollectiveGate(m.run_id, lambda: self.timeline.tables,
+                                                         step=lambda: max(0, self.replica.at_step - overlap)),
+                                     max_frame_bytes=lim.max_frame_bytes, max_wait_s=lim.max_wait_s,
+                                     max_peer_buffer_bytes=lim.max_peer_buffer_bytes,
+                                     max_buffer_bytes=lim.max_buffer_bytes)
         StateServer(sv.sh, lambda: self.snapshots.latest, penalties=sv.penalties, by_revision=self.snapshots.at,
+                    may_hold=self._may_hold,
                     allow=self.entitled.member)  # model state for the run's members and backups only
         sv.register("run.snapshot_at", self._rpc_snapshot_at)
+        self.recovery = self._recovery()
         self.files = RunFiles(sv, cfg, m, self.entitled)  # the run's weights and tokenizer, for peers that need them
         sv.register("run.hash_at", self.consistency.hashes.rpc_hash_at)
         plan = m.plan
         links = open_link_hub(sv.sh, sv.penalties, LinkConfig(), allow=self.entitled.member,
-                              plan=(m.run_id, plan.stages, plan.lanes_max)) \
+                              plan=(m.run_id, plan.stages, plan.lanes_max), named=self._lane_named) \
             if plan.stages > 1 else contextlib.nullcontext()  # a pipeline stage's links to its lane neighbours
         async with links as hub, trio.open_nursery() as nursery:
             self._nursery = nursery
             if hub is not None:
-                self.links = StageLinks(hub, self._token, m, sv.peer_id, cfg.aq_buffer_dir)
+                verifier = StageVerifier(
+                    me=sv.peer_id, run_id=m.run_id, fraction=plan.pipeline.verify_fraction,
+                    kind=plan.pipeline.wire_dtype, penalize=sv.penalties.penalize,
+                    weights_hash=lambda step: self.consistency.hashes.hashes.get(step),
+                    call=lambda p, method, b, max_response_bytes: call(
+                        sv.sh, p, method, b, max_response_bytes=max_response_bytes, timeout_s=cfg.client.rpc_timeout_s))
+                self.links = StageLinks(hub, self._token, m, sv.peer_id, cfg.aq_buffer_dir,
+                                        verifier.transcript if verifier.enabled else None)
+                self.verified = VerifiedStage(services=sv, verifier=verifier, replica=self.replica,
+                                              timeline=self.timeline, links=self.links, client=lambda: self.client,
+                                              call=self.node_call, spawn=nursery.start_soon,
+                                              member=self.entitled.member)
             # a node that restarted finds its run again from its peers (the table may name this node as broker); the
             # run's owner joining a swarm with its manifest starts the run there unless the swarm already has it
             owner = bool(m.signature) and m.owner == sv.peer_id
@@ -395,10 +544,13 @@ class RunRuntime:
             askable = joined + [b for b in brokers if b not in joined and b != sv.peer_id]
             found = await find_table(sv, m, askable, cfg.client, patient=patient) if askable else None
             if found is None and m.owner not in ("", sv.peer_id):
-                raise UnknownRun(f"nobody knows run {m.run_id[:16]}…, and only its owner "
-                                 f"{m.owner[:16]}… may start its broker")
+                raise NotTheOwner(f"nobody knows run {m.run_id[:16]}…, and only its owner "
+                                  f"{m.owner[:16]}… (the identity that signed it) may start its broker; "
+                                  f"this node is {sv.peer_id[:16]}…")
+            if self.recovery.checkpoints is not None:
+                await nursery.start(self.recovery.checkpoints.run)
             if found is None:  # nobody knows the run: the node started with the manifest hosts its broker
-                self.broker = Broker(ctx, cfg.broker, secret=cfg.secret)
+                self.broker = Broker(ctx, cfg.broker, secret=cfg.secret, resume=self._resume_plan())
                 await nursery.start(self.broker.run)
             client = self.client = RunClient(
                 ctx, self.hardware, broker_id=found[0].record.peer_id if found else sv.peer_id, secret=cfg.secret,
@@ -409,16 +561,47 @@ class RunRuntime:
             sv.ingest(client.on_record)
             self.entry = Entry(services=sv, config=cfg, run_id=m.run_id, replica=self.replica,
                                timeline=self.timeline, pulls=self.pulls, client=client, links=self.links,
-                               build=self._build, spawn=nursery.start_soon)
+                               build=self._build, spawn=nursery.start_soon, recovery=self.recovery,
+                               snapshots=self.snapshots, rolled=lambda: self._rolled)
             await nursery.start(client.run)
             if client.table is not None:
                 self._on_table(client.table)
             up()
-            nursery.start_soon(self.pulls.keep_warm, client)
+            nursery.start_soon(self.pulls.keep_warm, client, self.switch_step, self.consistency.ask_snapshot)
             await self._train()
 
-    async def leave(self) -> None:
-        if self.client is not None:
+    def _recovery(self) -> StageRecovery:
+        sv, cfg, m = self.services, self.config, self._manifest()
+        shards = StageShards(sv.sh, sv.key, m, sv.penalties, member=self.entitled.member,
+                             tables=lambda: self.timeline.tables, clock=self.clock)
+        root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        return StageRecovery(sv.peer_id, m, self.timeline, shards, statuses=lambda: list(sv.statuses()),
+                             checkpoints=CheckpointWriter(root, m, clock=self.clock) if root else None,
+                             checkpoint_root=root, resume_root=Path(cfg.resume_dir) if cfg.resume_dir else None)
+
+    def _resume_plan(self) -> tuple[int, dict[str, str]] | None:
+        """A node that starts the run's broker with --resume: the step its checkpoints go on from, and who sat
+        where then (ResumeError when the folder holds no checkpoint of every stage)."""
+        if self.config.resume_dir is None:
+            return None
+        m = self._manifest()
+        point = self.recovery.resume_plan()
+        if point is None:
+            raise ResumeError(f"{self.config.resume_dir} holds no checkpoint of every stage of run "
+                              f"{m.run_id[:16]}… to resume from")
+        log.warning("resuming run %s at step %d from %s (%s)", m.run_id[:16], point.step, self.config.resume_dir,
+                    "every slot checkpointed" if point.complete else
+                    f"slots {point.slots} checkpointed; the others enter from their stage")
+        return point.step, point.seating
+
+    async def leave(self, *, tell_broker: bool = True) -> None:
+        """Leave the run: a round in progress ends now (the trainer thread is not held to its deadline), and the
+        broker hears of it (it moves a backup into the slot at once) unless `tell_broker` is false."""
+        if self.collective is not None:
+            self.collective.close()
+        if self.links is not None:
+            self.links.halt()
+        if self.client is not None and tell_broker:
             with trio.move_on_after(self.config.leave_timeout_s):
                 try:
                     await self.client.leave()

@@ -40,6 +40,17 @@ class SnapshotStore:
             for old in sorted(self.exact)[:-self.keep]:
                 del self.exact[old]
 
+    def forget_after(self, revision: int) -> None:
+        """The run rolled back to `revision`: snapshots taken after it (and a warm copy from after it) are of a past
+        that is gone and must never be served."""
+        for r in [r for r in self.exact if r > revision]:
+            del self.exact[r]
+        self.requested = {r for r in self.requested if r <= revision}
+        if self.latest is not None and self.latest.revision > revision:
+            self.latest = None
+        if self.warm is not None and self.warm.revision > revision:
+            self.warm = None
+
     def at(self, revision: int) -> Snapshot | None:
         """The snapshot of exactly `revision`, if this node holds it."""
         if revision in self.exact:

@@ -44,6 +44,10 @@ class AllReduceSync(GroupSync):
                              control: StepControl) -> None:
         self.last_hash = hash_tensor(flat_params(model))
 
+    def enter(self, model: torch.nn.Module) -> None:
+        """The loaded parameters are the group's: they are what the next vote compares."""
+        self.last_hash = hash_tensor(flat_params(model))
+
     def state_dict(self) -> dict[str, Any]:
         return {"rounds": self.rounds}
 

@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,9 @@ BROADCAST_RMS_FLOOR = 1e-12  # an all-zero median admits broadcasts up to this R
 class SyncConfig:
     round_timeout_s: float = ROUND_TIMEOUT_S  # one exchange phase; a member not heard by then is skipped
     # for the rest of the epoch
+    # the first round of an epoch waits this many round timeouts more for members entering the group: they pull
+    # the group's state before they can take part (docs/architecture.md, "Entering a group")
+    entry_grace_rounds: float = 2.0
     # A contribution is compared, by RMS, with the larger of the group's (low) median and this replica's own:
     clip_factor: float = 4.0  # above this multiple it is scaled down to it (an honest spike; no penalty)
     reject_factor: float = 1000.0  # above this multiple it is rejected and its sender penalized
@@ -49,9 +53,9 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         if (self.round_timeout_s <= 0 or not 1 < self.clip_factor <= self.reject_factor
-                or self.broadcast_norm_factor <= 1):
+                or self.broadcast_norm_factor <= 1 or self.entry_grace_rounds < 0):
             raise ValueError("round_timeout_s must be positive, 1 < clip_factor <= reject_factor, "
-                             "broadcast_norm_factor > 1")
+                             "broadcast_norm_factor > 1, entry_grace_rounds >= 0")
 
 
 class Rejected(ProtocolError):
@@ -91,6 +95,14 @@ def decode_values(e: Encoded, codec: Codec | None) -> torch.Tensor:
     if not bool(torch.isfinite(x).all()):
         raise Rejected("non-finite values")
     return x
+
+
+def fresh_locals(state: dict[str, Any], sync: dict[str, Any]) -> dict[str, Any]:
+    """An entry state (Synchronizer.entry_state) for a synchronizer whose replicas keep local parameters: no model
+    (entering writes it from the synchronized state), an optimizer with no moments (its hyperparameters are the
+    run's), and `sync`, the synchronized part alone."""
+    groups = state["optimizer"]["param_groups"]
+    return {**state, "model": None, "optimizer": {"state": {}, "param_groups": groups}, "sync": sync}
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
@@ -162,11 +174,15 @@ class GroupSync(Synchronizer):
         self.fault: Fault | None = None
         self._epoch: tuple[str, int] | None = None
         self._skipped: set[str] = set()
+        self._entering: set[str] = set()  # members entering the group, waited for longer in this (first) round
         self._disagreements = Disagreements(config.robust)  # members' contributions, as this owner saw them
         self._owner_checks = Disagreements(config.robust)  # owners' broadcasts against this member's contributions
         self._distrusted: set[str] = set()  # reported by this owner's direction check: left out until the epoch ends
         self.robust_checked = 0  # other members' contributions put to the direction check (as an owner)
         self.robust_left_out = 0  # of those, left out of a round's mean
+        # members whose contributions this owner left out or clipped since the runtime last took them (per-lane
+        # statistics: a member opposed to the others' median is evidence against its lane, docs/verified-stages.md)
+        self.outliers: set[str] = set()
 
     def state_hash(self) -> str:
         return self.last_hash
@@ -174,12 +190,14 @@ class GroupSync(Synchronizer):
     # -- group and faults
     def group(self, control: StepControl) -> Group:
         """This round's group: the broker's (carried by the StepControl), unchanged within its epoch; skips reset
-        when the epoch changes."""
+        when the epoch changes, and the epoch's first round waits longer for the members entering it."""
         g = control.group
         if not isinstance(g, Group):
             raise RuntimeError(f"step {control.step} has no group to synchronize with")
+        self._entering = set()
         if self._epoch != (g.run_id, g.epoch):
             self._epoch, self._skipped, self._distrusted = (g.run_id, g.epoch), set(), set()
+            self._entering = set(g.entering) - {g.me}
         return g
 
     def live(self, g: Group) -> set[str]:
@@ -210,7 +228,8 @@ class GroupSync(Synchronizer):
         message) still arrives in time, so one failure costs every member one deadline and is seen by one member.
         `dense_numel`: the coordinates one message stands for, if not its own size (fp32-equivalent accounting)."""
         timeout = self.config.round_timeout_s
-        timeout_s = max(round_start + phase_no * timeout - self.clock(), MIN_PHASE_SHARE * timeout)
+        grace = self.config.entry_grace_rounds * timeout if expect & self._entering else 0.0
+        timeout_s = max(round_start + phase_no * timeout + grace - self.clock(), MIN_PHASE_SHARE * timeout)
         me = group.me
         wire: dict[str, bytes] = {}
         for p, e in sends.items():
@@ -253,8 +272,16 @@ class GroupSync(Synchronizer):
                 del out[p]
             elif v > self.config.clip_factor * ref:
                 log.info("update from %s clipped: RMS %.3g > %g x reference %.3g", p, v, self.config.clip_factor, ref)
+                self.outliers.add(p)
                 out[p] = out[p] * (self.config.clip_factor * ref / v)
         return out
+
+    def distrust(self, peer: str) -> None:
+        self._distrusted.add(peer)  # read by this replica's rounds (a set's add is atomic in the worker thread)
+
+    def take_outliers(self) -> set[str]:
+        taken, self.outliers = self.outliers, set()
+        return taken
 
     def robust_parts(self, group: Group, parts: dict[str, torch.Tensor],
                      report: RoundReport) -> dict[str, torch.Tensor]:
@@ -266,6 +293,7 @@ class GroupSync(Synchronizer):
         others = [m for m in v.cosines if m != group.me]
         self.robust_checked += len(others)
         self.robust_left_out += sum(m in v.left_out for m in others)
+        self.outliers.update(m for m in v.left_out if m != group.me)
         for m, c in v.left_out.items():
             log.info("update from %s left out of the mean: cosine %.3f with the members' median", m[-8:], c)
         r = self.config.robust

@@ -27,7 +27,7 @@ from shoal.kernels.cocktail import CocktailCompressor, CocktailConfig
 from shoal.kernels.topk import topk_count
 from shoal.node.sync.allreduce import wire_codec
 from shoal.node.sync.base import (GroupSync, RoundReport, chunk_bounds, decode_tensor, decode_values, flat_grads,
-                                  flat_params, weights_of, write_flat_grads, write_flat_params)
+                                  flat_params, fresh_locals, weights_of, write_flat_grads, write_flat_params)
 from shoal.node.train.control import StepControl
 from shoal.swarm.run.group import Group
 from shoal.swarm.state.snapshot import hash_tensor
@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 
 class CocktailSync(GroupSync):
     name = "cocktail"
-    group_state = ("/sync/g",)
 
     def __init__(self, *, cocktail: CocktailConfig = CocktailConfig(), warmup_steps: int = 0,
                  allreduce_dtype: str = "fp32", **kw: Any):
@@ -167,9 +166,16 @@ class CocktailSync(GroupSync):
             write_flat_params(model, self.g.float())
             self.e = torch.zeros_like(self.e) if self.e is not None else None
 
+    def entry_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """g alone: an entering replica's x is g and its server error zero (`enter`), its optimizer starts afresh
+        (another replica's moments follow that replica's own x)."""
+        return fresh_locals(state, {"g": state["sync"]["g"], "e": None, "pending_x": None})
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._wait()
         self.g, self.e = state.get("g"), state.get("e")
+        if self.e is None and self.g is not None:  # an entry state: no server error yet
+            self.e = torch.zeros_like(self.g, dtype=torch.float32)
         self.rounds = int(state.get("rounds", 0))
         self._ready_x = state.get("pending_x")
         if self.g is not None:

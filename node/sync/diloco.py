@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from shoal.kernels.codec import E3M0Codec, NoCompression
-from shoal.node.sync.base import GroupSync, RoundReport, flat_params, write_flat_params
+from shoal.node.sync.base import GroupSync, RoundReport, flat_params, fresh_locals, write_flat_params
 from shoal.node.train.control import StepControl
 from shoal.swarm.state.snapshot import hash_tensor
 
@@ -43,7 +43,6 @@ class _InFlight:
 
 class DilocoSync(GroupSync):
     name = "diloco"
-    group_state = ("/sync/theta", "/sync/momentum", "/sync/inflight")
 
     def __init__(self, *, inner_steps: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  fragments: int = 1, e3m0: bool = False, overlap_steps: int = 0, merge_alpha: float = 0.0, **kw: Any):
@@ -155,6 +154,11 @@ class DilocoSync(GroupSync):
         local progress twice in the next outer gradient)."""
         if self.theta is not None:
             write_flat_params(model, self.theta)
+
+    def entry_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The outer state alone: an entering replica's inner steps start from theta (`enter`) with a fresh inner
+        optimizer (another replica's moments follow that replica's own inner steps)."""
+        return fresh_locals(state, {k: state["sync"][k] for k in ("theta", "momentum", "inflight")})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.theta, self.momentum = state.get("theta"), state.get("momentum")

@@ -19,9 +19,6 @@ from shoal.node.train.control import StepControl
 
 class Synchronizer(ABC):
     name: ClassVar[str] = "?"
-    #: name prefixes (in the trainer's flattened state) of what must be bit-identical across the group: a replica
-    #: entering it pulls only these at the exact revision and takes the rest from its warm copy; None: everything
-    group_state: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self) -> None:
         self.bytes_sent = 0  # tensor-frame bytes sent to other members (read by the status, any thread)
@@ -44,6 +41,15 @@ class Synchronizer(ABC):
     def enter(self, model: torch.nn.Module) -> None:
         """After a replica loads the group's state to enter it: restart local state from the synchronized one."""
 
+    def distrust(self, peer: str) -> None:
+        """Leave `peer`'s updates out of what this replica aggregates until the group changes (other evidence shows
+        it poisons the group: a verified stage's re-execution, docs/verified-stages.md)."""
+
+    def take_outliers(self) -> set[str]:
+        """The members whose updates this replica left out or clipped since the last call (evidence against their
+        lanes, for verified stages)."""
+        return set()
+
     def state_hash(self) -> str:
         """Hash of the synchronized state after the last round, equal on every replica ("": none kept)."""
         return ""
@@ -58,6 +64,14 @@ class Synchronizer(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def entry_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` (a trainer's, this synchronizer's under "sync") as a replica entering the group at this revision
+        loads it: the same on every replica of the group, so that a strict majority's hash vouches for all of it.
+        What is a replica's own is left out or reset, never passed on: here the round counter; a synchronizer whose
+        replicas keep local parameters (CocktailSGD's x, DiLoCo's inner steps) also leaves out the model and the
+        optimizer's moments, which entering derives from the synchronized state (`enter`) or starts afresh."""
+        return {**state, "sync": {k: v for k, v in state["sync"].items() if k != "rounds"}}
 
 
 class NoSync(Synchronizer):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shoal.protocol.assignment import AssignmentTable
 from shoal.protocol.manifest import RunManifest
 from shoal.protocol.split import even_shares
 
@@ -56,6 +57,20 @@ class StepBatch:
             lanes = sorted(set(lanes if lanes is not None else range(manifest.plan.replicas)) | {lane})
             shares = even_shares(B, manifest.batch_granule, lanes)
         return cls(B, tuple(sorted(shares.items())), lane)
+
+    @classmethod
+    def in_table(cls, manifest: RunManifest, lane: int, table: AssignmentTable | None) -> StepBatch:
+        """Lane `lane`'s split under `table`: its shares over its complete lanes (None: the starting lanes, evenly)."""
+        if table is None:
+            return cls.of(manifest, lane)
+        return cls.of(manifest, lane, table.lane_shares(), lanes=list(table.complete_lanes()))
+
+
+def micro_loss(loss: torch.Tensor, share: int, size: int) -> torch.Tensor:
+    """A micro-batch's mean loss (`size` sequences) as its part of a lane's `share` of the step: divided by the
+    micro-batch count when the share is whole micro-batches of that size (as a full batch has it, bit for bit),
+    else weighted by size / share. The trainer and a re-execution of the micro-batch (verified stages) both use it."""
+    return loss / (share // size) if share % size == 0 else loss * (size / share)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

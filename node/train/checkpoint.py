@@ -8,6 +8,8 @@ import logging
 import os
 import re
 import struct
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +47,7 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any], *, keep_l
     torch.save(state, buf)
     payload = buf.getbuffer()
     path = checkpoint_path(d, step)
-    tmp = d / f".{path.name}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(_HEADER.pack(MAGIC, hashlib.sha256(payload).digest(), len(payload)))
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(d)
+    write_atomic(path, [_HEADER.pack(MAGIC, hashlib.sha256(payload).digest(), len(payload)), payload])
     for _, old in list_checkpoints(d)[:-keep_last]:
         old.unlink(missing_ok=True)
     log.info("checkpoint step %d written to %s (%.1f MB)", step, path, len(payload) / 1e6)
@@ -86,6 +81,25 @@ def load_latest(directory: Path) -> tuple[int, dict[str, Any]] | None:
         except CheckpointError as e:
             log.warning("skipping checkpoint: %s; trying the previous one", e)
     return None
+
+
+def write_atomic(path: Path, parts: Iterable[bytes | bytearray | memoryview]) -> int:
+    """Write `parts` to `path` so that it holds either all of them or what it held before: a temporary file beside
+    it, fsync, rename over it, fsync the directory. Returns the bytes written."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # writers may share a folder
+    n = 0
+    try:
+        with open(tmp, "wb") as f:
+            for part in parts:
+                n += f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    return n
 
 
 def _fsync_dir(d: Path) -> None:

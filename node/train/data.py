@@ -173,10 +173,11 @@ def load_corpus(source: str = "stdlib", heldout_every: int = 20, *, tokenizer: P
 
 
 def tokens_needed(manifest: RunManifest) -> int:
-    """The tokens a run can consume: every replica's samples over its steps, the held-out share on top, and a
-    block per held-out period of margin. A streamed source is read this far and no further."""
+    """The tokens a run can consume: the global batch's samples over its steps (however the lanes split them), the
+    held-out share on top, and a block per held-out period of margin. A streamed source is read this far and no
+    further."""
     b, n = manifest.batch, manifest.data.heldout_every
-    train = manifest.optim.total_steps * b.batch_size * manifest.plan.replicas * b.seq_len + b.seq_len + 1
+    train = manifest.optim.total_steps * manifest.global_batch * b.seq_len + b.seq_len + 1
     return train * n // (n - 1) + n * BLOCK_TOKENS
 
 

@@ -16,7 +16,7 @@ import torch
 from shoal.node.train.model import GPTConfig, build_stage, lm_loss
 from shoal.protocol.manifest import RunManifest, even_split
 
-__all__ = ["StageModel", "build_stage_model", "lm_loss", "stage_layers"]
+__all__ = ["StageModel", "build_stage_model", "lm_loss", "stage_layers", "trained_weights"]
 
 
 @runtime_checkable
@@ -55,3 +55,19 @@ def build_stage_model(manifest: RunManifest, stage: int, *, weights: Path | None
             raise ValueError(f"the run starts from weights {m.hf.weights[:16]}…, and none were given")
         model.load_weights(weights)
     return model
+
+
+def trained_weights(manifest: RunManifest, stage: int, state: dict) -> dict[str, torch.Tensor]:
+    """Stage `stage`'s weights from its checkpointed training state, with a synchronizer round that was still in
+    flight applied (a checkpoint carries it pending: CocktailSGD's `pending_x`, the stage's parameters after that
+    round, flat in the stage model's parameter order)."""
+    weights = dict(state["model"])
+    sync = state.get("sync")
+    pending = sync.get("pending_x") if isinstance(sync, dict) else None
+    if isinstance(pending, torch.Tensor):
+        names = [n for n, _ in build_stage_model(manifest, stage, initial=False).named_parameters()]
+        sizes = [weights[n].numel() for n in names]
+        if pending.numel() == sum(sizes):
+            for n, flat in zip(names, pending.reshape(-1).split(sizes)):
+                weights[n] = flat.reshape(weights[n].shape).to(weights[n].dtype)
+    return weights

@@ -27,7 +27,7 @@ import torch
 
 from shoal.node.sync.interface import NoSync, Synchronizer
 from shoal.node.train import checkpoint
-from shoal.node.train.batch import GlobalOrder, StepBatch
+from shoal.node.train.batch import GlobalOrder, StepBatch, micro_loss
 from shoal.node.train.control import StepControl, StepResult, StepStage
 from shoal.node.train.data import Corpus, Samples, heldout_batches, load_corpus
 from shoal.node.train.device import resolve_device
@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 2  # 2: the state names its stage
 READABLE_FORMATS = (1, 2)  # a format-1 checkpoint is of the whole model: stage 0 of one
 SPEED_STEPS = 16  # a lane's compute speed is the median over this many recent steps
+LOCAL_STATE = ("rng", "scaler", "last_eval_loss")  # a replica's own, never passed to one entering the group
+DEVICE_OPTIONS = ("fused", "foreach", "capturable", "differentiable")  # optimizer options of the device, not the run
 
 
 def lr_at(opt: OptimSpec, step: int) -> float:
@@ -189,7 +191,13 @@ class Trainer:
         self.boundary: Boundary = boundary if boundary is not None else SoloLane()
         self.device = resolve_device(device) if isinstance(device, str) else device
         self.sync = synchronizer or NoSync()
-        self.corpus = corpus or load_corpus(manifest.data.source, manifest.data.heldout_every)
+        src = manifest.data.source
+        if corpus is None and src != "stdlib" and not src.startswith("hf:"):
+            # a manifest may come from the network: its path names a file of this machine the owner chose. The
+            # caller that trusts it (its own manifest file, or a volunteer's --data) loads it and passes it in
+            raise ValueError(f"the manifest reads its data from a local path ({src!r}): pass the corpus in "
+                             f"(load_corpus(path)); a trainer never opens a path a manifest names by itself")
+        self.corpus = corpus or load_corpus(src, manifest.data.heldout_every)
         self.train_samples = Samples(self.corpus.train, b.seq_len)
         self.heldout_samples = Samples(self.corpus.heldout, b.seq_len)
         subset = manifest.data.train_subset  # the first N samples only (0: all): samples come back every epoch
@@ -225,6 +233,11 @@ class Trainer:
         self._wait_s = 0.0
         self._staged: tuple[int, StepBatch, list] | None = None  # (step, split, micro-batches on the device)
         self._pinned = PinnedRing() if self.device.type == "cuda" else None
+        # the process's RNGs (saved with the state, restored with it) start from the run's seed and the slot, so a
+        # run that stopped and resumed ends with the very state of one that did not stop
+        slot_seed = (manifest.seed * 1_000_003 + stage * 1009 + replica) % 2**63
+        torch.manual_seed(slot_seed)
+        random.seed(slot_seed)
 
     @property
     def tokens_per_step(self) -> int:
@@ -344,12 +357,62 @@ class Trainer:
     # -- the step
 
     def snapshot(self, control: StepControl) -> dict[str, Any]:
-        """The state at revision `control.step` (the round boundary before that step): the synchronizer's in-flight
-        round applied first, then a private copy of everything (training may go on while it is served)."""
+        """The entry state at revision `control.step` (the round boundary before that step), what the group serves
+        a replica entering it: the synchronizer's in-flight round applied first, then a private copy (training may
+        go on while it is served) of `entry_state`."""
         if control.step != self.step_count:
             raise ValueError(f"snapshot for step {control.step}, but the trainer is at step {self.step_count}")
         control.advance(StepStage.SNAPSHOT)
         self.sync.close(self.model, control)
+        return self.entry_state(copy_state(self.state_dict()))
+
+    def entry_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` as a replica entering the group loads it, the same on every replica at a revision (a strict
+        majority's hash vouches for all of it): this replica's own parts are left out (its RNG, its loss scaler,
+        its last eval loss, its data shard; the device-bound optimizer options), and the synchronizer's local parts
+        reset (Synchronizer.entry_state). `load_state_dict` keeps the loader's own for whatever is left out."""
+        out = {k: v for k, v in state.items() if k not in LOCAL_STATE}
+        out["data"] = {"position": state["data"]["position"]}  # the global stream's: the same on every replica
+        opt = state["optimizer"]
+        out["optimizer"] = {**opt, "param_groups": [{k: v for k, v in g.items() if k not in DEVICE_OPTIONS}
+                                                    for g in opt["param_groups"]]}
+        return self.sync.entry_state(out)
+
+    def check_entry(self, state: dict[str, Any], revision: int) -> None:
+        """Whether `state` (from the network, its hash agreed) fits this trainer at step `revision` (a revision's
+        step; the run's final state, revision N + 1, is at step N), before anything of it is loaded: CheckpointError
+        says why not (the state is not loaded, nothing of this trainer changes)."""
+        def bad(why: str):
+            return checkpoint.CheckpointError(f"entry state: {why}")
+        try:
+            if state.get("format") not in READABLE_FORMATS or state.get("run_id") != self.manifest.run_id \
+                    or state.get("stage", 0) != self.stage:
+                raise bad("another format, run or stage")
+            if state.get("step") != revision or state.get("scheduler", {}).get("step") != revision:
+                raise bad(f"its step is not {revision}")
+            if not isinstance(state["data"]["position"], int):
+                raise bad("no data position")
+            model = state.get("model")
+            if model is not None:
+                own = self.model.state_dict()
+                if set(model) != set(own) or any(not isinstance(model[k], torch.Tensor) or model[k].shape != v.shape
+                                                 or model[k].dtype != v.dtype for k, v in own.items()):
+                    raise bad("its model's tensors are not this stage's")
+            groups = state["optimizer"]["param_groups"]
+            if len(groups) != len(self.optimizer.param_groups):
+                raise bad("its optimizer has other parameter groups")
+        except (KeyError, TypeError, AttributeError) as e:
+            raise bad(f"malformed ({type(e).__name__}: {e})") from None
+
+    def whole_state(self, control: StepControl) -> dict[str, Any]:
+        """The whole state at revision `control.step`, for this slot's checkpoint and its stage's shards: everything
+        of this replica (its RNG, its data position, the synchronizer's state with a round still in flight carried
+        pending, not applied), a private copy. Taking it never changes what training computes, so a run that
+        checkpoints at any steps trains exactly as one that does not, and a checkpoint resumes exactly where it was
+        taken (docs/checkpoints.md)."""
+        if control.step != self.step_count:
+            raise ValueError(f"snapshot for step {control.step}, but the trainer is at step {self.step_count}")
+        control.advance(StepStage.SNAPSHOT)
         return copy_state(self.state_dict())
 
     def close(self, control: StepControl | None = None) -> None:
@@ -523,14 +586,16 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": {"step": self.step_count},
             "scaler": self.scaler.state_dict() if self.scaler else {},
-            # where the data stream is: the step says it (step x global batch), kept for readers of the checkpoint
-            "data": {"position": self.step_count * self.manifest.global_batch},
+            # where the data stream is: the step says it (step x global batch), kept for readers of the checkpoint;
+            # and whose lane this state is (a rollback tells its own state from another lane's rebuilt one)
+            "data": {"position": self.step_count * self.manifest.global_batch, "replica": self.replica},
             "rng": rng,
             "sync": self.sync.state_dict(),
             "last_eval_loss": self.last_eval_loss,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint, or an entry state (`entry_state`: the parts it leaves out stay this trainer's own)."""
         if state.get("format") not in READABLE_FORMATS:
             raise checkpoint.CheckpointError(f"checkpoint format {state.get('format')!r}, this version reads "
                                              f"{', '.join(map(str, READABLE_FORMATS))}")
@@ -538,17 +603,23 @@ class Trainer:
             raise checkpoint.CheckpointError(f"checkpoint belongs to run {state['run_id'][:16]}, not {self.manifest.run_id[:16]}")
         if state.get("stage", 0) != self.stage:
             raise checkpoint.CheckpointError(f"checkpoint of stage {state.get('stage')}, this trainer is stage {self.stage}")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler and state["scaler"]:
+        if state["model"] is not None:
+            self.model.load_state_dict(state["model"])
+        own = self.optimizer.param_groups  # this device's options (fused, foreach...) where the state has none
+        opt = state["optimizer"]
+        self.optimizer.load_state_dict({**opt, "param_groups": [
+            {**{k: v for k, v in g.items() if k != "params"}, **ng} for g, ng in zip(own, opt["param_groups"])]})
+        if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step_count = state["step"]  # the data stream's position follows from it
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        if "cuda" in state["rng"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        if "rng" in state:
+            torch.set_rng_state(state["rng"]["torch"])
+            random.setstate(state["rng"]["python"])
+            if "cuda" in state["rng"] and self.device.type == "cuda":
+                torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
         self.sync.load_state_dict(state["sync"])
-        self.last_eval_loss = state.get("last_eval_loss")
+        if "last_eval_loss" in state:
+            self.last_eval_loss = state["last_eval_loss"]
 
     def save(self, directory: Path) -> Path:
         return checkpoint.save_checkpoint(
@@ -579,8 +650,7 @@ class _StagePass:
         t, m = self.trainer, self.offset + micro
         inp, out = t._forward(self.step, m, self.batches[m] if self.batches else None, t.train_samples, TRAIN)
         if t.is_last:  # n / size is the micro-batch count when all are equal: out / M, as a full batch has it
-            n, size = self.samples, self.sizes[m]
-            out = out / (n // size) if n % size == 0 else out * (size / n)
+            out = micro_loss(out, self.samples, self.sizes[m])
             self.loss_sum += out.detach()
         return inp, out
 

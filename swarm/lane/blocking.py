@@ -34,6 +34,7 @@ class BlockingLinkEnd:
 
     def send_act(self, step, micro, ids, acts_BTD, *, phase=TRAIN):
         out = encode_acts(self.end.spec, self.end.aq_out, step, micro, ids, acts_BTD, phase)
+        self.end.seal(FWD, step, micro, out, acts_BTD, phase=phase)  # a verified run's: signed here too
         self._run(self.end.post_act, step, micro, out, phase=phase)
 
     def recv_act(self, step, micro, *, phase=TRAIN):
@@ -45,18 +46,26 @@ class BlockingLinkEnd:
             except ProtocolError as e:
                 raise self._run(end.refuse, FWD, str(e), step) from None
             if isinstance(got, tuple):
+                why = end.unseal(FWD, rec, got[1])
+                if why is not None:
+                    raise self._run(end.refuse, FWD, why, step)
                 return got
             self._run(end.nack, rec, got)
 
     def send_grad(self, step, micro, grad_BTD):
-        self._run(self.end.post_grad, step, micro, encode_grads(self.end.spec, grad_BTD))
+        out = self.end.seal(BWD, step, micro, encode_grads(self.end.spec, grad_BTD), grad_BTD)
+        self._run(self.end.post_grad, step, micro, out)
 
     def recv_grad(self, step, micro):
-        frame = self._run(self.end.take_grad, step, micro)
+        rec, frame = self._run(self.end.take_grad, step, micro)
         try:
-            return decode_grads(self.end.spec, frame)
+            g = decode_grads(self.end.spec, frame)
         except ProtocolError as e:
             raise self._run(self.end.refuse, BWD, str(e), step) from None
+        why = self.end.unseal(BWD, rec, g)
+        if why is not None:
+            raise self._run(self.end.refuse, BWD, why, step)
+        return g
 
     def exchange_norms(self, step, norms, finite):
         return self._run(self.end.exchange_norms, step, norms, finite)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -11,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 import trio
 
+from shoal.kernels.codec import wire_roundtrip
 from shoal.protocol.errors import DecodeError, ProtocolError, TooLargeError
 from shoal.protocol.frames import MAX_HEADER_BYTES
 from shoal.protocol.records import LinkStatus, checkpoint_steps
@@ -18,10 +20,12 @@ from shoal.protocol.lane import (AQ, BWD, FWD, LANE_PROTOCOL, MAX_RECORD_BYTES, 
                                  Grad, LaneMessage, LaneNorm, LinkHello, Nack, Refuse, StepMessage, decode_data,
                                  decode_message, decode_one, encode_message, payload_nbytes)
 from shoal.swarm.net.framing import close_quietly, read_exactly, read_frame
+from shoal.swarm.net.linkmeter import DOWN, UP
 from shoal.swarm.lane.aq_codec import group_nbytes
 from shoal.swarm.lane.aq_handover import AQStores, StoreKey
 from shoal.swarm.lane.aq_link import AQReceiver, AQSender, link_status, store_config
 from shoal.swarm.lane.payload import Outgoing, decode_acts, decode_grads, encode_acts, encode_grads, resend_encoding
+from shoal.swarm.lane.signing import SignatureRing, sign_tensor, tensor_signed_by
 from shoal.swarm.lane.spec import (LEN, MAX_CONTROL_BYTES, LaneSpec, LinkConfig, LinkCounters, LinkError, Violation,
                                    aq_groups, check_record, reset_quietly)
 from shoal.swarm.net.host import SwarmHost
@@ -74,6 +78,7 @@ class LinkEnd:
         self.step: int | None = None  # the newest step a call was made for
         self._changed = trio.Event()
         self._aborted: dict[tuple[int, str], LinkError] = {}  # (step, phase) given up, by us or a neighbour
+        self._halted: LinkError | None = None  # this node is leaving: every wait fails with it
         s, prev, nxt = spec.stage, spec.prev_peer, spec.next_peer
         self.act_in = _Link(s - 1, FWD, prev, False) if prev else None
         self.grad_out = _Link(s - 1, BWD, prev, True) if prev else None
@@ -88,6 +93,7 @@ class LinkEnd:
         self.recent: dict[tuple[str, str], deque[tuple[int, str]]] = {}
         self.checks: dict[tuple[str, str], dict[int, str]] = {}  # (link, side) -> digests at checkpoint steps
         self._fresh: list[tuple[StoreKey, Any, str]] = []  # stores new here: pulled from the other end (adopt)
+        self.sigs = SignatureRing()  # a verified run's signatures of the last steps' tensors (evidence)
         if spec.aq is not None:
             for boundary, side, peer in ((s, "sender", nxt), (s - 1, "receiver", prev)):
                 if peer is None:
@@ -102,6 +108,45 @@ class LinkEnd:
                     self.aq_out = AQSender(spec.aq, store)
                 else:
                     self.aq_in = AQReceiver(spec.aq, store)
+
+    # -- a verified run's signatures (swarm/lane/signing.py): made and checked in the caller's thread, as the coding
+    # is (reading only the spec and the links' fixed ends; the ring takes its own lock)
+
+    def _where(self, link: _Link, step: int, micro: int, ids) -> dict[str, Any]:
+        return dict(run=self.spec.run_id, lane=self.spec.lane, boundary=link.boundary, direction=link.direction,
+                    step=step, micro=micro, ids=tuple(ids))
+
+    def seal(self, direction: str, step: int, micro: int, out: Outgoing, x: torch.Tensor, *,
+             phase: str = TRAIN) -> Outgoing:
+        """`out` (the encoding of `x`, activations for FWD or gradients for BWD) signed by this stage, a verified
+        run's training tensors only: the signature covers what the receiver decodes, and is evidence against us."""
+        if not self.spec.signed or phase != TRAIN:
+            return out
+        link = _need(self.act_out if direction == FWD else self.grad_out, f"no outbound {direction} link here")
+        ids = out.ids if direction == FWD else ()
+        decoded = wire_roundtrip(out.kind, x)
+        assert decoded is not None  # a signed spec has a dense wire (LaneSpec checks it)
+        out.sig = sign_tensor(self.services.sh.key, decoded, **self._where(link, step, micro, ids))
+        self.sigs.put("act_out" if direction == FWD else "grad_out", step, micro, out.sig)
+        return out
+
+    def unseal(self, direction: str, rec: Act | Grad, x: torch.Tensor) -> str | None:
+        """A verified run's training tensor must carry its sender's signature of what was decoded here (`x`): None
+        when it does (kept as evidence), else why not (the caller refuses it: penalized, the step aborted)."""
+        if not self.spec.signed or (isinstance(rec, Act) and rec.phase != TRAIN):
+            return None
+        link = _need(self.act_in if direction == FWD else self.grad_in, f"no inbound {direction} link here")
+        what = "act_in" if direction == FWD else "grad_in"
+        ids = rec.ids if isinstance(rec, Act) else ()
+        if not rec.sig or not tensor_signed_by(link.peer, rec.sig, x, **self._where(link, rec.step, rec.micro, ids)):
+            return f"{what} of step {rec.step} #{rec.micro} without a valid signature"
+        self.sigs.put(what, rec.step, rec.micro, rec.sig)
+        return None
+
+    def signatures(self, step: int, micro: int) -> dict[str, bytes]:
+        """The signatures this end holds for a training micro-batch (a verified run): of what it sent (act_out,
+        grad_out, its own) and of what it received (act_in, grad_in, its neighbours')."""
+        return self.sigs.of(step, micro)
 
     def counters(self) -> dict[str, dict[str, Any]]:
         """Per link ("b0/fwd"...): the neighbour and what was sent and received on it, for status and benchmarks."""
@@ -154,6 +199,7 @@ class LinkEnd:
                        phase: str = TRAIN) -> None:
         _need(self.act_out, "the last stage sends no activations")
         out = await trio.to_thread.run_sync(encode_acts, self.spec, self.aq_out, step, micro, ids, acts_BTD, phase)
+        out = await trio.to_thread.run_sync(functools.partial(self.seal, FWD, step, micro, out, acts_BTD, phase=phase))
         await self.post_act(step, micro, out, phase=phase)
 
     async def post_act(self, step: int, micro: int, out: Outgoing, *, phase: str = TRAIN) -> None:
@@ -164,7 +210,7 @@ class LinkEnd:
             rec = _need(self.aq_out, "activations encoded by AQ-SGD").record(step, micro, out.ids, out.acts,
                                                                               out.encoding)
         else:
-            rec = Act(step=step, micro=micro, kind=out.kind, ids=tuple(out.ids), phase=phase)
+            rec = Act(step=step, micro=micro, kind=out.kind, ids=tuple(out.ids), phase=phase, sig=out.sig)
         await self._send(link, rec, step, phase, headers=out.headers, frames=out.frames)
 
     async def recv_act(self, step: int, micro: int, *, phase: str = TRAIN) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,6 +221,9 @@ class LinkEnd:
             except ProtocolError as e:
                 raise await self.refuse(FWD, str(e), step) from None
             if isinstance(got, tuple):
+                why = await trio.to_thread.run_sync(self.unseal, FWD, rec, got[1])
+                if why is not None:
+                    raise await self.refuse(FWD, why, step)
                 return got
             await self.nack(rec, got)
 
@@ -206,32 +255,37 @@ class LinkEnd:
 
     async def send_grad(self, step: int, micro: int, grad_BTD: torch.Tensor) -> None:
         _need(self.grad_out, "the first stage sends no gradients")
-        await self.post_grad(step, micro, await trio.to_thread.run_sync(encode_grads, self.spec, grad_BTD))
+        out = await trio.to_thread.run_sync(encode_grads, self.spec, grad_BTD)
+        await self.post_grad(step, micro, await trio.to_thread.run_sync(self.seal, BWD, step, micro, out, grad_BTD))
 
     async def post_grad(self, step: int, micro: int, out: Outgoing) -> None:
         """Send the encoded gradient of one micro-batch's activations (`payload.encode_grads`); with AQ-SGD it is the
         ACK of the micro-batch's rows."""
         link = _need(self.grad_out, "the first stage sends no gradients")
         await self._enter(step)
-        await self._send(link, Grad(step=step, micro=micro, ack=self.spec.kind == AQ), step, TRAIN,
+        await self._send(link, Grad(step=step, micro=micro, ack=self.spec.kind == AQ, sig=out.sig), step, TRAIN,
                          headers=out.headers, frames=out.frames)
 
     async def recv_grad(self, step: int, micro: int) -> torch.Tensor:
-        frame = await self.take_grad(step, micro)
+        rec, frame = await self.take_grad(step, micro)
         try:
-            return await trio.to_thread.run_sync(decode_grads, self.spec, frame)
+            g = await trio.to_thread.run_sync(decode_grads, self.spec, frame)
         except ProtocolError as e:
             raise await self.refuse(BWD, str(e), step) from None
+        why = await trio.to_thread.run_sync(self.unseal, BWD, rec, g)
+        if why is not None:
+            raise await self.refuse(BWD, why, step)
+        return g
 
-    async def take_grad(self, step: int, micro: int) -> bytes:
-        """The raw tensor frame of one micro-batch's gradient, as it arrived (decode it with
+    async def take_grad(self, step: int, micro: int) -> tuple[Grad, bytes]:
+        """The record and raw tensor frame of one micro-batch's gradient, as they arrived (decode it with
         `payload.decode_grads`). Its arrival is the ACK: the micro-batch's rows become this end's store."""
         link = _need(self.grad_in, "the last stage receives no gradients")
         await self._enter(step)
         rec, frame = await self._take(link, ("grad", step, micro, TRAIN), step, TRAIN, f"gradients {micro}")
         if isinstance(rec, Grad) and rec.ack and self.aq_out is not None:
             self.aq_out.commit(step, micro)
-        return frame
+        return rec, frame
 
     async def exchange_norms(self, step: int, norms: Sequence[float], finite: bool) -> list[tuple[list[float], bool]]:
         """Send this stage's norms both ways, relay what arrives from one side to the other, return all stages'."""
@@ -285,6 +339,12 @@ class LinkEnd:
                     except Exception as e:  # noqa: BLE001 - best effort: the neighbour times out instead
                         log.debug("abort of step %d to %s not sent: %s", step, link.peer, e)
 
+    def halt(self, why: str) -> None:
+        """This node is leaving: every wait of this end, in progress or to come, fails now (LinkError ABORTED), so a
+        trainer thread waiting on a neighbour that is leaving too is free at once, not at the link's deadline."""
+        self._halted = LinkError(LinkError.ABORTED, why)
+        self._wake()
+
     async def aclose(self) -> None:
         self.services.forget(self)
         for link in self.links:
@@ -327,6 +387,8 @@ class LinkEnd:
                     await self._reject(link, f"message for step {far[0][1]} while the lane is at step {step}", step)
 
     def _check(self, step: int, phase: str, links: list[_Link]) -> None:
+        if self._halted is not None:
+            raise self._halted
         if (step, phase) in self._aborted:
             raise self._aborted[step, phase]
         for link in links:
@@ -362,20 +424,26 @@ class LinkEnd:
 
     # -- sending --------------------------------------------------------------------------------------------
 
-    async def _open(self, link: _Link) -> None:
-        """Dial the neighbour, say hello, get the first credit; retried while it refuses, until the dial deadline."""
+    async def _open(self, link: _Link, step: int | None = None, phase: str = TRAIN) -> None:
+        """Dial the neighbour, say hello, get the first credit. Each dial must be answered within dial_timeout_s;
+        a neighbour that answers with a refusal (its end is not open yet: it is still entering its slot) is dialed
+        again, at growing intervals, until open_timeout_s has passed, unless this end halts or `step` is given up
+        meanwhile (by a neighbour, or by this node) first."""
         if link.stream is not None:
             return
         if self.services.penalties.is_banned(link.peer):
             raise LinkError(LinkError.DIAL, "the neighbour is banned", link.peer)
         hello = LinkHello(run=self.spec.run_id, boundary=link.boundary, lane=self.spec.lane,
                           direction=link.direction, peers=(self.me, link.peer))
-        deadline = trio.current_time() + self.config.dial_timeout_s
+        cfg = self.config
+        patience = max(cfg.dial_timeout_s, cfg.open_timeout_s)
+        give_up = trio.current_time() + patience
+        interval = cfg.retry_interval_s
         refused = ""
         while True:
             stream = None
             try:
-                with trio.fail_at(deadline):
+                with trio.fail_after(cfg.dial_timeout_s):
                     stream = await self.services.sh.open_stream(link.peer, LANE_PROTOCOL)
                     body = encode_message(hello)
                     await stream.write(LEN.pack(len(body)) + body)
@@ -400,9 +468,15 @@ class LinkEnd:
                 return
             await close_quietly(stream)
             refused = reply.reason if isinstance(reply, Refuse) else ""
-            if trio.current_time() + self.config.retry_interval_s >= deadline:
-                raise LinkError(LinkError.DIAL, f"refused: {refused}", link.peer)
-            await trio.sleep(self.config.retry_interval_s)
+            if self._halted is not None:
+                raise self._halted
+            if step is not None:
+                self._check(step, phase, [])
+            now = trio.current_time()
+            if now >= give_up:
+                raise LinkError(LinkError.DIAL, f"refused for {patience:g} s: {refused}", link.peer)
+            await trio.sleep(min(interval, give_up - now))
+            interval = min(2 * interval, cfg.max_retry_interval_s)
 
     async def _read_credits(self, link: _Link, stream) -> None:
         try:
@@ -423,7 +497,7 @@ class LinkEnd:
 
     async def _send(self, link: _Link, rec: LaneMessage, step: int, phase: str, *, headers: Sequence[Any] = (),
                     frames: Sequence[bytes] = ()) -> None:
-        await self._open(link)
+        await self._open(link, step, phase)
         await self._wait(f"credit on {link.name}", step, phase, [link], lambda: link.credits > 0 or None,
                          self.config.send_timeout_s)
         link.credits -= 1
@@ -432,6 +506,7 @@ class LinkEnd:
         link.sent.messages += 1
         link.sent.wire_bytes += sum(4 + len(p) for p in parts)
         link.sent.payload_bytes += sum(h.nbytes for h in headers)
+        link.sent.fp32_bytes += sum(4 * h.numel for h in headers)
 
     async def _resend(self, rec: Nack, pending) -> None:
         """Answer a NACK: the micro-batch again, the NACKed rows as first visits (a task of the hub's nursery)."""
@@ -452,7 +527,8 @@ class LinkEnd:
         try:
             with trio.fail_after(self.config.send_timeout_s):
                 async with link.write_lock:
-                    await stream.write(data)
+                    with self.services.sh.links.timing(link.peer, UP, len(data)):
+                        await stream.write(data)
         except trio.TooSlowError:
             await self._lost(link, f"write not done within {self.config.send_timeout_s:g} s")
             raise LinkError(LinkError.DEADLINE, f"write on {link.name} not done within "
@@ -497,13 +573,15 @@ class LinkEnd:
                     kind = check_record(self.spec, link.direction, rec)
                     # tensor frames stay bytes (the consumer decodes them); an Act's are a list (AQ-SGD: two)
                     frames: list[bytes | None] | bytes | None = None
-                    wire, payload = 4 + n, 0
+                    wire, payload, fp32 = 4 + n, 0, 0  # fp32: the same values at 4 bytes each (shapes are checked)
                     if rec.TYPE in TENSOR_TYPES and kind != AQ:
                         assert kind is not None  # a tensor message's kind
                         expected = payload_nbytes(kind, *self.spec.shape)
-                        buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
+                        with self.services.sh.links.timing(link.peer, DOWN, expected):
+                            buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
                         frames = [buf] if isinstance(rec, Act) else buf
                         wire, payload = wire + 4 + len(buf), expected
+                        fp32 = 4 * self.spec.shape[0] * self.spec.shape[1] * self.spec.shape[2]
                     elif rec.TYPE in TENSOR_TYPES:
                         groups: list[bytes | None] = []
                         for rows, bits in aq_groups(self.spec, rec):
@@ -511,9 +589,11 @@ class LinkEnd:
                                 groups.append(None)
                                 continue
                             expected = group_nbytes(rows, self.spec.seq_len, self.spec.d_model, bits)
-                            buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
+                            with self.services.sh.links.timing(link.peer, DOWN, expected):
+                                buf = await read_frame(stream, 8 + MAX_HEADER_BYTES + expected)
                             groups.append(buf)
                             wire, payload = wire + 4 + len(buf), payload + expected
+                            fp32 += 4 * rows * self.spec.seq_len * self.spec.d_model
                         frames = groups if isinstance(rec, Act) else groups[0]
             except (ProtocolError, trio.TooSlowError) as e:
                 if link.stream is stream:
@@ -533,6 +613,7 @@ class LinkEnd:
             link.recv.messages += 1
             link.recv.wire_bytes += wire
             link.recv.payload_bytes += payload
+            link.recv.fp32_bytes += fp32
             try:
                 await self._admit(link, rec, frames)
             except Violation as e:

@@ -25,12 +25,14 @@ from shoal.protocol.errors import ProtocolError
 from shoal.protocol.lane import LANE_PROTOCOL, MAX_RECORD_BYTES, LinkHello, Refuse, decode_one, encode_message
 from shoal.swarm.net.framing import close_quietly, read_frame
 from shoal.swarm.net.host import SwarmHost
-from shoal.swarm.net.penalty import Penalties
+from shoal.swarm.net.penalty import Allowance, Penalties
 from shoal.swarm.lane.aq_handover import AQStores
 from shoal.swarm.lane.end import LinkEnd, LinkServices, _Link
 from shoal.swarm.lane.spec import LEN, LaneSpec, LinkConfig, reset_quietly
 
 log = logging.getLogger(__name__)
+EARLY_FREE = 50  # dials of a provider not named by any table here refused unpunished within EARLY_WINDOW_S (a
+EARLY_WINDOW_S = 60.0  # replacement retries at doubling intervals up to 1 s for open_timeout_s: about 33 in 30 s)
 
 
 class LinkHub:
@@ -38,9 +40,15 @@ class LinkHub:
     Create with `open_link_hub` (its nursery runs the outbound links' credit readers)."""
 
     def __init__(self, sh: SwarmHost, penalties: Penalties, config: LinkConfig, nursery: trio.Nursery,
-                 plan: tuple[str, int, int] | None = None, allow: Callable[[str], bool] | None = None):
+                 plan: tuple[str, int, int] | None = None, allow: Callable[[str], bool] | None = None,
+                 named: Callable[[str, LinkHello], bool] | None = None):
         self.sh, self.penalties, self.config, self.nursery = sh, penalties, config, nursery
         self.plan = plan  # (run id, stages, lanes) this node trains, known before any end is open
+        # whether a table this node follows (in force, or announced for a later step) names the dialer at its end
+        # of the hello's link, and this node at the other; None: whoever the hello names
+        self.named = named
+        self.allow = allow  # the run's providers: one not named (yet) is refused unpunished a few times
+        self._early = Allowance(EARLY_FREE, EARLY_WINDOW_S)
         self._inbound: dict[tuple[str, int, int, str], tuple[LinkEnd, _Link]] = {}
         self._ends: list[LinkEnd] = []
         self.refused = 0  # honest dials refused because their link was not open here (yet): the dialer retries
@@ -97,6 +105,19 @@ class LinkHub:
         found = self._inbound.get((hello.run, hello.boundary, hello.lane, hello.direction))
         plausible = self._plausible(hello)
         honest = plausible and hello.peers == (peer, self.sh.peer_id)
+        if honest and self.named is not None and not self.named(peer, hello):
+            # no table this node follows puts the dialer there: a provider of the run may be named by a table on
+            # its way here (refused unpunished a few times, then an offence); anyone else is reset and penalized
+            why = "no table of the run names it at that end of the link"
+            if self.allow is not None and self.allow(peer) and self._early.take(peer):
+                log.info("lane link b%d/%s lane %d from %s refused: %s (yet)", hello.boundary, hello.direction,
+                         hello.lane, peer, why)
+                await _refuse(stream, "this link is not open to you here (yet)")
+            else:
+                self.penalties.penalize(peer, f"lane link b{hello.boundary}/{hello.direction} lane {hello.lane}: "
+                                              f"{why}")
+                await reset_quietly(stream)
+            return
         if honest and (found is None or found[1].peer != peer):
             # our end of it is not open (yet), or still open to the neighbour the dialer replaces (a promoted
             # backup may dial before this node has moved to the table that names it): the dialer retries until
@@ -121,11 +142,13 @@ class LinkHub:
 
 @asynccontextmanager
 async def open_link_hub(sh: SwarmHost, penalties: Penalties, config: LinkConfig = LinkConfig(), *,
-                        plan: tuple[str, int, int] | None = None, allow: Callable[[str], bool] | None = None):
+                        plan: tuple[str, int, int] | None = None, allow: Callable[[str], bool] | None = None,
+                        named: Callable[[str, LinkHello], bool] | None = None):
     """The node's LinkHub for as long as the block runs; `plan`: (run id, stages, lanes) of the run it trains;
-    `allow`: who may pull its AQ-SGD stores (None: anyone)."""
+    `allow`: who may pull its AQ-SGD stores (None: anyone); `named`: whether the run's tables name a dialer at its
+    end of a link (None: anyone the hello names may dial)."""
     async with trio.open_nursery() as nursery:
-        hub = LinkHub(sh, penalties, config, nursery, plan, allow)
+        hub = LinkHub(sh, penalties, config, nursery, plan, allow, named)
         try:
             yield hub
         finally:

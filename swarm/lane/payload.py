@@ -33,6 +33,7 @@ class Outgoing:
     ids: list[int] = field(default_factory=list)  # activations: the micro-batch's samples, in row order
     encoding: Encoding | None = None  # AQ-SGD activations: the encoding against the sender's store
     acts: torch.Tensor | None = None  # ... and what a NACKed row is resent from
+    sig: bytes = b""  # a verified run's training tensors: the sender's signature (LinkEnd.seal)
 
 
 def _local(fn, *args):

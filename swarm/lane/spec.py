@@ -40,17 +40,22 @@ class Violation(ProtocolError):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkConfig:
     credit_window: int = 4  # data messages a sender may have sent that this receiver has not consumed
-    dial_timeout_s: float = 5.0  # open a stream, say hello, get the first credit (retried while refused)
+    dial_timeout_s: float = 5.0  # one dial: open a stream, say hello, get an answer (a credit or a refusal)
+    #: how long a dialer retries a neighbour that answers but refuses (its end of the link is not open yet: it is
+    #: still entering its slot at the switch step, pulling its group's state and its AQ-SGD stores, which can take
+    #: longer than one dial; the receiving side waits up to recv_timeout_s for the same first message)
+    open_timeout_s: float = 30.0
     send_timeout_s: float = 30.0  # wait for credit and write one message; also: finish a message once begun
     recv_timeout_s: float = 60.0  # wait for one message (the pipeline bubble is part of it)
     abort_timeout_s: float = 2.0  # tell the neighbours a step is given up (best effort)
-    retry_interval_s: float = 0.1  # between dials the peer refused (its end of the link not open yet)
+    retry_interval_s: float = 0.1  # between dials the peer refused, doubling up to max_retry_interval_s
+    max_retry_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.credit_window <= 1024:
             raise ValueError("credit_window must be in 1..1024")
-        if min(self.dial_timeout_s, self.send_timeout_s, self.recv_timeout_s, self.abort_timeout_s,
-               self.retry_interval_s) <= 0:
+        if min(self.dial_timeout_s, self.open_timeout_s, self.send_timeout_s, self.recv_timeout_s,
+               self.abort_timeout_s, self.retry_interval_s, self.max_retry_interval_s) <= 0:
             raise ValueError("timeouts must be positive")
 
 
@@ -75,6 +80,7 @@ class LaneSpec:
     kind: str = "fp32"  # activations and gradients of training micro-batches ("aqsgd": `aq` says how)
     eval_kind: str = "fp16"
     aq: AQSpec | None = None
+    signed: bool = False  # a verified run: training activations and gradients carry the sender's signature
 
     def __post_init__(self) -> None:
         if not (0 <= self.stage < self.num_stages and 0 <= self.lane < self.replicas):
@@ -89,6 +95,8 @@ class LaneSpec:
             raise ValueError(f"kinds must be among {sorted(DENSE_KINDS)} (training also {AQ})")
         if (self.kind == AQ) != (self.aq is not None):
             raise ValueError(f"kind {AQ} goes with its settings (aq), and only it")
+        if self.signed and self.kind not in DENSE_KINDS:
+            raise ValueError("signed tensors need a dense wire (what the receiver decodes is the sender's to sign)")
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -110,7 +118,7 @@ class LaneSpec:
                    prev_peer=prev_peer, next_peer=next_peer, micro_batch=b.micro_batch_size, seq_len=b.seq_len,
                    d_model=m.model.d_model, micro_batches=m.global_batch // b.micro_batch_size,
                    eval_batches=m.eval.batches, train_samples=train_samples, eval_samples=eval_samples, kind=kind,
-                   eval_kind=eval_kind, aq=aq)
+                   eval_kind=eval_kind, aq=aq, signed=p.verify_fraction > 0 and kind in DENSE_KINDS)
 
 
 @dataclass(slots=True)
@@ -120,6 +128,7 @@ class LinkCounters:
     messages: int = 0  # data messages (activations, gradients, norms)
     wire_bytes: int = 0  # their bytes: record and tensor frames with their length prefixes
     payload_bytes: int = 0  # of which tensor payload
+    fp32_bytes: int = 0  # the same tensors at 4 bytes a value: what the uncompressed (fp32) wire would carry
     nacks: int = 0  # AQ-SGD NACK messages (part of the data messages)
     control_bytes: int = 0  # hello, credits, refusals, aborts (with length prefixes)
 

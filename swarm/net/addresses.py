@@ -1,5 +1,5 @@
-"""This machine's IP addresses, their scope (loopback, private, public), wildcard listen addresses made dialable, and
-join addresses checked as typed."""
+"""This machine's IP addresses, their scope (loopback, private, public), wildcard listen addresses made dialable,
+join addresses checked as typed, and where a peer's connection comes from."""
 
 from __future__ import annotations
 
@@ -99,3 +99,34 @@ def check_join_address(addr: str) -> str:
     if "p2p" not in [p.name for p in ma.protocols()]:
         raise ValueError(f"--join {addr}: the address lacks the node's peer id (…/p2p/12D3KooW…)")
     return addr
+
+
+def source_key(conn) -> str:
+    """Where a connection comes from, as limits per source count it (identities are free, addresses are not): its
+    IPv4 address, its IPv6 /64 (one host's allocation), "via <relay>" for a relayed one, "?" when the transport does
+    not say."""
+    try:
+        addrs = [str(a) for a in conn.get_transport_addresses()]
+    except Exception:  # noqa: BLE001
+        addrs = []
+    for a in addrs:
+        parts = a.split("/")
+        if "p2p-circuit" in parts and "p2p" in parts:
+            return f"via {parts[parts.index('p2p') + 1]}"
+        if len(parts) > 2 and parts[1] == "ip4":
+            return parts[2]
+        if len(parts) > 2 and parts[1] == "ip6":
+            try:
+                return str(ipaddress.ip_network(f"{parts[2]}/64", strict=False))
+            except ValueError:
+                continue
+    return "?"
+
+
+def peer_source(host, peer_id) -> str:
+    """`source_key` of the first open connection of `host` (a libp2p host) to `peer_id` (a libp2p ID): "?" when
+    there is none."""
+    for conn in host.get_network().get_connections(peer_id):
+        if not conn.is_closed:
+            return source_key(conn)
+    return "?"

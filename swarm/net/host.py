@@ -13,6 +13,7 @@ import multiaddr
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from libp2p import new_host
+from libp2p.abc import INotifee
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
@@ -21,6 +22,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.security.noise.io import NoiseTransportReadWriter
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -29,6 +31,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from shoal.swarm.net.addresses import expand_wildcard
 from shoal.swarm.net.identity import libp2p_key_pair, peer_id_of
+from shoal.swarm.net.linkmeter import LinkMeter
 from shoal.swarm.net.listen import AddressInUse, check_free, check_sole_listener
 
 if TYPE_CHECKING:
@@ -60,6 +63,36 @@ os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
 
 STALE_CONNECTION_RETRIES, STALE_CONNECTION_WAIT_S = 5, 0.1  # a closed connection leaves the list within moments
 RELEASE_TIMEOUT_S = 2.0  # closing the sockets at exit
+GOSSIP_MESSAGES_PER_PEER_S = 1000.0  # gossip messages one peer may forward a second (py-libp2p's default: 10)
+
+# A Noise message, once encrypted, must reach the socket whole: py-libp2p encrypts (spending the next nonce) and
+# then sends, and a writer whose deadline passed while it waited its turn for the connection (busy with bulk state
+# or shard transfers) was cancelled at the send's first checkpoint; its peer then failed to decrypt everything after,
+# and the connection, with every stream on it (lanes, RPCs), died without a word. Writes are finished here, shielded,
+# and bounded: a peer that stops reading for WHOLE_WRITE_S has its connection closed (it is broken either way).
+WHOLE_WRITE_S = 20.0
+
+
+class ConnectionBroken(ConnectionError):
+    """A message could not be sent whole within WHOLE_WRITE_S: the connection is closed."""
+
+
+_noise_write = NoiseTransportReadWriter.write_msg
+
+
+async def _whole_noise_write(self: NoiseTransportReadWriter, msg: bytes, prefix_encoded: bool = False) -> None:
+    await trio.lowlevel.checkpoint_if_cancelled()  # a writer cancelled before its turn leaves with nothing spent
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(WHOLE_WRITE_S) as bound:
+            await _noise_write(self, msg, prefix_encoded)
+        if bound.cancelled_caught:
+            with trio.move_on_after(RELEASE_TIMEOUT_S):
+                await self.close()
+    if bound.cancelled_caught:
+        raise ConnectionBroken(f"a message was not sent within {WHOLE_WRITE_S} s: connection closed")
+
+
+NoiseTransportReadWriter.write_msg = _whole_noise_write
 
 
 class JoinError(ConnectionError):
@@ -103,6 +136,61 @@ def _guard_dht(dht: KadDHT) -> None:
     dht.handle_stream = quota.wrap(dht.handle_stream)  # set_mode registers this attribute too
     if dht.mode == DHTMode.SERVER:
         dht.host.set_stream_handler(PROTOCOL_ID, dht.handle_stream)
+    _servers_only(dht, str(PROTOCOL_ID))
+
+
+def _servers_only(dht: KadDHT, kad: str) -> None:
+    """The DHT deals with DHT servers only. py-libp2p adds every peer that opens a Kademlia stream to its routing
+    table, observers (`shoal dash`, `shoal peers`, a starting node's twin check: DHT clients) included, and when its
+    table is small it queries (and stores values at) every peer its peerstore ever held: a node then asked observers
+    ("protocols not supported … /ipfs/kad/1.0.0") and, once they had exited, dialed them in vain (hundreds of
+    "failed to store value … negative cache" lines a minute in a 4-node swarm). A peer enters the routing table once
+    identify says it serves Kademlia, and a peer that does not is forgotten as it disconnects."""
+    from shoal.swarm.net.paths import speaks
+
+    add = dht.add_peer
+
+    async def add_peer(peer_id, *, skip_server_mode_check: bool = False) -> bool:
+        if speaks(dht.host, peer_id, kad) is not True:
+            return False
+        return await add(peer_id)
+
+    dht.add_peer = add_peer
+    dht.host.get_network().register_notifee(_ForgetClients(dht.host, kad))
+
+
+class _ForgetClients(INotifee):
+    """Drops a peer that does not serve the DHT from the peerstore once its last connection closes."""
+
+    def __init__(self, host, kad: str):
+        self.host, self.kad = host, kad
+
+    async def disconnected(self, network, conn) -> None:
+        from shoal.swarm.net.paths import speaks
+
+        peer = conn.muxed_conn.peer_id
+        if network.get_connections(peer) or speaks(self.host, peer, self.kad) is not False:
+            return
+        try:
+            self.host.get_peerstore().clear_peerdata(peer)
+        except Exception as e:  # noqa: BLE001 - already gone
+            log.debug("forgetting %s: %s", peer, e)
+
+    async def connected(self, network, conn) -> None:
+        pass
+
+    async def opened_stream(self, network, stream) -> None:
+        pass
+
+    async def closed_stream(self, network, stream) -> None:
+        pass
+
+    async def listen(self, network, multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network, multiaddr) -> None:
+        pass
+
 
 
 class SwarmHost:
@@ -119,6 +207,7 @@ class SwarmHost:
         #: control-plane payload bytes [sent, received]: RPC requests and answers, gossiped records (on the loop)
         self.control_bytes = [0, 0]
         self.nat: NatTraversal | None = None  # set by open_host when config.nat is given
+        self.links = LinkMeter()  # what this node measures of its links (the traffic it carries, probes)
 
     @property
     def addrs(self) -> list[str]:
@@ -270,7 +359,9 @@ def dial_failure(exc: BaseException) -> str:
 
 
 def build_libp2p_host(key: Ed25519PrivateKey, listen: str):
-    """A host that speaks Noise only (no plaintext, secio or TLS fallback) and yamux only."""
+    """A host that speaks Noise only (no plaintext, secio or TLS fallback) and yamux only, and advertises (identify)
+    addresses that can be dialed: a wildcard listen address as this machine's interface addresses (peers stored
+    /ip4/0.0.0.0/tcp/N as ours and dialed it, which reaches whatever listens on N on their own machine)."""
     kp = libp2p_key_pair(key)
     noise = NoiseTransport(kp, noise_privkey=create_x25519_key_pair().private_key)
     return new_host(
@@ -280,7 +371,13 @@ def build_libp2p_host(key: Ed25519PrivateKey, listen: str):
         listen_addrs=[multiaddr.Multiaddr(listen)],
         enable_mDNS=False,
         enable_upnp=False,
+        addrs_factory=_dialable,
     )
+
+
+def _dialable(candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+    """The host's advertised addresses: wildcard ones expanded to this machine's interface addresses."""
+    return [multiaddr.Multiaddr(a) for a in expand_wildcard([str(c) for c in candidates])]
 
 
 async def _release_sockets(host) -> None:
@@ -341,6 +438,12 @@ async def open_host(key: Ed25519PrivateKey, config: HostConfig) -> AsyncIterator
                 heartbeat_initial_delay=0.1,
                 time_to_live=30,
             )
+            # py-libp2p drops every message beyond 10 a second that one peer forwards on a topic, and logs a warning
+            # each time: a peer forwards every peer's records (statuses, leases, tables), so a 4-node swarm already
+            # passed it, and an observer (a dashboard) lost the records of peers it heard through that one (shown
+            # stale, then "back" when a snapshot brought them). The bound scales with the swarm; shoal's own checks
+            # (signatures, size limits, penalties: swarm/net/gossip.py) stand behind it.
+            router.max_messages_per_topic_per_second = GOSSIP_MESSAGES_PER_PEER_S
             _guard_dht(dht)
             pubsub = _Pubsub(host, router, strict_signing=True, seen_ttl=60)
             await stack.enter_async_context(background_trio_service(dht))

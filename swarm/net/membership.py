@@ -15,6 +15,7 @@ from shoal.swarm.net.pulse import Pulse
 ALIVE, SUSPECT, GONE, LEFT = "alive", "suspect", "gone", "left"
 MAX_MEMBERS_ROWS = 1024
 MAX_RELAYED_AGE_S = 3600.0
+MAX_CLOCK_OFFSET_S = 5.0  # how far a record signer's wall clock may be ahead of ours (as a broker's lease assumes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,9 +130,13 @@ class Membership:
         return max(0.0, self.clock() - e.last_seen)
 
 
-def verified_members(rows: object, penalize: Callable[[str], object]) -> list[tuple[Signed, float]]:
+def verified_members(rows: object, penalize: Callable[[str], object],
+                     wall: Callable[[], float] = time.time) -> list[tuple[Signed, float]]:
     """The verified (record, age_s) pairs of a `members` reply: rows of [announcement, status, age_s].
 
+    The relaying peer's age can only make a row older than its records say, never fresher: a row is at least as old
+    as its status record's signed time (less MAX_CLOCK_OFFSET_S for the signer's clock), and a row without a status
+    proves no freshness at all (MAX_RELAYED_AGE_S). So long-dead records cannot be served as live.
     A reply that is not a bounded list, and every malformed row or record, calls `penalize(reason)`."""
     if not isinstance(rows, list) or len(rows) > MAX_MEMBERS_ROWS:
         penalize("members reply is not a bounded list")
@@ -142,12 +147,19 @@ def verified_members(rows: object, penalize: Callable[[str], object]) -> list[tu
                 or not isinstance(row[2], (int, float)):
             penalize("members row must be [announcement, status, age_s]")
             continue
-        age = min(max(float(row[2]), 0.0), MAX_RELAYED_AGE_S)
+        records = []
         for raw in row[:2]:
             if raw is None:
                 continue
             try:
-                out.append((open_envelope(raw, RECORD_TYPES), age))
+                records.append(open_envelope(raw, RECORD_TYPES))
             except ProtocolError as e:
                 penalize(f"bad members row: {e}")
+        if len({r.record.peer_id for r in records}) > 1:
+            penalize("members row mixes the records of two peers")
+            continue
+        status = [r.record for r in records if isinstance(r.record, StatusRecord)]
+        floor = wall() - status[0].time - MAX_CLOCK_OFFSET_S if status else MAX_RELAYED_AGE_S
+        age = min(max(float(row[2]), floor, 0.0), MAX_RELAYED_AGE_S)
+        out += [(r, age) for r in records]
     return out

@@ -19,7 +19,7 @@ from libp2p.kad_dht.kad_dht import DHTMode
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from shoal.swarm.net.paths import Paths, PathConfig, HolePuncher, connection_kinds
+from shoal.swarm.net.paths import Paths, PathConfig, HolePuncher, connection_kinds, speaks
 from shoal.swarm.net.reachability import (DIALBACK_PROTOCOL, LAN, PUBLIC, RELAYED, UNKNOWN, UNREACHABLE,
                                           DialBackConfig, DialBackService, ask_dialback, candidate_addrs)
 from shoal.swarm.net.relay import RelayConfig, RelayService, Reservation, reserve
@@ -121,9 +121,11 @@ class NatTraversal:
 
     # -- probing ------------------------------------------------------------------------------------------------
     def _direct_peers(self) -> list[str]:
+        """Peers on a direct connection that may dial us back: not those identify says do not serve the dial-back
+        protocol (observers: asking them only logged a failed stream)."""
         out = []
         for pid in self.host.get_connected_peers():
-            if connection_kinds(self.host, pid)[0]:
+            if connection_kinds(self.host, pid)[0] and speaks(self.host, pid, DIALBACK_PROTOCOL) is not False:
                 out.append(pid.to_base58())
         return out
 

@@ -41,6 +41,15 @@ class PathConfig:
             raise ValueError("path timeouts must be positive")
 
 
+def speaks(host, peer_id: ID | str, protocol: str) -> bool | None:
+    """Whether the peer serves `protocol`, by what identify said of it (None: identify has not said yet)."""
+    try:
+        protocols = host.get_peerstore().get_protocols(peer_id if isinstance(peer_id, ID) else ID.from_base58(peer_id))
+    except Exception:  # noqa: BLE001 - a peer the peerstore does not know
+        return None
+    return (protocol in [str(p) for p in protocols]) if protocols else None
+
+
 def connection_kinds(host, peer: ID) -> tuple[bool, bool]:
     """(has a direct connection, has a relayed connection) to `peer`, from the connections' transport addresses."""
     direct = relayed = False

@@ -88,3 +88,28 @@ class Penalties:
     def reasons(self, peer_id: str) -> list[str]:
         r = self._peers.get(peer_id)
         return list(r.reasons) if r else []
+
+
+class Allowance:
+    """A few unpunished refusals per peer within a window: what an honest race looks like (a peer acting on a table
+    this node has not received yet). `take(peer)` is True while the peer is within its allowance; past it, the
+    caller treats the next ones as offences."""
+
+    MAX_PEERS = 1024  # peers remembered at once (those quiet for a window are forgotten first)
+
+    def __init__(self, free: int, window_s: float, clock: Callable[[], float] = time.monotonic):
+        if free < 0 or window_s <= 0:
+            raise ValueError("need free >= 0 and window_s > 0")
+        self.free, self.window_s, self.clock = free, window_s, clock
+        self._used: dict[str, list[float]] = {}
+
+    def take(self, peer_id: str) -> bool:
+        now = self.clock()
+        recent = [t for t in self._used.get(peer_id, ()) if now - t < self.window_s]
+        if len(recent) >= self.free:
+            self._used[peer_id] = recent
+            return False
+        self._used[peer_id] = recent + [now]
+        if len(self._used) > self.MAX_PEERS:
+            self._used = {p: ts for p, ts in self._used.items() if ts and now - ts[-1] < self.window_s}
+        return True

@@ -6,7 +6,11 @@ The service is py-libp2p 0.8.1's `CircuitV2Protocol` with three shoal-side fixes
   so a second circuit to the same peer overwrote the first and the first one's end reset the second);
 - the circuit's duration is a deadline on every read (the library checks it only when data arrives, so an idle
   circuit outlived it), and on top of the per-circuit byte cap each source peer has a byte budget per window,
-  so opening circuit after circuit does not turn the relay into a bulk pipe.
+  so opening circuit after circuit does not turn the relay into a bulk pipe;
+- reservations: one per peer, held only while its connection lives (the library counted a peer gone since as
+  holding its slot until the reservation's TTL), at most `max_reservations_per_source` per source address (an
+  IPv4 address, an IPv6 /64) and `reservations_per_source_window` new ones per source per window; a peer asking
+  past a limit (or banned) is refused and penalized, so identities made on one machine cannot take every slot.
 Bytes over the cap are never forwarded: the circuit is reset before them.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import multiaddr
@@ -31,6 +36,8 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.tools.constants import MAX_READ_LEN
 
+from shoal.swarm.net.addresses import source_key
+
 log = logging.getLogger(__name__)
 RELAY_MODES = ("auto", "on", "off")
 
@@ -43,6 +50,8 @@ class RelayError(ConnectionError):
 class RelayConfig:
     service: str = "auto"  # serve as a relay: "auto" (when this node is public), "on", "off"
     max_reservations: int = 32  # peers holding a reservation on this relay at once
+    max_reservations_per_source: int = 4  # ... from one source address (an IPv4 address, an IPv6 /64)
+    reservations_per_source_window: int = 8  # new reservations one source may make per window
     reservation_ttl_s: int = 900
     circuit_duration_s: int = 120  # one relayed connection lives at most this long ...
     circuit_bytes: int = 1 << 20  # ... and carries at most this many bytes, both directions together
@@ -55,8 +64,9 @@ class RelayConfig:
     def __post_init__(self) -> None:
         if self.service not in RELAY_MODES:
             raise ValueError(f"relay service must be one of {RELAY_MODES}, not {self.service!r}")
-        if min(self.max_reservations, self.reservation_ttl_s, self.circuit_duration_s, self.circuit_bytes,
-               self.max_circuits_per_peer, self.peer_bytes_per_window) < 1 or self.window_s <= 0:
+        if min(self.max_reservations, self.max_reservations_per_source, self.reservations_per_source_window,
+               self.reservation_ttl_s, self.circuit_duration_s, self.circuit_bytes, self.max_circuits_per_peer,
+               self.peer_bytes_per_window) < 1 or self.window_s <= 0:
             raise ValueError("relay limits must be positive")
         if not 0 <= self.reservations_wanted <= 4 or self.timeout_s <= 0:
             raise ValueError("reservations_wanted must be 0..4 and timeout_s positive")
@@ -80,6 +90,12 @@ class RelayService(CircuitV2Protocol):
         self.circuits_opened = 0
         self.circuits_cut = 0  # ended by a limit (bytes, duration, budget)
         self._cut: set[int] = set()
+        self.reservations_refused = 0
+        self._sources: dict[ID, str] = {}  # reserved peer -> its source address key
+        self._new_by_source: dict[str, list[float]] = {}  # source -> when it made its recent new reservations
+        # the node's penalty ledger (the node sets them): a peer asking past a limit is penalized; a banned one refused
+        self.penalize: Callable[[str, str], object] | None = None
+        self.banned: Callable[[str], bool] | None = None
 
     def serve(self, on: bool, set_handler) -> None:
         """Start or stop relaying for others; `set_handler` is SwarmHost.set_handler (guarded handlers)."""
@@ -113,7 +129,16 @@ class RelayService(CircuitV2Protocol):
             return
         if msg.type == HopMessage.RESERVE:
             msg.ClearField("peer")  # a reservation is for the peer that asks (0.8.1 would take any peer id given)
-            await self._handle_reserve(stream, msg)
+            why = self._reservation_refusal(stream.muxed_conn.peer_id, source_key(stream.muxed_conn))
+            if why is not None:
+                peer = stream.muxed_conn.peer_id
+                self.reservations_refused += 1
+                log.info("relay: reservation for %s refused: %s", peer, why)
+                if self.penalize is not None:
+                    self.penalize(peer.to_base58(), f"relay reservation: {why}")
+                await self._send_status(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, why)
+            else:
+                await self._handle_reserve(stream, msg)
             await self._close_stream(stream)
         elif msg.type == HopMessage.CONNECT:
             source = stream.muxed_conn.peer_id
@@ -127,6 +152,42 @@ class RelayService(CircuitV2Protocol):
         else:
             await self._send_status(stream, StatusCode.MALFORMED_MESSAGE, "unexpected message type")
             await self._close_stream(stream)
+
+    def _held(self) -> dict[ID, str]:
+        """The reservations that count: live (not expired) and held by a connected peer, by peer -> source. A
+        reservation whose peer went is dropped (the circuit v2 spec: a reservation lives with its connection)."""
+        rm = self.resource_manager
+        rm._clean_expired()
+        for peer in [p for p in rm._reservations if not rm._is_peer_connected(p)]:
+            del rm._reservations[peer]
+        self._sources = {p: src for p, src in self._sources.items() if p in rm._reservations}
+        return self._sources
+
+    def reservations_held(self) -> int:
+        return len(self._held())
+
+    def _reservation_refusal(self, peer: ID, source: str) -> str | None:
+        """Why `peer` (connected from `source`) gets no reservation now (None: it may reserve or refresh)."""
+        if self.banned is not None and self.banned(peer.to_base58()):
+            return "banned"
+        held = self._held()
+        if peer in self.resource_manager._reservations:
+            return None  # a refresh of its own reservation
+        cfg = self.config
+        if sum(1 for src in held.values() if src == source) >= cfg.max_reservations_per_source:
+            return f"{cfg.max_reservations_per_source} reservations are held from this source address"
+        now = self.clock()
+        recent = [t for t in self._new_by_source.get(source, ()) if now - t < cfg.window_s]
+        if len(recent) >= cfg.reservations_per_source_window:
+            self._new_by_source[source] = recent
+            return f"{len(recent)} new reservations from this source address within {cfg.window_s:g} s"
+        if len(self.resource_manager._reservations) >= cfg.max_reservations:
+            return "every reservation slot is taken"
+        self._new_by_source[source] = recent + [now]
+        if len(self._new_by_source) > 4096:
+            self._new_by_source = {k: v for k, v in self._new_by_source.items() if v and now - v[-1] < cfg.window_s}
+        held[peer] = source
+        return None
 
     async def _relay_data(self, src_stream, dst_stream, peer_id, deadline=None, circuit_data_limit=None) -> None:
         # the circuit's initiator pays: its stream is the inbound HOP stream, the other one is our STOP stream

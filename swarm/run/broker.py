@@ -5,28 +5,32 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from shoal.protocol.assignment import (
-    ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_PROVIDERS, REGISTERED, AdmitRequest, AdmitResponse,
-    AssignmentTable, BrokerLease, LaneShare, MissingReport, ProviderEntry, SlotEntry, slot_name)
+    ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_EVICTED, MAX_PROVIDERS, REGISTERED, AdmitRequest, AdmitResponse,
+    AssignmentTable, BrokerLease, LaneShare, MissingReport, ProviderEntry, Rollback, RollbackRequest, SlotEntry,
+    parse_slot, slot_name)
 from shoal.protocol.envelope import seal
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.membership import LEFT
 from shoal.swarm.net.rpc import RpcError, call, parse_body
+from shoal.swarm.run.accusations import MISSED, OFFENCE, Accusations, Verdict
 from shoal.swarm.run.authority import DELEGATES, RunAuthority
 from shoal.swarm.run.batchsplit import BatchSplit, SplitConfig
 from shoal.swarm.run.context import Handler, RunContext
 from shoal.swarm.run.directory import seal_advert
-from shoal.swarm.run.gate import AdmissionGate
+from shoal.swarm.run.gate import AdmissionGate, AdmissionLimits
+from shoal.swarm.run.placer import Placer, Seats
 from shoal.swarm.run.seating import Provider, Seating
 
 log = logging.getLogger(__name__)
 
 MAX_GONE_KEPT = 32  # gone providers listed in the table, newest first; older ones are forgotten
+NEW_BACKUP = 1 << 30  # a newly admitted backup's place: after every backup a taken-over table listed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,10 +45,15 @@ class BrokerConfig:
     straggler_misses: int = 3  # a member that misses rounds (yet answers) this often within the window ...
     straggler_window_s: float = 600.0
     demote_hold_s: float = 300.0  # ... is moved to the backup pool, and not promoted again for this long
+    # a member's step this far behind the others' (its own signed status) is the broker's own evidence that it
+    # lags; reports of a missed round wait this long for the other members' before they are weighed
+    straggler_lag_steps: int = 2
+    corroborate_s: float = 1.0
     dht_timeout_s: float = 5.0
     # a pipeline lane with a slot empty this long and no backup of that stage to fill it is dissolved: its
     # members return to the backup pool (each keeping its stage warm)
     dissolve_after_s: float = 60.0
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)  # wrong join-secret proofs checked
     split: SplitConfig = SplitConfig()  # the global batch across the lanes, by their speed
 
     def __post_init__(self) -> None:
@@ -58,6 +67,8 @@ class BrokerConfig:
             raise ValueError("dissolve_after_s must be positive")
         if self.straggler_misses < 1 or self.straggler_window_s <= 0 or self.demote_hold_s < 0:
             raise ValueError("straggler_misses >= 1, straggler_window_s > 0 and demote_hold_s >= 0 are required")
+        if self.straggler_lag_steps < 1 or self.corroborate_s < 0:
+            raise ValueError("straggler_lag_steps >= 1 and corroborate_s >= 0 are required")
 
     @classmethod
     def for_fail_after(cls, fail_after_s: float, **more: Any) -> BrokerConfig:
@@ -86,7 +97,10 @@ class Broker:
     several stages (lane completeness decides every stage's group)."""
 
     def __init__(self, ctx: RunContext, config: BrokerConfig = BrokerConfig(), *, lease_epoch: int = 0,
-                 version: int = 0, secret: str | None = None):
+                 version: int = 0, secret: str | None = None, resume: tuple[int, dict[str, str]] | None = None):
+        """`resume`: (step, slot name -> peer id): a stopped run going on from its checkpoints at `step`; every slot's
+        group takes effect there, and each slot is kept for the peer that wrote its checkpoint until training
+        begins (docs/checkpoints.md)."""
         self.ctx = ctx
         self.config = config
         self.clock = ctx.clock
@@ -97,7 +111,10 @@ class Broker:
         self.epochs = [0] * self.stages
         self.switch_steps = [0] * self.stages
         self.providers: dict[str, Provider] = {}
-        self.seating = Seating(ctx, self.providers, dissolve_after_s=config.dissolve_after_s)
+        self.placer = ctx.placer if ctx.placer is not None else Placer()
+        self.seating = Seating(ctx, self.providers, dissolve_after_s=config.dissolve_after_s, placer=self.placer)
+        self.replans = 0  # moves to a better placement applied
+        self._replan_now = trio.Event()  # providers joined or left: re-plan soon
         self.split = BatchSplit(ctx.manifest.global_batch, ctx.manifest.batch_granule, config.split, self.clock)
         self.standby: str | None = None
         self._order = itertools.count()
@@ -108,16 +125,28 @@ class Broker:
         self.renewed_at = self.clock()  # the last lease renewal this broker issued (clock seconds)
         self.on_change: list[Callable[[AssignmentTable, bytes], object]] = []  # called with each new table
         self.reforms = 0  # groups re-formed (same members, next epoch) after a member missed a round but answered
-        self._offences: dict[tuple[int, int, str], set[str]] = {}  # (stage, epoch, offender) -> reporters
+        # reports against members, weighed so that no lone accuser counts (swarm/run/accusations.py)
+        self.accusations = Accusations(self.clock, window_s=config.straggler_window_s,
+                                       false_to_penalize=config.straggler_misses)
         self._checking: set[tuple[int, int, str]] = set()  # (stage, epoch, peer) reported missing, being pinged
         self._dirty = trio.Event()
         self.authority = RunAuthority(ctx.manifest)
-        self.gate = AdmissionGate(ctx, secret)  # who may join
+        self.gate = AdmissionGate(ctx, secret, config.admission)  # who may join
         self.delegation_env: bytes | None = None  # the owner's delegation naming this broker and its standby
+        self.rollback: Rollback | None = None  # the run's last rollback (docs/snapshots.md)
+        self.evicted: dict[str, None] = {}  # peers evicted on a majority verdict, oldest first (docs/broker.md)
+        self._seated_since: dict[str, int] = {}  # slot holder -> the step from which it holds its slot's state
+        self._pin_switch = False  # the next rebuild keeps switch_steps as set (a rollback sets them back)
+        if resume is not None:
+            self.switch_steps = [resume[0]] * self.stages
+            self.seating.reserved = {slot: pid for name, pid in resume[1].items()
+                                     if (slot := parse_slot(name)) is not None and slot[0] < self.stages
+                                     and slot[1] < self.replicas}
         self.handlers: dict[str, Handler] = {"run.admit": self._rpc_admit, "run.challenge": self._rpc_challenge,
                                              "run.table": self._rpc_table,
                                              "run.leave": self._rpc_leave,
-                                             "run.report_missing": self._rpc_report_missing}
+                                             "run.report_missing": self._rpc_report_missing,
+                                             "run.rollback": self._rpc_rollback}
         self._rebuild()
 
     def _provider(self, peer_id: str, state: str, **kw: Any) -> Provider:
@@ -130,13 +159,15 @@ class Broker:
         """The standby's takeover: continue from the last published table under a new lease epoch."""
         b = cls(ctx, config, lease_epoch=table.lease_epoch + 1, version=table.version, secret=secret)
         b.delegation_env = table.delegation
+        b.rollback = table.rollback
+        b.evicted = dict.fromkeys(table.evicted)
         b.epochs = list(table.epochs)
         b.switch_steps = [table.switch_step(s) for s in range(table.stages)]
         b.split.current = table.lane_shares()
         backups = {pid: i for i, pid in enumerate(table.backups)}
         for p in table.providers:
             b.providers[p.peer_id] = b._provider(p.peer_id, p.state, stage=table.backup_stage(p.peer_id) or 0,
-                                                 score=(0, 0.0, backups.get(p.peer_id, len(backups))),
+                                                 score=(backups.get(p.peer_id, len(backups)),),
                                                  gone_at=b.clock() if p.state == GONE else 0.0)
         for s in table.slots:
             b.seating.slots[(s.stage, s.replica)] = s.peer_id
@@ -161,8 +192,12 @@ class Broker:
         self.version += 1
         prev = self.table
         for s in range(self.stages):
-            if prev is not None and prev.epochs[s] != self.epochs[s] and self.ctx.switch_step is not None:
+            if prev is not None and prev.epochs[s] != self.epochs[s] and self.ctx.switch_step is not None \
+                    and not self._pin_switch:
                 self.switch_steps[s] = max(self.switch_steps[s], self.ctx.switch_step(s))
+        self._pin_switch = False
+        seated = self.seating.slots
+        self._seated_since = {pid: self._seated_since.get(pid, self.switch_steps[st]) for (st, _), pid in seated.items()}
         backups = self.seating.backups()
         split = self.split.for_lanes(self.seating.complete_lanes(), self.lane_speeds())
         self.table = AssignmentTable(
@@ -173,7 +208,8 @@ class Broker:
                         for (s, r), pid in sorted(self.seating.slots.items())),
             backups=tuple(p.peer_id for p in backups), backup_stages=tuple(p.stage for p in backups),
             providers=tuple(ProviderEntry(peer_id=p.peer_id, state=p.state) for p in providers),
-            switch_steps=tuple(self.switch_steps), delegation=self.delegation_env,
+            switch_steps=tuple(self.switch_steps), delegation=self.delegation_env, rollback=self.rollback,
+            evicted=tuple(self.evicted),
             shares=tuple(LaneShare(replica=r, samples=n) for r, n in sorted(split.items())))
         self.table_env = seal(self.table, self.ctx.sh.key)
         for cb in list(self.on_change):
@@ -235,6 +271,8 @@ class Broker:
         if not self.holds_lease():
             raise NotBroker("this node's broker does not hold the run's lease")
         why = await self.gate.refusal(peer_id, req)
+        if why is None and peer_id in self.evicted:
+            why = "evicted from this run: its updates were rejected by a majority of its group"
         if why is not None:
             if self.ctx.penalties is not None and peer_id != self.ctx.me:
                 self.ctx.penalties.penalize(peer_id, f"admission refused: {why}")
@@ -247,11 +285,13 @@ class Broker:
             return self._answer(p)
         if sum(1 for q in self.providers.values() if q.state != GONE) >= MAX_PROVIDERS:
             return AdmitResponse(admitted=False, error="the run has no room for more providers")
-        hw = req.hardware
-        p = self._provider(peer_id, REGISTERED, hardware=hw, score=(-hw.memory_bytes, -hw.matmul_tflops, 0))
+        # backups are promoted in admission order (after those a taken-over table listed): the hardware a provider
+        # reports is its own word, so it may decide what fits it, never whom it jumps in the queue
+        p = self._provider(peer_id, REGISTERED, hardware=req.hardware, score=(NEW_BACKUP,))
         self.providers[peer_id] = p
         p.state = BENCHMARKED  # the profile carries the node's measured compute and memory
         free = self.seating.seat(p, backup_only=req.backup_only)
+        self._replan_now.set()
         if free is not None:
             self._group_changed(free[0])
         else:
@@ -286,6 +326,9 @@ class Broker:
         p.state = state
         p.gone_at = self.clock() if state == GONE else 0.0
         self._group_changed(*self.seating.vacate(peer_id, self.table))
+        self._replan_now.set()
+        if state == GONE:
+            self.placer.forget(peer_id)
         if self.standby == peer_id:
             self.standby = None
         self._pick_standby()
@@ -376,7 +419,7 @@ class Broker:
         if current:  # offences count within one epoch; a silent peer is checked anyway
             for pid in set(rep.offenders):
                 if pid in members and pid != caller:
-                    self._offence(rep.stage, rep.epoch, pid, caller, len(members))
+                    self._offence(rep.stage, rep.epoch, pid, caller, members)
         missing = [(pid, rep.stage, rep.epoch) for pid in set(rep.missing) if pid in members and pid != caller]
         for pid in set(rep.neighbours):  # only the caller's own lane neighbours, at their stage's current epoch
             slot = table.slot_of(pid)
@@ -388,23 +431,101 @@ class Broker:
                 n.start_soon(self._check_missing, pid, caller, stage, epoch)
         return {"accepted": current, "epoch": self.epochs[rep.stage]}
 
-    def _offence(self, stage: int, epoch: int, offender: str, reporter: str, members: int) -> None:
-        """A member of a group of `members` rejected `offender`'s update. Once most of the other members have, it
-        leaves the group and is banned (one report could be a lie; most of the group saw it)."""
-        for key in [k for k in self._offences if k[:2] != (stage, epoch)]:
-            del self._offences[key]  # reports count within one group epoch
-        reporters = self._offences.setdefault((stage, epoch, offender), set())
-        reporters.add(reporter)
-        others = members - 1
-        if len(reporters) >= others // 2 + 1 and offender != self.ctx.me:
-            why = f"updates rejected by {len(reporters)} of the {others} other members"
+    async def _rpc_rollback(self, caller: str, body: Any) -> Any:
+        req = parse_body(RollbackRequest, body)
+        if not self.holds_lease():
+            raise NotBroker("this node's broker does not hold the run's lease")
+        why = self.rollback_refusal(caller, req)
+        if why is not None:
+            log.info("rollback to revision %d asked by %s refused: %s", req.revision, caller[-8:], why)
+            return {"accepted": False, "error": why}
+        r, table = self.rollback, self.table
+        if r is None or table is None or (r.revision, r.stage) != (req.revision, req.stage) or \
+                any(self._seated_since.get(p) != req.revision for p in table.members(req.stage)):
+            r = self.roll_back(req.stage, req.revision, req.source)
+        return {"accepted": True, "count": r.count}
+
+    def rollback_refusal(self, caller: str, req: RollbackRequest) -> str | None:
+        """Why `caller` may not send the run back to `req.revision` (None: it may). Only a holder of a slot of the lost
+        stage may ask, and only while every holder of that stage came after the revision (none of them trained the
+        stage's state through it: it must come from shards or disk), for a revision the run has reached."""
+        if req.run_id != self.ctx.run_id or req.stage >= self.stages:
+            return "another run, or a stage outside the plan"
+        members = self.table.members(req.stage) if self.table is not None else ()
+        if caller not in members:
+            return f"the caller holds no slot of stage {req.stage}"
+        r = self.rollback
+        if r is not None and (r.revision, r.stage) == (req.revision, req.stage) and \
+                all(self._seated_since.get(p) == req.revision for p in members):
+            return None  # asked again (a retry, or another replacement of the stage): already so
+        if req.revision > max(self.switch_steps):
+            return f"revision {req.revision} is past every step the run has reached"
+        if any(self._seated_since.get(p, 0) <= req.revision for p in members):
+            return f"stage {req.stage} still has a member that holds its state at revision {req.revision}"
+        return None
+
+    def roll_back(self, stage: int, revision: int, source: str) -> Rollback:
+        """Send the run back to `revision`: every stage's group takes effect there again (next epoch), and every slot
+        holder loads its own state at it."""
+        r = self.rollback = Rollback(count=(self.rollback.count if self.rollback else 0) + 1, revision=revision,
+                                     source=source, stage=stage)
+        self.switch_steps = [revision] * self.stages
+        self._group_changed(*range(self.stages))
+        self._pin_switch = True
+        self._seated_since = {pid: revision for pid in self._seated_since}
+        log.warning("stage %d was lost: the run rolls back to revision %d (from %s; rollback %d)", stage, revision,
+                    source, r.count)
+        self._rebuild()
+        return r
+
+    def _false_accusers(self, verdict: Verdict, what: str) -> None:
+        for r in verdict.false_accusers:
+            if self.ctx.penalties is not None and r != self.ctx.me:
+                self.ctx.penalties.penalize(r, f"{what}: its reports went unconfirmed {self.config.straggler_misses} "
+                                               f"times within {self.config.straggler_window_s:.0f} s")
+
+    def _offence(self, stage: int, epoch: int, offender: str, reporter: str, members: tuple[str, ...]) -> None:
+        """A member rejected `offender`'s update. Once a strict majority of the other members have, it leaves the
+        group and is banned (one report could be a lie; most of the group saw it). A group of two never evicts on
+        a report: each member's word is one against the other's."""
+        stale = self.accusations.report(OFFENCE, stage, epoch, offender, reporter, members)
+        self._false_accusers(Verdict(counts=False, false_accusers=stale), "offence reports")
+        verdict = self.accusations.judge(OFFENCE, stage, epoch, offender, members, measured=None, final=False)
+        if verdict.counts and offender != self.ctx.me:
+            reporters = len(self.accusations.reporters(OFFENCE, stage, epoch, offender)) or "most"
+            why = f"updates rejected by a majority ({reporters}) of the {len(members) - 1} other members"
             if self.ctx.penalties is not None:
                 self.ctx.penalties.ban(offender, why)
-            self.mark_failed(offender, why)
+            self.evicted.pop(offender, None)
+            self.evicted[offender] = None
+            while len(self.evicted) > MAX_EVICTED:
+                del self.evicted[next(iter(self.evicted))]
+            if not self.mark_failed(offender, why):
+                self._rebuild()  # (already gone: the table lists the eviction all the same)
+
+    def _lags(self, peer_id: str, members: tuple[str, ...]) -> bool | None:
+        """The broker's own measurement of whether `peer_id` lags its group: the step it signs in its status
+        against the others' (None: no status of it or of the others)."""
+        m = self.ctx.membership
+        if m is None:
+            return None
+        steps = {e.peer_id: e.status_record.step for e in m.live_peers()
+                 if e.peer_id in members and e.status_record is not None
+                 and e.status_record.run_id == self.ctx.run_id}
+        if self.ctx.me in members and self.ctx.step is not None:
+            steps[self.ctx.me] = self.ctx.step()
+        if peer_id not in steps or len(steps) < 2:
+            return None
+        others = sorted(s for p, s in steps.items() if p != peer_id)
+        return steps[peer_id] < others[len(others) // 2] - self.config.straggler_lag_steps
 
     async def _check_missing(self, peer_id: str, reporter: str, stage: int, epoch: int) -> None:
-        """Ping a member reported missing: a silent one is replaced; one that answers makes the broker re-form the
-        group (same members, next epoch), so every member stops skipping it at the same step."""
+        """Ping a member reported missing: a silent one is replaced (the broker's own probe). One that answers
+        missed a round only when a strict majority of the other members of its group reported it, or the broker
+        sees it lag (with two members, the latter alone); the group is re-formed (same members, next epoch) so
+        every member stops skipping it at the same step, unless only distrusted reporters asked for it."""
+        members = self.table.members(stage) if self.table is not None else ()
+        self.accusations.report(MISSED, stage, epoch, peer_id, reporter, members)
         key = (stage, epoch, peer_id)
         if key in self._checking:
             return  # another member's report of the same miss is being checked
@@ -414,6 +535,7 @@ class Broker:
                 await call(self.ctx.sh, peer_id, "run.ping", {"run_id": self.ctx.run_id},
                            timeout_s=self.config.ping_timeout_s)
                 self.touch(peer_id)
+            await trio.sleep(self.config.corroborate_s)  # the other members' reports of the same round arrive
         except RpcError as e:
             self.mark_failed(peer_id, f"reported missing by {reporter[:16]}… and did not answer: {e}")
             return
@@ -421,7 +543,17 @@ class Broker:
             self._checking.discard(key)
         if self.epochs[stage] != epoch:
             return  # the group changed meanwhile: every member's skips are reset already
-        self.missed_round(peer_id, stage, f"{peer_id[:16]}… missed a round (reported by {reporter[:16]}…) but answers")
+        reporters = self.accusations.reporters(MISSED, stage, epoch, peer_id)
+        verdict = self.accusations.judge(MISSED, stage, epoch, peer_id, members, measured=self._lags(peer_id, members))
+        self._false_accusers(verdict, "missed-round reports")
+        by = ", ".join(r[:16] + "…" for r in sorted(reporters))
+        if verdict.counts:
+            self.missed_round(peer_id, stage, f"{peer_id[:16]}… missed a round (reported by {by}) but answers")
+        elif all(self.accusations.distrusted(r) for r in reporters):
+            log.info("reports that %s missed a round (by %s) are not acted on: its reporters accuse falsely",
+                     peer_id[:16], by)
+        else:
+            self.reform(stage, f"{peer_id[:16]}… reported missing by {by} alone, answers: no miss counted")
 
     def missed_round(self, peer_id: str, stage: int, why: str) -> None:
         """A member missed a round yet answers: re-form its group, or, once it has missed `straggler_misses` rounds
@@ -533,6 +665,59 @@ class Broker:
             await trio.sleep(self.config.heartbeat_s)
             self.check_liveness()
 
+    def seats(self) -> Seats:
+        """The seating as a re-plan sees it: slots, the backups that may be promoted, the steps left."""
+        m = self.ctx.manifest
+        done = self.ctx.switch_step(0) if self.ctx.switch_step is not None else 0
+        backups = [b.peer_id for b in self.seating.backups() if not b.suspect and b.hold_until <= self.clock()]
+        return Seats(dict(self.seating.slots), backups, self.stages, self.replicas,
+                     max(0, m.optim.total_steps - done))
+
+    async def replan_once(self) -> bool:
+        """One re-plan: the placer plans on a snapshot of the seats in a worker thread (bounded by its time
+        budget); a move it proposes is applied here, if the seats did not change meanwhile, as one seating change
+        (new group epochs, a switch step, a new table). True if providers moved."""
+        if self.ctx.switch_step is not None and self.ctx.switch_step(0) == 0:
+            # no step done yet: a change now would take effect at step 0, which members may already be running
+            # (they would pass its switch step in their old slots); moves wait for the first step
+            return False
+        seats = self.seats()
+        job = self.placer.prepare(seats)
+        if job is None:
+            return False
+        change = await trio.to_thread.run_sync(self.placer.decide, job)
+        if self.placer.last:
+            last = self.placer.last
+            log.info("placement: %.4g s per step predicted now, %.4g s planned (moving costs %.3g s): %s",
+                     last["now_s"], last["target_s"], last["migration_s"], last["why"])
+        if change is None or not self.holds_lease():
+            return False
+        expected = {k: seats.slots[k] for k in change.assign if k in seats.slots}
+        changed = self.seating.apply(change, expected)
+        if not changed:
+            return False
+        self.placer.moved(change)
+        self.replans += 1
+        self._group_changed(*changed)
+        self._pick_standby()
+        self._rebuild()
+        return True
+
+    async def _replan_loop(self) -> None:
+        """Re-plan every check period, and soon (a few seconds) after providers join or leave."""
+        every = self.placer.check_s
+        if every is None:
+            return  # a placer that never moves anyone
+        while self.holds_lease():
+            with trio.move_on_after(every):
+                await self._replan_now.wait()
+                await trio.sleep(min(every, self.config.heartbeat_s))  # let a burst of joins settle
+            self._replan_now = trio.Event()
+            try:
+                await self.replan_once()
+            except Exception as e:  # noqa: BLE001 - a planner's bug must not stop the broker
+                log.warning("re-plan failed: %s: %s", type(e).__name__, e)
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         for method, handler in self.handlers.items():
             self.ctx.register(method, handler)
@@ -541,5 +726,6 @@ class Broker:
             n.start_soon(self._lease_dht_loop)
             n.start_soon(self._publish_loop)
             n.start_soon(self._liveness_loop)
+            n.start_soon(self._replan_loop)
             log.info("broker for run %s (lease epoch %d)", self.ctx.run_id[:16], self.lease_epoch)
             task_status.started(self)

@@ -12,7 +12,7 @@ import trio
 from shoal.protocol.admission import admission_key, admission_proof
 from shoal.protocol.assignment import (
     BACKUP, GONE, RUN_RECORD_TYPES, AdmitRequest, AdmitResponse, AssignmentTable, BrokerLease,
-    MissingReport, slot_name)
+    MissingReport, RollbackRequest, slot_name)
 from shoal.protocol.envelope import Signed, open_envelope
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.records import HardwareProfile
@@ -125,6 +125,11 @@ class RunClient:
 
     def provider_state(self) -> str | None:
         return self.table.provider_state(self.me) if self.table else None
+
+    def evicted(self) -> bool:
+        """The run evicted this node on a majority verdict (docs/broker.md, "Failure detection"): no broker of the run
+        admits it again."""
+        return self.table is not None and self.me in self.table.evicted
 
     def role(self) -> str:
         """The StatusRecord role: active (holds a slot), backup, broker (no slot), or idle."""
@@ -311,6 +316,18 @@ class RunClient:
             return False
         return isinstance(ans, dict) and ans.get("accepted") is True
 
+    async def rollback(self, stage: int, revision: int, source: str) -> str | None:
+        """Ask the broker to send the run back to `revision`, where this node (holding a slot of `stage`, which lost
+        every replica) rebuilt the stage's state from `source`; None when accepted, else why not."""
+        req = RollbackRequest(run_id=self.ctx.run_id, stage=stage, revision=revision, source=source)
+        try:
+            ans = await self._ask("run.rollback", req.to_wire())
+        except RpcError as e:
+            return str(e)
+        if isinstance(ans, dict) and ans.get("accepted") is True:
+            return None
+        return str(ans.get("error") if isinstance(ans, dict) else ans)[:200]
+
     async def leave(self) -> None:
         """Graceful leave: the broker marks this node draining and moves a backup into its slot."""
         try:
@@ -424,7 +441,11 @@ class RunClient:
                 else:
                     await self.take_over()
                     return
-        if self.admitted and self.provider_state() in (None, GONE):  # (a broker that took its lease back, too)
+        if self.admitted and self.evicted():
+            self.admitted = False
+            log.error("run %s evicted this node: most of its group rejected its updates; the run's brokers will not "
+                      "admit it again", self.ctx.run_id[:16])
+        elif self.admitted and self.provider_state() in (None, GONE):  # (a broker that took its lease back, too)
             log.warning("the table no longer lists this node as a provider; asking for admission again")
             try:
                 await self.admit()

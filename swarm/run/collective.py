@@ -18,6 +18,7 @@ from shoal.protocol.errors import DecodeError, ProtocolError
 from shoal.protocol.wire import expect_map, get_field, pack, unpack
 from shoal.swarm.net.framing import PREFIX_BYTES, BufferedReader, StreamClosed, close_quietly, frame, read_length
 from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.linkmeter import DOWN, UP
 from shoal.swarm.net.penalty import Penalties
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,9 @@ class Collective:
     """`exchange(tag, sends, expect, timeout_s)`: send bytes to peers, collect what peers sent under the same tag.
 
     Messages that arrive before the local `exchange` for their tag starts wait in a bounded inbox (per-peer and
-    total byte caps; the oldest tags are evicted first). Tags already finished are remembered briefly, and late
-    messages for them are dropped. Malformed messages penalize their sender and never reach the caller.
+    total byte caps, the oldest tags evicted first) for at most `max_wait_s`: an honest early message waits less
+    than a round, so anything older is dropped (and its memory given back). Tags already finished are remembered
+    briefly, and late messages for them are dropped. Malformed messages penalize their sender and never reach the caller.
     Messages to a peer go one after another on one stream kept open for it; a send that fails on a kept stream
     (the peer restarted, the connection was replaced) is tried once more on a new one.
     """
@@ -50,7 +52,9 @@ class Collective:
         read_timeout_s: float = 60.0,
         send_timeout_s: float = 60.0,
         open_timeout_s: float = 3.0,
+        max_wait_s: float = 120.0,
         gate: Callable[[str, str], object | None] | None = None,
+        clock: Callable[[], float] = trio.current_time,
     ):
         self.sh = sh
         self.me = sh.peer_id
@@ -61,6 +65,8 @@ class Collective:
         self.read_timeout_s = read_timeout_s
         self.send_timeout_s = send_timeout_s
         self.open_timeout_s = open_timeout_s  # opening a stream takes milliseconds unless the peer is gone
+        self.max_wait_s = max_wait_s  # a message waiting for its exchange longer than this is dropped
+        self.clock = clock
         # (peer, tag) -> None to take a message, else a refusal (.why, .penalize): checked on the header, before
         # the payload is read (swarm/run/collective_gate.py); None: every message is taken
         self.gate = gate
@@ -70,7 +76,10 @@ class Collective:
         self.messages_sent = 0
         self.messages_recv = 0
         self.late_dropped = 0  # messages for tags that had already finished
+        self.expired = 0  # waiting messages dropped after max_wait_s
         self._inbox: OrderedDict[str, dict[str, bytes]] = OrderedDict()
+        self._arrived: dict[str, float] = {}  # tag -> when its first waiting message arrived (clock seconds)
+        self._active: set[str] = set()  # tags whose exchange runs now
         self._peer_bytes: dict[str, int] = {}
         self._total_bytes = 0
         self._done: deque[str] = deque(maxlen=DONE_TAGS_KEPT)
@@ -78,7 +87,17 @@ class Collective:
         self._changed = trio.Event()
         self._out: dict[str, Any] = {}  # peer -> the (libp2p) stream our messages to it go on
         self._out_locks: dict[str, trio.Lock] = {}  # one message at a time on a stream
+        self._waiting: set[trio.CancelScope] = set()  # the deadlines of the exchanges in progress
+        self.closed = False
         sh.set_handler(COLLECTIVE_PROTOCOL, self._serve)
+
+    def close(self) -> None:
+        """This node is leaving: every exchange in progress returns now with what it has (the round counts the rest
+        missing, so a trainer thread waiting in it is free at once, not at the round's deadline), and later ones at
+        once. Its peers notice its leave notice, not a missed deadline."""
+        self.closed = True
+        for scope in self._waiting:
+            scope.cancel()
 
     # -- receiving ----------------------------------------------------------------------------------
 
@@ -114,7 +133,9 @@ class Collective:
                             log.info("collective message %s from %s dropped: %s", tag, peer, refusal.why)
                         await _reset(stream)
                         return
-                    payload = await reader.read(await read_length(stream, n, reader))
+                    size = await read_length(stream, n, reader)
+                    with self.sh.links.timing(peer, DOWN, size):
+                        payload = await reader.read(size)
                     if len(payload) != n:
                         raise DecodeError(f"payload of {len(payload)} bytes, header announced {n}")
             except (ProtocolError, trio.TooSlowError) as e:
@@ -134,18 +155,20 @@ class Collective:
         return self.gate(peer, tag) if self.gate is not None else None
 
     def _deliver(self, tag: str, peer: str, payload: bytes, wire: int) -> None:
+        self._expire()
         if tag in self._done_set:
             log.debug("late message for finished %s from %s dropped", tag, peer)
             self.late_dropped += 1
             return
         box = self._inbox.setdefault(tag, {})
+        self._arrived.setdefault(tag, self.clock())
         if peer in box:
             self.penalties.penalize(peer, f"collective: second message for tag {tag}")
             return
         if self._peer_bytes.get(peer, 0) + len(payload) > self.max_peer_buffer_bytes:
             self.penalties.penalize(peer, "collective: per-peer buffer cap exceeded")
             if not box:
-                del self._inbox[tag]
+                self._drop(tag)
             return
         box[peer] = payload
         self._peer_bytes[peer] = self._peer_bytes.get(peer, 0) + len(payload)
@@ -166,10 +189,33 @@ class Collective:
             log.warning("collective inbox over %d bytes: dropping tag %s", self.max_buffer_bytes, oldest)
             self._drop(oldest)
 
+    def _expire(self) -> None:
+        """Drop the waiting messages of tags whose first message came more than `max_wait_s` ago (the inbox is in
+        arrival order, so the oldest come first)."""
+        cutoff = self.clock() - self.max_wait_s
+        for tag in list(self._inbox):
+            if self._arrived.get(tag, cutoff) > cutoff:
+                return
+            if tag in self._active:
+                continue  # its exchange is collecting it now
+            box = self._drop(tag)
+            self.expired += len(box)
+            log.info("collective: %d message(s) for %s waited over %.0f s: dropped", len(box), tag, self.max_wait_s)
+
+    @property
+    def waiting_bytes(self) -> int:
+        """Payload bytes of messages waiting in the inbox for their exchange."""
+        return self._total_bytes
+
     def _drop(self, tag: str) -> dict[str, bytes]:
+        self._arrived.pop(tag, None)
         box = self._inbox.pop(tag, {})
         for peer, payload in box.items():
-            self._peer_bytes[peer] -= len(payload)
+            left = self._peer_bytes[peer] - len(payload)
+            if left:
+                self._peer_bytes[peer] = left
+            else:
+                del self._peer_bytes[peer]
             self._total_bytes -= len(payload)
         return box
 
@@ -205,7 +251,8 @@ class Collective:
         stream = self._out.get(peer)
         if stream is not None:
             try:
-                await stream.write(message)
+                with self.sh.links.timing(peer, UP, len(message)):
+                    await stream.write(message)
                 return
             except Exception as e:  # noqa: BLE001 - a stale stream: try a fresh one
                 log.debug("collective stream to %s failed (%s): opening a new one", peer, e)
@@ -243,12 +290,15 @@ class Collective:
         for p, b in sends.items():
             if not 0 < len(b) <= self.max_frame_bytes:
                 raise ValueError(f"message of {len(b)} bytes for {p} is outside 1..{self.max_frame_bytes}")
+        self._expire()
         others = expect - {self.me}
         sent: set[str] = set()
         failed: set[str] = set()
         box: dict[str, bytes] = {}
+        self._active.add(tag)
         try:
-            with trio.move_on_after(timeout_s):
+            with trio.move_on_after(0 if self.closed else timeout_s) as deadline:
+                self._waiting.add(deadline)
                 async with trio.open_nursery() as nursery:
                     for p, b in sends.items():
                         if p != self.me:
@@ -256,6 +306,8 @@ class Collective:
                     while not others - failed <= self._inbox.get(tag, {}).keys():
                         await self._changed.wait()
         finally:
+            self._active.discard(tag)
+            self._waiting.discard(deadline)
             box = self._drop(tag)
             self._finish(tag)
         if self.me in sends:

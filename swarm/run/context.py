@@ -13,6 +13,7 @@ from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.membership import Membership
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.pulse import Pulse
+from shoal.swarm.run.placer import Placer
 
 Handler = Callable[[str, Any], Awaitable[Any]]
 Clock = Callable[[], float]
@@ -31,12 +32,17 @@ class RunContext:
     # stage -> the first step at which a group change can safely take effect (every member must hear of the
     # new table before it reaches that step); None: changes take effect from step 0 (nothing trains yet)
     switch_step: Callable[[int], int] | None = None
+    # the training step of the node hosting the broker (a member too, most often: the broker weighs its own step
+    # with the steps others sign in their status records); None: it trains nothing
+    step: Callable[[], int] | None = None
     # monotonic seconds for every timeout, lease and backoff (the membership's clock: liveness compares both);
     # wall-clock seconds only for what records carry (issue times, lease expiry)
     clock: Clock = time.monotonic
     wall: Clock = time.time
     # this process's pulse on `clock`: silence is measured from the end of its own last freeze (None: no freezes)
     pulse: Pulse | None = None
+    # who sits where: which slot, which backup, when to move providers (None: first fit, never a move)
+    placer: Placer | None = None
     # the hosting node's newest status record of itself (its membership view holds only the others')
     own_status: Callable[[], StatusRecord | None] = lambda: None
 

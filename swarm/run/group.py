@@ -10,7 +10,9 @@ class Group:
     """Membership changes only between rounds, and every change bumps `epoch`.
 
     `members` are the peer ids of the active replicas of one stage, sorted, so every member derives the same
-    chunk ownership (member i serves chunk i) without talking.
+    chunk ownership (member i serves chunk i) without talking. `entering`: the members that were not in the
+    stage's group before this epoch: they pull the group's state before their first round, which waits longer for
+    them (docs/architecture.md, "Entering a group").
     """
 
     run_id: str
@@ -21,6 +23,7 @@ class Group:
     # weights[i]: the sequences members[i]'s lane computes per step (its share of the global batch): aggregation
     # weighs each member's contribution by it; empty: all equal
     weights: tuple[int, ...] = ()
+    entering: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if tuple(sorted(set(self.members))) != self.members:

@@ -119,6 +119,12 @@ def _inverse(bw: np.ndarray) -> np.ndarray:
     return inv
 
 
+def _seconds(bits: float, inv: np.ndarray) -> np.ndarray:
+    """Seconds to move `bits` over every pair (inv = s per bit): nothing to move costs nothing, also over a pair
+    with no usable link (0 x inf would be NaN: a run with one lane has no data-parallel bytes)."""
+    return np.zeros_like(inv) if bits == 0 else bits * inv
+
+
 class CostModel:
     """Prices placements of `workload` on `network` (see the module). Immutable after construction."""
 
@@ -135,12 +141,12 @@ class CostModel:
         inv2 = inv + inv.T
         # data parallel: per stage, the pair matrix (a, b) -> (α_ab + α_ba) + 8 g_s/D (1/β_ab + 1/β_ba)
         self._dp_kinds, self.dp_kind = _kinds(workload.grad_bytes)
-        self.dp_pair = np.stack([lat2 + (8.0 * g / D) * inv2 for g in self._dp_kinds])
+        self.dp_pair = np.stack([lat2 + _seconds(8.0 * g / D, inv2) for g in self._dp_kinds])
         # pipeline: per boundary, (a at s, b at s+1) -> α_ab + α_ba + 8 f/β_ab + 8 b/β_ba
         fwd = workload.fwd_bytes or (0.0,) * (S - 1)
         bwd = workload.bwd_bytes or (0.0,) * (S - 1)
         self._pp_kinds, self.pp_kind = _kinds(tuple(zip(fwd, bwd)))
-        mats = [lat2 + 8.0 * f * inv + 8.0 * b * inv.T for f, b in self._pp_kinds] or [lat2]
+        mats = [lat2 + _seconds(8.0 * f, inv) + _seconds(8.0 * b, inv.T) for f, b in self._pp_kinds] or [lat2]
         self.pp_pair = np.stack(mats)
         for m in self.pp_pair:
             np.fill_diagonal(m, INF)  # a device never sits at two stages of one lane

@@ -25,6 +25,7 @@ from shoal.protocol.assignment import ACTIVE, BACKUP, AssignmentTable, slot_name
 from shoal.protocol.records import HardwareProfile
 from shoal.swarm.run.context import RunContext
 from shoal.swarm.run.placement import Reach, direct_possible, rank_for_dialed_roles
+from shoal.swarm.run.placer import Change, Placer
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +51,22 @@ class Provider:
 class Seating:
     """The slots of one run and the rules that fill them (see the module)."""
 
-    def __init__(self, ctx: RunContext, providers: dict[str, Provider], *, dissolve_after_s: float):
+    def __init__(self, ctx: RunContext, providers: dict[str, Provider], *, dissolve_after_s: float,
+                 placer: Placer | None = None):
         self.ctx = ctx
         self.providers = providers  # the broker's, by peer id
         self.dissolve_after_s = dissolve_after_s
-        m = ctx.manifest
-        plan = m.plan
+        self.placer = placer if placer is not None else Placer()  # which slot, which backup, when to move
+        self.placer.bind(self._speed)
+        plan = ctx.manifest.plan
         self.stages, self.replicas = plan.stages, plan.lanes_max  # lane indices 0 .. lanes_max - 1
         self.starting = plan.replicas  # the lanes filled directly, and re-formed from any backup
         self.reserve = plan.backups  # warm backups each stage keeps before a new lane forms
         self.slots: dict[Slot, str] = {}
         self.empty_since: dict[Slot, float] = {}  # slots of partly filled lanes: empty since (clock)
         self.promotions: list[tuple[float, str, str, str]] = []  # (unix time, slot, failed peer, promoted peer)
+        # a resumed run: slots kept for the peers that wrote their checkpoints, until training begins
+        self.reserved: dict[Slot, str] = {}
         self.dissolved = 0  # lanes dissolved for want of a backup
 
     def slot_of(self, peer_id: str) -> Slot | None:
@@ -83,10 +88,16 @@ class Seating:
         return self.ctx.switch_step is not None and self.ctx.switch_step(0) > 0
 
     # -- a newcomer ------------------------------------------------------------------------------------------
+    def _speed(self, peer_id: str) -> float:
+        """A provider's measured compute (flop/s, from its hardware profile; 0: not known)."""
+        p = self.providers.get(peer_id)
+        return p.hardware.matmul_tflops * 1e12 if p is not None and p.hardware is not None else 0.0
+
     def seat(self, p: Provider, *, backup_only: bool) -> Slot | None:
         """Place the newcomer `p`: in a free slot (made ACTIVE; returned), else in the backup pool keeping the
         stage with the fewest backups warm (None)."""
-        free = None if backup_only else self._placement(p.hardware)
+        mine = next((k for k, v in self._reservations().items() if v == p.peer_id), None)
+        free = None if backup_only else mine if mine is not None else self._placement(p.hardware, p.peer_id)
         if free is None:
             p.state, p.stage = BACKUP, self._warm_stage(p.hardware)
             return None
@@ -103,20 +114,28 @@ class Seating:
         """The lanes with every stage's slot filled (only those train), in order."""
         return sorted(r for r in self.lanes() if all((st, r) in self.slots for st in range(self.stages)))
 
-    def _placement(self, hw: HardwareProfile | None) -> Slot | None:
-        """Where a newcomer goes: the first free slot of the lowest lane, the busiest stage (most parameters) first,
-        among the stages it has the memory for (None: no such slot): a slot of a part-filled lane, or of one of the
-        run's starting lanes (with several stages, only before training begins: an empty lane is re-formed from the
-        pool, whole, by `fill_free_slots`; and new lanes beyond the starting ones by `grow`)."""
+    def _placement(self, hw: HardwareProfile | None, peer_id: str = "") -> Slot | None:
+        """Where a newcomer goes: a free slot of the lowest lane, the busiest stage (most parameters) first unless
+        the placer finds another of that lane's free slots cheaper, among the stages it has the memory for (None: no
+        such slot): a slot of a part-filled lane, or of one of the run's starting lanes (with several stages, only
+        before training begins: an empty lane is re-formed from the pool, whole, by `fill_free_slots`; and new lanes
+        beyond the starting ones by `grow`)."""
         m = self.ctx.manifest
         lanes_in_use = self.lanes()
-        free = [(r, -m.stage_params(st), st) for st in range(self.stages) if self._fits(hw, st)
-                for r in range(self.replicas) if (st, r) not in self.slots
-                if r in lanes_in_use or (r < self.starting and (self.stages == 1 or not self._training()))]
+        kept = self._reservations()
+        free = sorted((r, -m.stage_params(st), st) for st in range(self.stages) if self._fits(hw, st)
+                      for r in range(self.replicas) if (st, r) not in self.slots and (st, r) not in kept
+                      if r in lanes_in_use or (r < self.starting and (self.stages == 1 or not self._training())))
         if not free:
             return None
-        r, _, st = min(free)
-        return st, r
+        lane = free[0][0]
+        return self.placer.choose_slot(peer_id, [(st, r) for r, _, st in free if r == lane], self.slots)
+
+    def _reservations(self) -> dict[Slot, str]:
+        """The kept slots still empty (none once training has begun: then anyone may fill them)."""
+        if not self.reserved or self._training():
+            return {}
+        return {k: v for k, v in self.reserved.items() if k not in self.slots}
 
     def _warm_stage(self, hw: HardwareProfile | None) -> int:
         """The stage a new backup keeps warm: the one with the fewest backups among those it fits (the lowest on
@@ -163,11 +182,10 @@ class Seating:
         peers = [pid for pid in (table.group_members(stage) if table else ())]
         peers += [pid for (st, r), pid in self.slots.items() if r == lane and abs(st - stage) == 1]
         by_id = {b.peer_id: b for b in ready}
-        for pid in rank_for_dialed_roles([b.peer_id for b in ready], reach):
-            mine = reach.get(pid, Reach())
-            if all(direct_possible(mine, reach.get(q, Reach())) for q in peers if q != pid):
-                return by_id[pid]
-        return None
+        fitting = [pid for pid in rank_for_dialed_roles([b.peer_id for b in ready], reach)
+                   if all(direct_possible(reach.get(pid, Reach()), reach.get(q, Reach())) for q in peers if q != pid)]
+        chosen = self.placer.choose_backup(key, fitting, self.slots)  # the first unless another is cheaper
+        return by_id[chosen] if chosen is not None else None
 
     def _promote_into(self, key: Slot, failed: str, table: AssignmentTable | None) -> bool:
         b = self._best_backup(key, table)
@@ -179,15 +197,40 @@ class Seating:
         log.info("promoted backup %s into %s (was %s)", b.peer_id, slot_name(*key), failed)
         return True
 
+    # -- a move to a better placement ------------------------------------------------------------------------
+    def apply(self, change: Change, expected: dict[Slot, str]) -> list[int]:
+        """Apply a placer's move, planned on the seats `expected`: slots take their new holders (a backup taking
+        one becomes active, keeping that stage warm from now on), displaced providers go to the backup pool
+        keeping their old stage warm. Refused (nothing changes, [] returned) when the seats changed meanwhile or
+        a provider it names is no longer live. Returns the stages whose group changed."""
+        live = {p for p, q in self.providers.items() if q.state in (ACTIVE, BACKUP) and not q.suspect}
+        if any(self.slots.get(k) != v for k, v in expected.items()) or not set(change.assign.values()) <= live:
+            log.info("re-plan dropped: the seats changed while it was planned")
+            return []
+        old = {k: self.slots.get(k) for k in change.assign}
+        for key, pid in change.assign.items():
+            self.slots[key] = pid
+            seated = self.providers[pid]
+            seated.state, seated.stage = ACTIVE, key[0]
+            self.empty_since.pop(key, None)
+        for pid in change.to_pool:
+            p = self.providers.get(pid)
+            if p is not None and self.slot_of(pid) is None:
+                was = next((k for k, v in old.items() if v == pid), None)
+                p.state, p.stage = BACKUP, was[0] if was is not None else p.stage
+        log.info("re-planned: %s; %s", ", ".join(f"{slot_name(*k)} {(old[k] or '-')[-8:]} -> {v[-8:]}"
+                                                   for k, v in sorted(change.assign.items())), change.why)
+        return sorted({k[0] for k in change.assign})
+
     # -- each liveness check ---------------------------------------------------------------------------------
     def fill_free_slots(self, table: AssignmentTable | None) -> list[int]:
         """Backups into free slots of part-filled lanes and of the starting lanes: with one stage, any such slot;
         with several, a lane only when every free slot of it can be filled at once (a part-filled lane cannot
         train). Returns the stages whose group changed."""
-        changed = []
+        changed, kept = [], self._reservations()
         in_use = self.lanes()
         for r in range(self.replicas):
-            free = [(st, r) for st in range(self.stages) if (st, r) not in self.slots]
+            free = [(st, r) for st in range(self.stages) if (st, r) not in self.slots and (st, r) not in kept]
             if not free or (r not in in_use and r >= self.starting):
                 continue
             if self.stages > 1 and any(self._best_backup(k, table) is None for k in free):
@@ -206,7 +249,10 @@ class Seating:
         while len(self.lanes()) < self.replicas:
             if any(len(self.promotable(st)) <= self.reserve for st in range(self.stages)):
                 break
-            r = min(set(range(self.replicas)) - self.lanes())
+            open_lanes = set(range(self.replicas)) - self.lanes() - {r for _, r in self._reservations()}
+            if not open_lanes:
+                break  # the rest are kept for a resumed run's peers
+            r = min(open_lanes)
             keys = [(st, r) for st in range(self.stages)]
             if any(self._best_backup(k, table) is None for k in keys):
                 break  # no backup of some stage can take a place there now (reachability): the next check retries

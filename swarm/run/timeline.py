@@ -6,6 +6,8 @@ changes at; until then the previous table's group holds. This is the one place t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shoal.protocol.assignment import AssignmentTable
 from shoal.swarm.run.group import Group
 
@@ -36,6 +38,14 @@ def lane_peers(table: AssignmentTable, me: str) -> tuple[str | None, str | None]
     prev = table.slot_peer(stage - 1, lane) if stage > 0 else None
     nxt = table.slot_peer(stage + 1, lane) if stage + 1 < table.stages else None
     return prev, nxt
+
+
+def live_tables(tables: list[AssignmentTable], stage: int, step: int) -> list[AssignmentTable]:
+    """Of `tables` (oldest first), those whose group of `stage` can still act at or after `step`: the newest in
+    force at `step` and those announced for later steps."""
+    tables = [t for t in tables if stage < t.stages]
+    in_force = [t for t in tables if t.switch_step(stage) <= step][-1:]
+    return in_force + [t for t in tables if t.switch_step(stage) > step]
 
 
 class GroupTimeline:
@@ -72,12 +82,20 @@ class GroupTimeline:
                 return t
         return None
 
-    def group_at(self, step: int) -> Group | None:
-        """This node's group for the round of `step`, or None when it holds no slot then."""
-        stage = self.stage()
+    def group_at(self, step: int, stage: int | None = None) -> Group | None:
+        """This node's group of `stage` (default: the stage of its newest slot) for the round of `step`, or None
+        when it holds no slot of that stage then."""
+        stage = self.stage() if stage is None else stage
         t = self.table_at(step, stage) if stage is not None else None
         g = group_of(t, self.me) if t is not None else None
-        return g if g is not None and g.stage == stage else None
+        if t is None or g is None or g.stage != stage:
+            return None
+        switch = t.switch_step(stage)
+        before = self.table_at(switch - 1, stage) if switch > 0 else None
+        if before is None:  # the run's first group, or one whose predecessor this node never saw
+            return g
+        was = set(before.group_members(stage))
+        return replace(g, entering=frozenset(m for m in g.members if m not in was))
 
     def entry(self) -> tuple[int, int, int] | None:
         """(step, stage, replica) of this node's slot in the newest table, or None when it has none: the switch step
@@ -93,6 +111,12 @@ class GroupTimeline:
                 break
             step = older.switch_step(stage)
         return step, stage, slot[1]
+
+    def names_on_lane(self, peer: str, stage: int, lane: int, other_stage: int, step: int) -> bool:
+        """Whether a table whose groups can still act at or after `step` puts `peer` in slot (stage, lane) and this
+        node in slot (other_stage, lane): a lane neighbour this node may link with."""
+        return any(t.slot_peer(stage, lane) == peer and t.slot_peer(other_stage, lane) == self.me
+                   for t in live_tables(self.tables, min(stage, other_stage), step))
 
     def switch_steps(self, table: AssignmentTable) -> set[int]:
         """The steps at which `table`'s groups take effect (members snapshot their state there for joiners)."""

@@ -126,13 +126,23 @@ class Snapshot:
     hash: str
 
     @classmethod
-    def of(cls, state: Any, revision: int, *, copy: bool = True) -> Snapshot:
+    def of(cls, state: Any, revision: int, *, copy: bool = True, hashed: bool = True) -> Snapshot:
         """A snapshot of `state`; its tensors are cloned (training goes on while this is served) unless `copy` is
-        False, for a state that is already a private copy."""
+        False, for a state that is already a private copy. Unless `hashed`, its hash is left for later ("": see
+        `hashed()`), so that a snapshot taken between steps for disk or shards is hashed off the step path."""
         tensors, skeleton = flatten_state(state)
         if copy:
             tensors = {k: v.clone() for k, v in tensors.items()}
-        return cls(tensors=tensors, skeleton=skeleton, revision=revision, hash=state_hash(tensors, skeleton))
+        return cls(tensors=tensors, skeleton=skeleton, revision=revision,
+                   hash=state_hash(tensors, skeleton) if hashed else "")
+
+    def hashed(self) -> Snapshot:
+        """This snapshot with its hash (itself when it has one already); hashing a big state takes a while: call it
+        from a worker thread."""
+        if self.hash:
+            return self
+        return Snapshot(tensors=self.tensors, skeleton=self.skeleton, revision=self.revision,
+                        hash=state_hash(self.tensors, self.skeleton))
 
     def state(self) -> Any:
         return unflatten_state(self.tensors, self.skeleton)

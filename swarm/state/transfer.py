@@ -50,12 +50,15 @@ class StateServer:
     def __init__(self, sh: SwarmHost, provider: Callable[[], Snapshot | None], *, penalties: Penalties | None = None,
                  config: StateTransferConfig = StateTransferConfig(),
                  by_revision: Callable[[int], Snapshot | None] | None = None, protocol: str = STATE_PROTOCOL,
-                 allow: Callable[[str], bool] | None = None):
+                 allow: Callable[[str], bool] | None = None, may_hold: Callable[[int], bool] | None = None):
         self.sh = sh
         self.allow = allow  # whom state is served to (a run's members); None: anyone
         self.refused = 0
         self.provider = provider
         self.by_revision = by_revision  # serves requests for one exact revision (a joining replica's entry point)
+        # whether this server may still come to hold a revision by its own training (None: it may); one it does not
+        # hold and never will it answers with `never`: the server has no say about that revision's state
+        self.may_hold = may_hold
         self.penalties = penalties
         self.config = config
         self.served = 0
@@ -85,13 +88,14 @@ class StateServer:
                     snap = self.by_revision(rev) if self.by_revision is not None else None
                 if snap is None:
                     what = "no state to serve yet" if rev is None else f"revision {rev} is not available"
-                    await write_frame(stream, pack({"ok": False, "e": what}))
+                    never = rev is not None and self.may_hold is not None and not self.may_hold(rev)
+                    await write_frame(stream, pack({"ok": False, "e": what, **({"never": True} if never else {})}))
                     await stream.close()
                     return
                 if only is not None and req["want"] == "state":  # hashing a part takes a while: not on the loop
                     snap = await trio.to_thread.run_sync(snap.only, tuple(only))
                 if req["want"] == "hash":  # what this replica holds, for a joiner to find the majority's state
-                    hsh = await trio.to_thread.run_sync(part_hash, snap, tuple(only or ("",)))
+                    hsh = snap.hash if only is None else await trio.to_thread.run_sync(part_hash, snap, tuple(only))
                     await write_frame(stream, pack({"ok": True, "revision": snap.revision, "hash": hsh}))
                     await stream.close()
                     return
@@ -125,7 +129,9 @@ def part_hash(snap: Snapshot, prefixes: tuple[str, ...]) -> str:
 
 
 # -- pulling ------------------------------------------------------------------------------------------------
-def _check_header(h: Any, config: StateTransferConfig) -> tuple[int, str, Any, list[tuple[str, torch.dtype, tuple, int]]]:
+def check_header(h: Any, config: StateTransferConfig) -> tuple[int, str, Any, list[tuple[str, torch.dtype, tuple, int]]]:
+    """A state header from an untrusted source, checked field by field: (revision, hash, skeleton, tensor entries
+    as (name, dtype, shape, bytes)); StateTransferError on anything off."""
     if not isinstance(h, dict):
         raise StateTransferError("header is not a map")
     if h.get("ok") is not True:
@@ -179,7 +185,7 @@ async def pull_state(sh: SwarmHost, peer_id: str, *, config: StateTransferConfig
                 req["only"] = list(only)
             await write_frame(stream, pack(req))
             header = unpack(await read_frame(stream, config.max_header_bytes), max_bytes=config.max_header_bytes)
-            rev, hsh, skeleton, entries = _check_header(header, config)
+            rev, hsh, skeleton, entries = check_header(header, config)
             if revision is not None and rev != revision:
                 raise StateTransferError(f"asked for revision {revision}, got {rev}")
             if expect_hash is not None and hsh != expect_hash:

@@ -15,6 +15,7 @@ from shoal.node.daemon import Node
 from shoal.protocol.assignment import RUN_RECORD_TYPES, AssignmentTable, BrokerLease
 from shoal.protocol.envelope import open_envelope
 from shoal.protocol.manifest import JoinPolicy, ParallelPlan, RunManifest, SyncSpec
+from shoal.protocol.records import HardwareProfile
 from shoal.protocol.schema import SignedRecord
 from shoal.swarm.net.membership import verified_members
 from shoal.swarm.net.rpc import call
@@ -68,7 +69,7 @@ class Member:
         self.scope.cancel()
 
 
-async def _member(m, join, key, broker, broker_id, secret, admit, task_status) -> None:
+async def _member(m, join, key, broker, broker_id, secret, admit, hardware, task_status) -> None:
     with trio.CancelScope() as scope:
         async with node_with(key, join) as node:
             ctx = run_context(node, m)
@@ -80,7 +81,7 @@ async def _member(m, join, key, broker, broker_id, secret, admit, task_status) -
                 mem = Member(node, ctx, None, b, scope)
                 node.extra_ingest.append(mem.captured.append)
                 if admit:
-                    mem.client = RunClient(ctx, HW, broker_id=broker_id or node.peer_id, secret=secret, config=CCFG,
+                    mem.client = RunClient(ctx, hardware, broker_id=broker_id or node.peer_id, secret=secret, config=CCFG,
                                            broker_config=BCFG, local_broker=b)
                     node.extra_ingest.append(mem.client.on_record)
                     await n.start(mem.client.run)
@@ -90,9 +91,10 @@ async def _member(m, join, key, broker, broker_id, secret, admit, task_status) -
 
 async def start(nursery: trio.Nursery, m: RunManifest, join: list[str] = (), *, key: Ed25519PrivateKey | None = None,
                 broker: bool = False, broker_id: str | None = None, secret: str | None = None,
-                admit: bool = True) -> Member:
-    """An honest member (with `broker`: the run's broker, its own client admitted through it)."""
-    return await nursery.start(_member, m, list(join), key, broker, broker_id, secret, admit)
+                admit: bool = True, hardware: HardwareProfile = HW) -> Member:
+    """An honest member (with `broker`: the run's broker, its own client admitted through it); `hardware`: what it
+    reports at admission."""
+    return await nursery.start(_member, m, list(join), key, broker, broker_id, secret, admit, hardware)
 
 
 class Attacker:
@@ -191,3 +193,10 @@ async def records_held(sh, peer: str) -> list[SignedRecord]:
 
 def table_of(env: bytes) -> AssignmentTable:
     return open_envelope(env, RUN_RECORD_TYPES).record
+
+
+async def owner_broker(nursery: trio.Nursery, replicas: int, **kw) -> tuple[RunManifest, Member]:
+    """A run signed by a fresh owner, and the owner's node hosting its broker (`kw`: start's)."""
+    owner = Ed25519PrivateKey.generate()
+    m = signed_manifest(owner, replicas=replicas)
+    return m, await start(nursery, m, key=owner, broker=True, **kw)

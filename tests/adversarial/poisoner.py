@@ -51,10 +51,13 @@ def heldout_drop(reps, manifest) -> list[float]:
     return [start - r.trainer.evaluate() for r in reps]
 
 
-def serve_lies(sh, real_at, *, malformed: bool = False) -> None:
+def serve_lies(sh, real_at, *, malformed: bool = False, poison: str = "/model/") -> list[str]:
     """Replace a member's state server by a liar: asked for its hash, it reports the real state's (so it counts among
     the majority); asked for the state, it serves another one: the model's weights shifted, with a checksum that
-    matches them (a self-consistent poisoned state), or with `malformed`, bytes that fail their checksum."""
+    matches them (a self-consistent poisoned state), or with `malformed`, a state its own checksum vouches for whose
+    metadata this version cannot read (format 999). `poison`: the tensors shifted (by name prefix: "/optimizer/"
+    poisons the moments alone). Returns the list of peers it served a state to (it grows)."""
+    served: list[str] = []
 
     async def handler(stream) -> None:
         try:
@@ -64,18 +67,21 @@ def serve_lies(sh, real_at, *, malformed: bool = False) -> None:
                 await write_frame(stream, pack({"ok": False, "e": "not yet"}))
             elif req["want"] == "hash":
                 await write_frame(stream, pack({"ok": True, "revision": snap.revision,
-                                                "hash": part_hash(snap, tuple(only or ("",)))}))
+                                                "hash": snap.hash if only is None else part_hash(snap, tuple(only))}))
             else:
                 tensors = {k: v.clone() for k, v in snap.tensors.items() if not only or k.startswith(tuple(only))}
                 for k, v in tensors.items():
-                    if k.startswith("/model/") and v.is_floating_point():
+                    if k.startswith(poison) and v.is_floating_point():
                         v.add_(1.0)
-                hsh = "0" * 64 if malformed else state_hash(tensors, snap.skeleton)
+                skeleton = {**snap.skeleton, "format": 999} if malformed and isinstance(snap.skeleton, dict) \
+                    else snap.skeleton
+                hsh = state_hash(tensors, skeleton)
                 names = sorted(tensors)
                 entries = [[n, dtype_name(tensors[n].dtype), list(tensors[n].shape),
                             tensors[n].numel() * tensors[n].element_size()] for n in names]
                 await write_frame(stream, pack({"ok": True, "revision": snap.revision, "hash": hsh,
-                                                "skeleton": pack(snap.skeleton), "tensors": entries}))
+                                                "skeleton": pack(skeleton), "tensors": entries}))
+                served.append(stream.muxed_conn.peer_id.to_base58())
                 for n in names:
                     if tensors[n].numel():
                         await stream.write(bytes(raw_bytes(tensors[n])))
@@ -84,3 +90,4 @@ def serve_lies(sh, real_at, *, malformed: bool = False) -> None:
             await stream.reset()
 
     sh.set_handler(STATE_PROTOCOL, handler)
+    return served

@@ -16,6 +16,7 @@ from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.state.transfer import StateTransferConfig, StateTransferError, pull_state
 from tests.adversarial.attacker import node_with, records_held, table_of
 from tests.helpers.progress import newest_step, wait_training
+from shoal.node.run.entitled import MAX_STEP_LEAD
 from tests.swarm.test_run_swarm import active, done, make_swarm, write_run
 
 pytestmark = pytest.mark.slow
@@ -51,7 +52,7 @@ async def test_absurd_step_reports_cannot_stall_a_group_change_and_strangers_get
             with pytest.raises(StateTransferError):
                 await pull_state(x.sh, member["peer_id"], config=StateTransferConfig(timeout_s=5.0))
             with trio.fail_after(30):  # every node holds the lie (x's status record claiming step 2^60)
-                while not all(await lie_held(x, r["peer_id"]) for r in s.summary() if r["alive"]):
+                while not all([await lie_held(x, r["peer_id"]) for r in s.summary() if r["alive"]]):
                     await trio.sleep(0.2)
             s.nodes[member["index"]].proc.send_signal(signal.SIGKILL)  # the backup must take its slot
             step_at_kill = newest_step(s)
@@ -103,7 +104,7 @@ def test_a_members_absurd_step_is_clamped_to_a_bounded_lead_and_strangers_do_not
 
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from shoal.node.run.entitled import MAX_STEP_LEAD, Entitlement
+    from shoal.node.run.entitled import Entitlement
     from shoal.protocol.assignment import ACTIVE, AssignmentTable, ProviderEntry, SlotEntry
     from shoal.protocol.records import StatusRecord
     from shoal.swarm.net.identity import peer_id_of
@@ -126,3 +127,35 @@ def test_a_members_absurd_step_is_clamped_to_a_bounded_lead_and_strangers_do_not
     assert e.snapshot_refusal(members[1], 100 + 65, 100) is not None  # outside the window
     refusals = [e.snapshot_refusal(members[1], 101, 100) for _ in range(5)]
     assert refusals[:3] == [None] * 3 and refusals[3] is not None and refusals[3][1]  # the fifth in 10 s: penalized
+
+
+@pytest.mark.own_process
+@pytest.mark.usefixtures("one_torch_thread")
+async def test_one_of_two_members_lying_about_its_step_cannot_stall_a_joiner():
+    """Two members train (real in-process nodes, a real broker); one of them publishes step 2^60 at 10^12 tok/s. A
+    third replica joins: its group change takes effect within a bounded lead of the group's real step (the clamp
+    counts this node's own step: with two members the liar is half the group, not its median), and it enters."""
+    from dataclasses import replace
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from tests.helpers.swarm import running_node, wait_for
+    from tests.swarm.test_run_runtime import manifest, node_config
+
+    owner = Ed25519PrivateKey.generate()
+    m = manifest("allreduce", replicas=3).signed(owner)
+    cfg = node_config(m, 1000, start_wait_s=1.0)  # two members start without waiting for the third
+    async with running_node((), cfg, key=owner) as first, running_node(first.sh.addrs, cfg) as liar:
+        await wait_training([first, liar], 2, 5, 60, "two members to train")
+        status = liar.runtime.status
+        liar.runtime.status = lambda: replace(status(), step=HUGE, tokens_per_s=1e12)
+        await wait_for(lambda: any(e.status_record is not None and e.status_record.step == HUGE
+                                   for e in first.membership.live_peers()), 10, "the lie to reach the broker")
+        at_join = first.runtime.replica.at_step
+        async with running_node(first.sh.addrs, cfg) as joiner:
+            await wait_for(lambda: joiner.runtime.entry is not None and joiner.runtime.entry.entries, 60,
+                           "the joiner to enter the group")
+            lead = joiner.runtime.entry.entries[0]["step"] - at_join
+            print(f"one of two members claims step 2^60: a joiner's group change took effect {lead} steps after "
+                  f"the group's step at its join (the issue measured 4,906,249 before the clamp counted our own)")
+            assert 0 < lead < 4 * MAX_STEP_LEAD  # the clamp (64), the switch lead and the steps its admission took

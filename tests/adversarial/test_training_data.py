@@ -64,3 +64,26 @@ def test_a_network_manifest_names_datasets_only_by_name(source):
     assert data_source(m, RunConfig(manifest=m)) == source  # the volunteer's own manifest file: its own choice
     named = path_manifest(Ed25519PrivateKey.generate(), "hf:roneneldan/TinyStories")
     assert data_source(named, RunConfig(run_id=named.run_id)) == "hf:roneneldan/TinyStories"
+
+
+def test_a_trainer_never_opens_a_path_a_manifest_names_by_itself(tmp_path, monkeypatch):
+    """Whoever builds a Trainer from a manifest alone (a library user, a test, a tool) gets the built-in corpus or
+    a named dataset, never the file the manifest's owner chose; a caller that trusts the path loads it itself."""
+    import builtins
+    import pathlib
+
+    from shoal.node.train.data import load_corpus
+    from shoal.node.train.trainer import Trainer
+
+    private = tmp_path / "volunteer_notes.txt"
+    private.write_text("the volunteer's private notes, never to be trained on\n" * 4000)
+    opened: list[str] = []
+    real_open, real_read = builtins.open, pathlib.Path.read_bytes
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (opened.append(str(f)), real_open(f, *a, **k))[1])
+    monkeypatch.setattr(pathlib.Path, "read_bytes", lambda p: (opened.append(str(p)), real_read(p))[1])
+    m = path_manifest(Ed25519PrivateKey.generate(), str(private))
+    with pytest.raises(ValueError, match="never opens a path a manifest names"):
+        Trainer(m)
+    assert str(private) not in opened
+    t = Trainer(m, corpus=load_corpus(str(private), m.data.heldout_every))  # the caller's own decision
+    assert str(private) in opened and t.corpus.description.startswith(str(private))

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from shoal.swarm.net.penalty import Penalties
-from shoal.swarm.state.agreed import pull_agreed
+from shoal.swarm.state.agreed import NobodyHolds, pull_agreed
 from shoal.swarm.state.snapshot import Snapshot, StateTransferError
-from shoal.swarm.state.transfer import StateServer, StateTransferConfig, part_hash
+from shoal.swarm.state.transfer import StateServer, StateTransferConfig
 from tests.adversarial.poisoner import serve_lies
 from tests.helpers.swarm import bare_host
 
@@ -31,11 +31,12 @@ class LiarFirst:
 
 
 def replica_state(replica: int, *, model_shift: float = 0.0) -> Snapshot:
-    """A replica's state at REV: the group's parameters and synchronized copy, its own data position and RNG."""
+    """What a replica serves at REV: the group's entry state (Trainer.entry_state: every replica's the same, its own
+    parts left out), here the parameters, the optimizer's moments, the synchronized copy and the metadata."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 64, generator=g) + model_shift
-    return Snapshot.of({"model": {"w": w}, "sync": {"g": w.half()}, "data": {"replica": replica},
-                        "rng": torch.randn(8) * replica}, REV)
+    return Snapshot.of({"format": 2, "step": REV, "model": {"w": w}, "optimizer": {"m": w * 0.1},
+                        "sync": {"g": w.half()}, "data": {"position": 4 * REV}}, REV)
 
 
 @pytest.mark.parametrize("malformed", [False, True], ids=["poisoned", "malformed"])
@@ -49,11 +50,11 @@ async def test_a_source_lying_about_its_state_is_penalised_and_the_majoritys_sta
         liar = servers[2]
         serve_lies(liar, lambda r: states[2] if r == REV else None, malformed=malformed)
         pen = Penalties()
-        got = await pull_agreed(client, [s.peer_id for s in servers], revision=REV, agree_on=("/model/", "/sync/"),
-                                penalties=pen, config=CFG, rng=LiarFirst({liar.peer_id}))
-        assert part_hash(got, ("/model/", "/sync/")) == part_hash(states[0], ("/model/", "/sync/"))
+        got = await pull_agreed(client, [s.peer_id for s in servers], revision=REV, penalties=pen, config=CFG,
+                                rng=LiarFirst({liar.peer_id}))
+        assert got.hash == states[0].hash  # the whole state: model, optimizer, synchronizer, metadata
         assert torch.equal(got.tensors["/model/w"], states[0].tensors["/model/w"])  # an honest replica's
-        assert "claimed the majority's hash" in pen.reasons(liar.peer_id)[0]
+        assert "claimed the agreed hash" in pen.reasons(liar.peer_id)[0]
         assert not any(pen.reasons(s.peer_id) for s in servers[:2])
 
 
@@ -66,9 +67,62 @@ async def test_a_source_off_the_majority_is_never_used_and_without_a_majority_no
             StateServer(sh, lambda: None, by_revision=lambda r, snap=snap: snap)
         ids = [s.peer_id for s in servers]
         pen = Penalties()
-        got = await pull_agreed(client, ids, revision=REV, agree_on=("/model/",), penalties=pen, config=CFG,
-                                rng=LiarFirst({ids[2]}))
+        got = await pull_agreed(client, ids, revision=REV, penalties=pen, config=CFG, rng=LiarFirst({ids[2]}))
         assert torch.equal(got.tensors["/model/w"], honest.tensors["/model/w"])
-        with pytest.raises(StateTransferError, match="no majority"):  # one of each: no state is the group's
-            await pull_agreed(client, [ids[0], ids[2]], revision=REV, agree_on=("/model/",), penalties=pen,
+        with pytest.raises(StateTransferError, match="no majority"):  # one of three members answers: no majority
+            await pull_agreed(client, [ids[2]], revision=REV, voters=3, penalties=pen, config=CFG)
+
+
+async def test_a_member_that_will_not_train_to_the_revision_has_no_say_one_still_training_holds_the_pull():
+    """A member asked for a revision it does not hold: one that will not come to hold it by training (a backup, a
+    restarted node, a member itself entering or re-fetching there) has no say, so the others decide (when none of
+    those asked has one, the pull says so: NobodyHolds); one still training toward it counts against every hash
+    until it gets there (nothing loads on one member's word)."""
+    held = replica_state(0)
+    async with AsyncExitStack() as stack:
+        holder, pulling, training = [await stack.enter_async_context(bare_host()) for _ in range(3)]
+        client = await stack.enter_async_context(bare_host([s.addrs[0] for s in (holder, pulling, training)]))
+        StateServer(holder, lambda: None, by_revision=lambda r: held if r == REV else None)
+        StateServer(pulling, lambda: None, by_revision=lambda r: None, may_hold=lambda r: False)
+        StateServer(training, lambda: None, by_revision=lambda r: None, may_hold=lambda r: r >= REV)
+        pen = Penalties()
+        got = await pull_agreed(client, [holder.peer_id, pulling.peer_id], revision=REV, voters=2, penalties=pen,
+                                config=CFG)
+        assert got.hash == held.hash
+        with pytest.raises(NobodyHolds):  # nobody asked holds it or trains toward it: a re-fetch stops waiting
+            await pull_agreed(client, [pulling.peer_id], revision=REV, voters=1, penalties=pen, config=CFG)
+        with pytest.raises(StateTransferError, match="no majority of 2 members"):
+            await pull_agreed(client, [holder.peer_id, training.peer_id], revision=REV, voters=2, penalties=pen,
                               config=CFG)
+        assert not any(pen.reasons(s.peer_id) for s in (holder, pulling, training))
+
+
+@pytest.mark.parametrize("method", ["allreduce", "cocktail", "diloco-e3m0"])
+async def test_every_replica_serves_the_same_whole_entry_state_and_a_joiner_loads_the_group_state(method):
+    """What a group serves an entering replica is its whole state (model, optimizer, synchronizer state, metadata)
+    as entering loads it, bit for bit the same on every replica, so one hash a strict majority reports vouches for
+    all of it; loaded by a new replica of another index, it holds the group's synchronized state."""
+    from shoal.node.sync.factory import make_synchronizer
+    from shoal.node.train.checkpoint import CheckpointError
+    from shoal.node.train.control import StepControl
+    from shoal.node.train.trainer import Trainer
+    from tests.adversarial.poisoner import attack_manifest, corpus, run_group
+
+    steps = 6
+    m = attack_manifest(method, steps)
+    reps, _ = await run_group(m, steps, timeout_s=5.0)
+    snaps = [Snapshot.of(r.trainer.snapshot(StepControl(step=steps)), steps) for r in reps]
+    assert len({s.hash for s in snaps}) == 1  # the whole state, skeleton included
+    state = snaps[0].state()
+    assert "rng" not in state and "replica" not in state["data"]  # a replica's own is not passed on
+    sync = make_synchronizer(m, exchange=lambda *a: {}, penalties=Penalties())  # never rounds here
+    joiner = Trainer(m, replica=2, synchronizer=sync, corpus=corpus())
+    joiner.check_entry(state, steps)
+    joiner.load_state_dict(state)
+    joiner.sync.enter(joiner.model)
+    assert joiner.step_count == steps and joiner.sync.state_hash() == reps[0].sync.state_hash()
+    with pytest.raises(CheckpointError, match="its step is not"):
+        joiner.check_entry(state, steps + 1)
+    with pytest.raises(CheckpointError, match="another format"):
+        joiner.check_entry({**state, "format": 999}, steps)
+

@@ -273,3 +273,37 @@ def test_interrupted_during_start_up(tmp_path, sig, when):
     r = subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err)
     assert_one_line(r, Exit.INTERRUPTED, "interrupted")
     assert time.monotonic() - t0 < 10
+
+
+def test_the_readmes_two_nodes_on_one_machine_train_and_a_run_signed_by_another_key_is_explained(tmp_path):
+    """The README's example: the first node runs with the key that signed the run and starts it; the second joins
+    it by id with its own key. A first node with another key is refused (exit 4) with a hint that says which key."""
+    home = tmp_path / "home"
+    a, b, run = tmp_path / "a.key", tmp_path / "b.key", tmp_path / "run.toml"
+    made = shoal(home, "run", "create", "--replicas", "2", "--identity", str(a), "-o", str(run))
+    assert made.returncode == 0, made.stderr
+    run_id = made.stdout.split("run id")[1].split()[0]
+    r = shoal(home, "node", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(b), "--run", str(run))
+    assert_one_line(r, Exit.UNKNOWN_RUN, "only its owner", "hint: start the run's first node with the identity "
+                    "that signed it")
+    procs, outs = [], []
+    try:
+        outs.append(open(tmp_path / "a.out", "w"))
+        procs.append(subprocess.Popen([*SHOAL, "node", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(a),
+                                       "--run", str(run), "--address-file", str(tmp_path / "a.addrs"), "--threads",
+                                       "1", "--steps", "3"], stdout=outs[-1], stderr=subprocess.STDOUT,
+                                      env=env_for(home)))
+        wait_for(lambda: (tmp_path / "a.addrs").exists() or procs[0].poll() is not None, 90, "the first node")
+        addr = (tmp_path / "a.addrs").read_text().split()[0]
+        outs.append(open(tmp_path / "b.out", "w"))
+        procs.append(subprocess.Popen([*SHOAL, "node", "--join", addr, "--identity", str(b), "--run", run_id,
+                                       "--threads", "1", "--steps", "3", "--print-every", "1"], stdout=outs[-1],
+                                      stderr=subprocess.STDOUT, env=env_for(home)))
+        wait_for(lambda: all(re.search(r"step 3/3", (tmp_path / f"{n}.out").read_text()) for n in "ab")
+                 or any(p.poll() is not None for p in procs), 180, "both nodes to train 3 steps")
+        assert all(p.poll() is None for p in procs), [(tmp_path / f"{n}.out").read_text() for n in "ab"]
+    finally:
+        for p in procs:
+            stop(p)
+        for f in outs:
+            f.close()

@@ -156,6 +156,103 @@ def test_every_expected_error_class_exists_and_every_status_is_distinct():
 
 
 # -- logs --------------------------------------------------------------------------------------------------------
+def test_repeated_records_are_kept_to_a_quota_with_a_count(tmp_path):
+    """py-libp2p's repeated warnings (a failed store per peer, a rate limit per message) are written five times,
+    then once an hour with how many were left out; other kinds are unaffected; -vv keeps everything."""
+    import logging
+
+    from shoal.node.cli.logquota import Quota, kind_of
+    from shoal.node.cli.logs import LogFile
+
+    now = [0.0]
+    handler = LogFile(0, quota=Quota(burst=5, period_s=3600, clock=lambda: now[0]))
+    handler.open(tmp_path / "node.log")
+    lib = logging.getLogger("libp2p.kad_dht.value_store")
+    lib.addHandler(handler)
+    lib.propagate = False
+    try:
+        for i in range(100):
+            now[0] = i
+            lib.warning("Failed to store value at peer 12D3KooW%s: dial /ip4/127.0.0.1/tcp/%d failed",
+                        "AbCdEfGhJkLmNpQrStUvWxYz" + "abcdefgh"[i % 8], 40000 + i)
+        lib.warning("IHAVE rate limit exceeded for peer 12D3KooWAbCdEfGhJkLmNpQrStUvWxYz on topic shoal")
+        now[0] = 4000.0
+        lib.warning("Failed to store value at peer 12D3KooWZyXwVuTsRqPnMkJhGfEdCbA1: dial /ip4/10.0.0.1/tcp/1 failed")
+        for _ in range(3):
+            lib.warning("Failed to store value at peer 12D3KooWZyXwVuTsRqPnMkJhGfEdCbA1: refused")
+    finally:
+        lib.removeHandler(handler)
+        lib.propagate = True
+    handler.close()
+    lines = (tmp_path / "node.log").read_text().splitlines()
+    stores = [ln for ln in lines if "Failed to store value" in ln and "dial" in ln]
+    assert len(stores) == 6 and stores[-1].endswith("[95 more like this left out since the last one written]")
+    assert sum("IHAVE rate limit" in ln for ln in lines) == 1
+    assert sum("refused" in ln for ln in lines) == 3  # another kind: its own quota
+    assert kind_of(logging.LogRecord("x", 30, "", 0, "peer 12D3KooWAbCdEfGhJkLmNpQrStUvWxYz at /ip4/1.2.3.4/tcp/5",
+                                     None, None))[2] == "peer # at #"
+    assert LogFile(2).quota is None
+
+
+def test_a_librarys_record_is_one_line_without_its_traceback_below_vv(tmp_path):
+    """py-libp2p logs a connection that arrives while the host shuts down with a LifecycleError traceback, and a
+    failed stream with a multi-line dump: one line each in the log file (-vv keeps them whole); shoal's own records
+    keep their tracebacks."""
+    import logging
+
+    from shoal.node.cli.logs import LogFile
+
+    for verbosity, lines in ((0, 3), (2, 8)):
+        handler = LogFile(verbosity)
+        handler.open(tmp_path / f"v{verbosity}.log")
+        lib, ours = logging.getLogger("libp2p.network.swarm"), logging.getLogger("shoal.test.logs")
+        for lg in (lib, ours):
+            lg.addHandler(handler)
+            lg.propagate = False
+        try:
+            try:
+                raise RuntimeError("Cannot schedule task after service has stopped")
+            except RuntimeError:
+                lib.warning("[ADDCONN_FAIL] add_conn failed for peer X", exc_info=True)
+            lib.error("Failed to open stream to peer X:\n  Timeout: 30s\n  Connection: Yamux")
+            try:
+                raise KeyError("ours")
+            except KeyError:
+                ours.warning("a shoal warning", exc_info=True)
+        finally:
+            for lg in (lib, ours):
+                lg.removeHandler(handler)
+                lg.propagate = True
+        handler.close()
+        text = (tmp_path / f"v{verbosity}.log").read_text()
+        assert len(text.splitlines()) >= lines, text
+        if verbosity == 0:
+            assert "add_conn failed for peer X [RuntimeError: Cannot schedule task after service has stopped]" in text
+            assert "Failed to open stream to peer X: · Timeout: 30s · Connection: Yamux" in text
+            assert text.count("Traceback") == 1 and "KeyError: 'ours'" in text  # shoal's own, in full
+
+
+def test_log_files_rotate_by_size_and_keep_a_bounded_number(tmp_path):
+    import logging
+
+    from shoal.node.cli.logs import LogFile
+
+    handler = LogFile(0, max_bytes=2_000, keep=2)
+    handler.open(tmp_path / "node.log")
+    rec = logging.LogRecord("shoal.test", logging.INFO, __file__, 1, "line %04d " + "x" * 80, None, None)
+    for i in range(100):  # ~12 KB of records
+        rec.args = (i,)
+        handler.emit(rec)
+    handler.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["node.log", "node.log.1", "node.log.2"], files
+    assert all((tmp_path / f).stat().st_size <= 2_000 for f in files)
+    assert "line 0099" in (tmp_path / "node.log").read_text()  # the newest records in the current file
+    numbers = [[int(ln.split("line ")[1][:4]) for ln in (tmp_path / f).read_text().splitlines()]
+               for f in ("node.log.2", "node.log.1", "node.log")]
+    assert sum(numbers, []) == list(range(numbers[0][0], 100)) and numbers[0][0] > 0  # in order; the oldest gone
+
+
 def test_libp2p_messages_go_to_the_log_file_not_the_terminal_unless_verbose(tmp_path):
     """py-libp2p resets its logger when imported (after shoal set logging up): its warnings still land in the log
     file, and on the terminal only with -v."""
@@ -262,6 +359,47 @@ def test_the_swarm_and_peers_tables_fit_80_columns_with_whole_headers():
     lines = _render(runs_table(runs))
     header = next(ln for ln in lines if ln.startswith("id"))
     assert max(map(len, lines)) <= 80 and "…" not in header and "5b7213aa" in lines[3] and "12x2" in lines[3]
+
+
+def test_the_end_of_a_run_counts_lanes_and_tells_each_way_nodes_ended():
+    """A pipeline of 2 stages x 2 lanes has 2 replicas (not 4); the run's held-out loss is the replicas' mean, with
+    their spread; a stop before anyone trained gives no verdict on hashes; exit codes by kind, with the nodes."""
+    from shoal.node.cli.swarm import exits_line, outcome_line, run_summary
+
+    # stopped mid-run, the replicas are a step apart: their hashes are compared at the newest step both hold
+    rows = [dict(index=i, alive=True, slot=f"s{s}r{r}", step=40 + r, state_hash=f"h{s}-{40 + r}",
+                 recent_hashes={str(k): f"h{s}-{k}" for k in range(30, 41 + r)},
+                 eval_loss=(3.0 + r / 10 if s == 1 else None)) for i, (s, r) in enumerate([(0, 0), (1, 0), (0, 1),
+                                                                                           (1, 1)])]
+    rows.append(dict(index=4, alive=True, slot=None, step=0))  # a backup
+    run = run_summary(rows, 60.0, 50.0, stages=2)
+    assert (run["replicas"], run["stages"], run["active_nodes"], run["steps"]) == (2, 2, 4, 40)
+    assert run["hashes_agree"] is True and run["eval_loss"] == 3.05 and run["eval_loss_spread"] == 0.1
+    assert outcome_line(run).startswith("2 replicas of 2 stages reached step 40") and "hashes agree" in outcome_line(run)
+    rows[2]["recent_hashes"]["40"] = "h0-other"
+    assert run_summary(rows, 60.0, 50.0, stages=2)["hashes_agree"] is False
+    starting = run_summary([dict(index=0, alive=True, slot="s0r0", step=0, state_hash=None)], 3.0, None)
+    assert starting["hashes_agree"] is None and outcome_line(starting) == "stopped before any replica trained a step"
+    assert exits_line({0: 0, 1: -9, 2: 0, 3: 0}) == "stopped 4 nodes: 3 exit 0, 1 SIGKILL (node 1)"
+    assert exits_line({0: 0, 1: 2, 2: 2}) == "stopped 3 nodes: 1 exit 0, 2 exit 2 (nodes 1, 2)"
+
+
+def test_old_swarm_folders_are_pruned_keeping_the_last_n(tmp_path):
+    import time
+
+    from shoal.node.cli.swarm import new_swarm_dir
+
+    root = tmp_path / "swarms"
+    for i in range(12):
+        (root / f"2026010{i % 9 + 1}-1200{i:02d}").mkdir(parents=True)
+        os.utime(root / f"2026010{i % 9 + 1}-1200{i:02d}", (1000 + i, 1000 + i))
+    (root / "mine").mkdir()  # not a folder swarm up made: never removed
+    now = time.time()
+    path, removed = new_swarm_dir(root, 10, now)
+    assert [p.name for p in removed] == [f"2026010{i % 9 + 1}-1200{i:02d}" for i in range(3)]  # the oldest three
+    assert len([p for p in root.iterdir() if p.name != "mine"]) == 10 and (root / "mine").exists() and path.exists()
+    again, _ = new_swarm_dir(root, 10, now)  # within the same second: a folder of its own
+    assert again != path and again.name.startswith(path.name) and again.exists() and path.exists()
 
 
 def _parsers(parser: argparse.ArgumentParser, path: str):

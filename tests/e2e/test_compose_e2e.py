@@ -27,7 +27,8 @@ TIMEOUT_S = 1800
 
 
 def compose(engine: DockerEngine, *args: str, timeout_s: float = 300.0, env: dict | None = None) -> str:
-    r = subprocess.run(["docker-compose", "-f", str(COMPOSE_FILE), "-p", PROJECT, *args],
+    """compose/shoal-compose, as the README runs it (with Debian's docker-compose v1.29 here)."""
+    r = subprocess.run([str(ROOT / "compose" / "shoal-compose"), "-p", PROJECT, *args],
                        env={**engine.env, **(env or {})}, capture_output=True, text=True, timeout=timeout_s)
     if r.returncode != 0:
         raise AssertionError(f"docker-compose {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n"

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig
+from tests.helpers.processes import alive, children
 
 pytestmark = pytest.mark.slow
 
@@ -74,3 +75,44 @@ def test_dashboard_shows_a_live_swarm_and_a_killed_node_going(tmp_path):
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
         s.stop()
+
+
+def test_a_killed_swarm_up_closes_its_dashboard_and_gives_the_terminal_back(tmp_path):
+    """`swarm up --dash` in a shell, its supervisor killed with SIGKILL (it can stop nothing): the dashboard closes
+    by itself at once, restores the terminal (no full screen left, no traceback: the shell's prompt works), and the
+    nodes leave by themselves."""
+    import json
+
+    home = tmp_path / "h"
+    session = f"shoal-orphan-{os.getpid()}"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "30",
+                    "env", "-i", f"PATH={os.environ['PATH']}", f"SHOAL_HOME={home}", "PS1=READY$ ", "TERM=xterm",
+                    "bash", "--norc", "--noprofile"], check=True)
+    try:
+        subprocess.run(["tmux", "send-keys", "-t", session,
+                        f"{sys.executable} -m shoal.node.cli swarm up --dash --no-train --nodes 2 --dir {tmp_path / 'w'}",
+                        "Enter"], check=True)
+        wait_screen(session, lambda t: "shoal dash" in t and "2 peers" in t, 120, "the dashboard on the swarm")
+        doc = json.loads((home / "local-swarm.json").read_text())
+        supervisor, nodes = doc["pid"], [n["pid"] for n in doc["nodes"]]
+        dash = [p for p in children(supervisor) if p not in nodes]
+        ui = [c for p in dash for c in children(p)]
+        assert len(dash) == 1 and len(ui) == 1, (dash, ui)
+        os.kill(supervisor, signal.SIGKILL)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10 and any(alive(p) for p in dash + ui):
+            time.sleep(0.1)
+        assert not any(alive(p) for p in dash + ui), "the dashboard outlived its supervisor"
+        closed_s = time.monotonic() - t0
+        subprocess.run(["tmux", "send-keys", "-t", session, "echo terminal-$((20+22))", "Enter"], check=True)
+        text = wait_screen(session, lambda t: "terminal-42" in t, 10, "the shell to answer")
+        alternate = subprocess.run(["tmux", "display", "-p", "-t", session, "#{alternate_on}"], capture_output=True,
+                                   text=True).stdout.strip()
+        assert alternate == "0", "the dashboard left the terminal in its full screen"
+        assert "Traceback" not in text, text
+        while time.monotonic() - t0 < 20 and any(alive(p) for p in nodes):
+            time.sleep(0.1)
+        assert not any(alive(p) for p in nodes), "nodes outlived their supervisor"
+        print(f"dashboard closed {closed_s:.1f} s and nodes gone {time.monotonic() - t0:.1f} s after the SIGKILL")
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

@@ -215,3 +215,16 @@ def test_run_create_if_missing_keeps_the_first_manifest(tmp_path):
     (tmp_path / "run.toml").write_text(text.replace("replicas = 2", "replicas = 3"))  # no longer what was signed
     bad = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and "not a valid manifest" in bad.stderr
+
+
+def test_a_private_listen_address_needs_nothing_configured_as_the_readme_says(monkeypatch):
+    """Behind a home router a node needs nothing configured (relays, hole punching): doctor says so and offers port
+    forwarding only as an option, as the README's NAT section does."""
+    from shoal.node.doctor import checks
+    from shoal.swarm.net import addresses
+
+    monkeypatch.setattr(addresses, "local_ipv4", lambda: ["127.0.0.1", "192.168.1.20"])
+    c = checks.check_listen("/ip4/0.0.0.0/tcp/0")
+    assert c.verdict == "info" and "nothing to configure" in c.summary and c.fix.startswith("optional: ")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "### Behind a home router (NAT)\n\nNothing to configure." in readme

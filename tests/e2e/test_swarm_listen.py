@@ -11,13 +11,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from shoal.bench import netns
-from tests.e2e.test_cli_errors import stop
+from tests.e2e.test_cli_errors import stop, wait_for
 
 pytestmark = pytest.mark.slow
 SHOAL = [sys.executable, "-m", "shoal.node.cli"]
@@ -25,15 +24,13 @@ JOIN_LINE = re.compile(r"volunteers join from another machine with: (shoal node 
 
 
 def wait(pred, timeout_s: float, what: str, *logs: Path):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.3)
-    tails = "\n".join(f"--- {p}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
-                      for p in logs if p.exists())
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{tails}")
+    """wait_for, and on a timeout the last lines of `logs`."""
+    try:
+        return wait_for(pred, timeout_s, what)
+    except AssertionError as e:
+        tails = "\n".join(f"--- {p}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+                          for p in logs if p.exists())
+        raise AssertionError(f"{e}\n{tails}") from None
 
 
 def recent(path: Path, key: str) -> dict[int, object]:

@@ -6,10 +6,13 @@ Deterministic: fixed peer ids, fixed times from T0, no randomness. `SCENARIO` is
 
 from __future__ import annotations
 
+from shoal.protocol import manifest as mf
 from shoal.protocol.records import Announcement, HardwareProfile, LeaveNotice, StatusRecord
 
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
 END = T0 + 44.0
+MANIFEST = mf.RunManifest.default("tiny", name="scenario", plan=mf.ParallelPlan(
+    replicas=3, sync=mf.SyncSpec(method="cocktail")))  # what the observer fetched (unsigned: the view trusts its feed)
 
 BROKER = "12D3KooWBrokerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 A1 = "12D3KooWActive1BBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
@@ -17,7 +20,7 @@ A2 = "12D3KooWActive2CCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCC"
 A3 = "12D3KooWActive3DDDDDDDDDDDDDDDDDDDDDDDDDDDDDDDDDDD"
 K1 = "12D3KooWBackup1EEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEEE"
 K2 = "12D3KooWBackup2FFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFF"
-RUN = "run-7f3a9c2e1b"
+RUN = MANIFEST.run_id
 
 HARDWARE = {
     BROKER: HardwareProfile(device_kind="cpu", device_name="EPYC 7443", memory_bytes=64 << 30,
@@ -43,6 +46,7 @@ def announcement(pid: str, at: float) -> Announcement:
 
 def _scenario() -> list[tuple[float, object]]:
     out: list[tuple[float, object]] = [(T0 + 0.1 * i, announcement(pid, T0)) for i, pid in enumerate(HARDWARE)]
+    out.append((T0 + 2.0, MANIFEST))
     seq = dict.fromkeys(HARDWARE, 0)
 
     def status(pid: str, t: float, **kw) -> None:
@@ -66,13 +70,13 @@ def _scenario() -> list[tuple[float, object]]:
             status(pid, t + 0.1 * (i + 1), role="active", state="training", slot=slots.get(pid, "s0r1"),
                    step=step, loss=round(loss + 0.01 * i, 4), eval_loss=evl, tokens_per_s=speed[pid],
                    up_bytes_per_s=1.25e6, down_bytes_per_s=1.3e6, bytes_sent=int(1.25e6 * 2 * tick),
-                   bytes_recv=int(1.3e6 * 2 * tick), compression_ratio=117.0, state_hash=f"{step:08x}beef",
-                   error=err)
+                   bytes_recv=int(1.3e6 * 2 * tick), compression_ratio=117.0, ratio_now=17.0,
+                   state_hash=f"{step:08x}beef", error=err)
         if tick < 14:
             status(K1, t + 0.6, role="backup", state="ready", step=step, up_bytes_per_s=0.0,
-                   down_bytes_per_s=4.0e5)
+                   down_bytes_per_s=4.0e5, warm_stage=0)
         status(K2, t + 0.7, role="backup", state="syncing", step=max(step - 30, 0), down_bytes_per_s=8.0e5,
-               error="checkpoint pull from s0r0 failed: connection reset" if tick == 3 else None)
+               warm_stage=0, error="checkpoint pull from s0r0 failed: connection reset" if tick == 3 else None)
         if tick == 17:
             out.append((t + 0.9, LeaveNotice(peer_id=A3, time=t + 0.9, reason="operator pressed Ctrl+C")))
     out.sort(key=lambda x: x[0])

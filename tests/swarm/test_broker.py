@@ -9,7 +9,7 @@ import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.protocol.assignment import ACTIVE, BACKUP, DRAINING, GONE
+from shoal.protocol.assignment import ACTIVE, BACKUP, DRAINING, GONE, AdmitRequest
 from shoal.protocol.manifest import JoinPolicy, ParallelPlan, RunManifest, SyncSpec
 from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig
 from shoal.swarm.run.context import RunContext
@@ -240,17 +240,41 @@ async def test_a_majority_of_offence_reports_evicts_and_a_live_missing_member_re
         t = b.broker.table
         assert t.provider_state(c.node.peer_id) == GONE and t.slot_of(d.node.peer_id) is not None
         assert b.node.penalties.is_banned(c.node.peer_id)  # and it cannot come straight back
+        # nor once its ban lapses: evicted for the rest of the run, by this broker and by a standby taking over
+        assert t.evicted == (c.node.peer_id,)
+        ans = await b.broker.admit(c.node.peer_id, AdmitRequest(run_id=m.run_id, hardware=HW))
+        assert not ans.admitted and "evicted" in ans.error and t.provider_state(c.node.peer_id) == GONE
+        assert list(Broker.from_table(b.ctx, REPORTS_ONLY, t).evicted) == [c.node.peer_id]
+        await wait_for(lambda: c.client.evicted() and not c.client.admitted, 10, "the evicted node to stop asking")
         n.cancel_scope.cancel()
 
 
+def publishes_step(mem: Member, run_id: str, step: int) -> None:
+    """The member's status records now say it trains `run_id` at `step` (as a training node's do)."""
+    from types import SimpleNamespace
+
+    from shoal.protocol.records import RunStatus
+
+    mem.node.runtime = SimpleNamespace(client=None, status=lambda: RunStatus(
+        run_id=run_id, role="active", state="training", step=step))
+
+
 async def test_a_member_that_keeps_missing_rounds_is_moved_to_the_backup_pool():
-    cfg = replace(REPORTS_ONLY, straggler_misses=3, straggler_window_s=60.0, demote_hold_s=60.0)
+    """Two members: reports alone do not count (one member's word against the other's); the broker's own
+    measurement does: the slow member's signed steps lag the other's."""
+    cfg = replace(REPORTS_ONLY, straggler_misses=3, straggler_window_s=60.0, demote_hold_s=60.0, corroborate_s=0.0)
     m = manifest(replicas=2)
     async with trio.open_nursery() as n:
         b = await start(n, m, broker=True, bcfg=cfg)
         addrs, bid = b.node.sh.addrs, b.node.peer_id
         slow = await start(n, m, addrs, broker_id=bid)
         spare = await start(n, m, addrs, broker_id=bid)  # the backup
+        b.ctx.step = lambda: 40  # the broker's node trains at step 40 ...
+        publishes_step(slow, m.run_id, 30)  # ... and the slow member signs that it is at step 30
+        await wait_for(lambda: all(e.status_record is not None and e.status_record.step == 30
+                                   for e in b.node.membership.live_peers() if e.peer_id == slow.node.peer_id)
+                       and any(e.peer_id == slow.node.peer_id for e in b.node.membership.live_peers()), 10,
+                       "the slow member's status")
         for _ in range(2):  # it answers its ping: the first misses re-form the group around it
             assert await b.client.report_missing([slow.node.peer_id], epoch=b.broker.epochs[0], stage=0)
             assert b.broker.table.slot_of(slow.node.peer_id) is not None

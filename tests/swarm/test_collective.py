@@ -78,3 +78,25 @@ async def test_garbage_and_oversized_messages_penalize_the_sender():
         await s.close()
         await wait_for(lambda: pens[0].is_banned(c), 5, "c banned")
         assert colls[0]._inbox == {} and colls[0].bytes_recv == 0
+
+
+async def test_a_leaving_node_ends_its_round_at_once_not_at_the_deadline():
+    """close() (the node is leaving): an exchange waiting for a peer returns now with what it has, and a later one
+    returns at once; a trainer thread blocked in the round is freed, so leaving takes no round deadline."""
+    async with AsyncExitStack() as stack:
+        hosts, _, colls = await three_hosts(stack)
+        a, b, c = (h.peer_id for h in hosts)
+        out = {}
+
+        async def waiting():
+            out["r"] = await colls[0].exchange("t/close", {a: b"self", b: b"x"}, {a, b, c}, timeout_s=30)
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:
+            n.start_soon(waiting)
+            await trio.sleep(0.5)
+            colls[0].close()
+        assert trio.current_time() - t0 < 3 and out["r"] == {a: b"self"}
+        t1 = trio.current_time()
+        assert await colls[0].exchange("t/after", {a: b"s"}, {a, b}, timeout_s=30) == {a: b"s"}
+        assert trio.current_time() - t1 < 1

@@ -172,7 +172,8 @@ async def test_credit_window_blocks_the_sender_until_the_receiver_consumes():
 
 async def test_deadlines_dial_failures_and_refusals_raise_link_error():
     async with AsyncExitStack() as stack:
-        hosts, pens, hubs = await chain(stack, 2, config=replace(FAST, recv_timeout_s=0.3, dial_timeout_s=0.5))
+        hosts, pens, hubs = await chain(stack, 2, config=replace(FAST, recv_timeout_s=0.3, dial_timeout_s=0.5,
+                                                                open_timeout_s=1.5))
         peers = [h.peer_id for h in hosts]
         s1 = hubs[1].open(spec(1, peers))
         t0 = trio.current_time()
@@ -180,11 +181,15 @@ async def test_deadlines_dial_failures_and_refusals_raise_link_error():
             await s1.recv_act(0, 0)
         assert e.value.cause == LinkError.DEADLINE and e.value.peer == peers[0]
         assert 0.25 < trio.current_time() - t0 < 2
-        # lane 1 of the run is not open on hosts[1]: refused (no penalty), retried until the dial deadline
+        # lane 1 of the run is not open on hosts[1]: refused (no penalty), retried past one dial's deadline until
+        # open_timeout_s
         s0 = hubs[0].open(spec(0, peers, lane=1))
+        t0 = trio.current_time()
         with pytest.raises(LinkError) as e:
             await s0.send_act(0, 0, list(range(B)), acts(0, 0))
         assert e.value.cause == LinkError.DIAL and "refused" in str(e.value)
+        assert 1.0 < trio.current_time() - t0 < 3, trio.current_time() - t0
+        assert 3 <= hubs[1].refused <= 8, hubs[1].refused  # growing intervals: 0.1, 0.2, 0.4, 0.8 s
         assert not pens[1].reasons(peers[0])
         # a neighbour that is not there at all
         async with bare_host() as gone:
@@ -215,6 +220,58 @@ async def test_a_replacement_that_dials_before_the_survivor_moved_is_refused_unp
             got.append(await moved.recv_act(0, 0))
         assert torch.equal(got[0][1], acts(0, 0))
         assert not pens[1].reasons(new.peer_id)
+
+
+async def test_a_neighbour_that_opens_its_end_after_a_dial_deadline_is_still_reached():
+    """A replacement entering its slot opens its end of the link only once it holds its group's state and its
+    AQ-SGD stores, which may take longer than one dial; its neighbours dialing for the switch step are refused
+    meanwhile and keep dialing (within open_timeout_s), so the lane's step does not fail on that wait."""
+    async with AsyncExitStack() as stack:
+        hosts, pens, hubs = await chain(stack, 2, config=replace(FAST, dial_timeout_s=0.3, open_timeout_s=5.0))
+        peers = [h.peer_id for h in hosts]
+        hubs[1].open(spec(1, peers, lane=1))  # the run is known there; lane 0's end is not open yet
+        s0 = hubs[0].open(spec(0, peers))
+        got: list = []
+        async with trio.open_nursery() as n:
+            n.start_soon(lambda: s0.send_act(0, 0, list(range(B)), acts(0, 0)))
+            await trio.sleep(1.0)  # three dial deadlines: the dialer is refused and still dialing
+            assert hubs[1].refused >= 3
+            s1 = hubs[1].open(spec(1, peers))
+            got.append(await s1.recv_act(0, 0))
+        assert torch.equal(got[0][1], acts(0, 0))
+        assert not pens[1].reasons(peers[0])
+
+
+async def test_dialing_a_refusing_neighbour_stops_when_the_step_is_given_up_or_the_node_leaves():
+    async with AsyncExitStack() as stack:
+        hosts, _, hubs = await chain(stack, 2, config=replace(FAST, dial_timeout_s=0.3, open_timeout_s=30.0))
+        peers = [h.peer_id for h in hosts]
+        hubs[1].open(spec(1, peers, lane=1))  # lane 0's end never opens there
+
+        async def abort(end) -> None:
+            await end.abort(0, "given up here")
+
+        async def halt(end) -> None:
+            end.halt("this node is leaving the run")
+
+        for stop in (abort, halt):
+            s0 = hubs[0].open(spec(0, peers))
+            got: list[LinkError] = []
+
+            async def send(end=s0) -> None:
+                try:
+                    await end.send_act(0, 0, list(range(B)), acts(0, 0))
+                except LinkError as e:
+                    got.append(e)
+            t0 = trio.current_time()
+            async with trio.open_nursery() as n:
+                n.start_soon(send)
+                await trio.sleep(0.5)
+                assert not got  # still dialing
+                await stop(s0)
+            assert [e.cause for e in got] == [LinkError.ABORTED], got
+            assert trio.current_time() - t0 < 3  # not open_timeout_s
+            await s0.aclose()
 
 
 async def test_an_abort_reaches_the_neighbour_at_once():

@@ -47,9 +47,19 @@ def test_two_stages_by_two_lanes_learn_with_equal_stage_hashes_and_bytes_as_the_
     steps = 30
     run, m = write_run(tmp_path / "w", lanes=2)
     s = make_swarm(tmp_path, 4, run, steps)
+    samples: list[tuple[float, float, int]] = []  # a stage-0 node's (time, up/s, link bytes sent) while it trains
+
+    def sample() -> bool:
+        for r in active(s):
+            if stage_of(r) == 0 and r.get("state") == "training" and r.get("link_bytes_sent"):
+                st = s.nodes[r["index"]].status() or {}
+                samples.append((time.monotonic(), st.get("up_bytes_per_s") or 0.0, st.get("link_bytes_sent") or 0))
+                break
+        return done(s, steps, 4)
+
     try:
         s.start()
-        wait(lambda: done(s, steps, 4), 240, "2 stages x 2 lanes to finish", s)
+        wait(sample, 240, "2 stages x 2 lanes to finish", s)
         rows = active(s)
         for stage in (0, 1):  # each stage's replicas hold the same synchronized state
             assert len({r["state_hash"] for r in rows if stage_of(r) == stage}) == 1, rows
@@ -70,6 +80,16 @@ def test_two_stages_by_two_lanes_learn_with_equal_stage_hashes_and_bytes_as_the_
             assert sum(x[other]["payload_bytes"] for x in bwd) == steps * 2 * M * mb * 4, links
             assert all(x[other]["payload_bytes"] == 0 for x in fwd) and all(x[side]["payload_bytes"] == 0
                                                                             for x in bwd), links
+            # what the same tensors weigh at fp32: the fp16 evaluation counts double its payload
+            assert sum(x[side]["fp32_bytes"] for x in fwd) == steps * 2 * M * mb * 4 + 2 * m.eval.batches * mb * 4, \
+                links
+        # a stage's up/s counts its lane links (the dashboard's Wire and Ratio add them up): at least a good part
+        # of the rate its link counter grew at (the rate is smoothed); the synchronizer alone sends ~1 % of it
+        spans = [(a, b) for a in samples for b in samples if b[0] - a[0] >= 1.0 and b[2] > a[2]]
+        assert spans, samples
+        a, b = spans[0]
+        link_rate = (b[2] - a[2]) / (b[0] - a[0])
+        assert max(x[1] for x in samples if x[0] >= a[0]) >= 0.3 * link_rate, (link_rate, samples)
     finally:
         s.stop()
 

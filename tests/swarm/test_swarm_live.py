@@ -142,3 +142,38 @@ async def test_garbage_and_forged_gossip_is_rejected():
         # a and b keep exchanging status
         seq = a.membership.peers[b.peer_id].status_record.seq
         await wait_for(lambda: a.membership.peers[b.peer_id].status_record.seq > seq, 5, "fresh status from b")
+
+
+async def test_a_wildcard_listener_is_known_to_peers_by_dialable_addresses_only():
+    """A node listening on 0.0.0.0 tells its peers (identify) this machine's interface addresses, never 0.0.0.0:
+    peers stored that, and dialed it, reaching whatever listened on that port on their own machine."""
+    from dataclasses import replace
+
+    from libp2p.peer.id import ID
+
+    from tests.helpers.swarm import FAST
+
+    wild = replace(FAST, host=replace(FAST.host, listen="/ip4/0.0.0.0/tcp/0"))
+    async with running_node(config=wild) as a:
+        assert not any("/0.0.0.0/" in x for x in (str(m) for m in a.sh.host.get_addrs()))
+        async with running_node([a.sh.addrs[-1]]) as b:
+            await wait_for(lambda: len(b.sh.host.get_peerstore().addrs(ID.from_base58(a.peer_id))) > 0, 10,
+                           "b to learn a's addresses")
+            await trio.sleep(1.0)  # identify's answer lands after the connection
+            known = [str(m) for m in b.sh.host.get_peerstore().addrs(ID.from_base58(a.peer_id))]
+            assert known and not any("/0.0.0.0/" in m for m in known), known
+
+
+async def test_a_peer_forwarding_many_records_a_second_loses_none():
+    """Every peer forwards every peer's records; py-libp2p dropped all beyond 10 a second from one forwarding peer
+    (and logged a warning each), so a dashboard heard through one peer showed the others stale. 60 records in about a
+    second all arrive."""
+    async with running_node() as a, running_node(a.sh.addrs) as b:
+        await wait_for(lambda: a.peer_id in {e.peer_id for e in b.membership.live_peers()}, 10, "b to see a")
+        got: list[int] = []
+        b.extra_ingest.append(lambda s: got.append(s.record.seq) if s.record.peer_id == a.peer_id
+                              and isinstance(s.record, StatusRecord) and s.record.seq >= 10**15 else None)
+        for i in range(60):
+            await a.publish(seal(StatusRecord(peer_id=a.peer_id, seq=10**15 + i, time=1.7e9 + i), a.key))
+            await trio.sleep(0.015)
+        await wait_for(lambda: len(got) == 60, 10, f"all 60 records (got {len(got)})")

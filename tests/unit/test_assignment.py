@@ -130,3 +130,41 @@ def test_the_group_timeline_follows_each_stages_switch_step():
     assert s.table_at(9, 0) is first and s.table_at(10, 0) is moved and s.table_at(5, 1) is moved
     assert s.group_at(12).epoch == 1 and s.entry() == (0, 1, 0)
     assert s.switch_steps(moved) == {10}
+
+
+def test_a_groups_entering_members_are_those_not_in_the_stages_group_before_its_switch_step():
+    from shoal.swarm.run.timeline import GroupTimeline
+
+    s = GroupTimeline(P1)
+    one = dict(stages=1, replicas=3, standby=None, backups=(), providers=())
+    first = table(version=1, slots=(SlotEntry(stage=0, replica=0, peer_id=P1),
+                                    SlotEntry(stage=0, replica=1, peer_id=P2)), switch_steps=(0,), epochs=(1,), **one)
+    grown = table(version=2, slots=(SlotEntry(stage=0, replica=0, peer_id=P1), SlotEntry(stage=0, replica=1, peer_id=P2),
+                                    SlotEntry(stage=0, replica=2, peer_id=P3)), switch_steps=(20,), epochs=(2,), **one)
+    reformed = dataclasses.replace(grown, version=3, switch_steps=(30,), epochs=(3,))
+    assert s.add(first) and s.group_at(5).entering == frozenset()  # the run's first group: everyone starts fresh
+    assert s.add(grown) and s.group_at(19).entering == frozenset()
+    assert s.group_at(20).entering == frozenset({P3}) and s.group_at(25).entering == frozenset({P3})
+    assert s.add(reformed) and s.group_at(30).entering == frozenset()  # the same members, next epoch
+
+
+def test_a_node_moved_to_another_stage_keeps_its_old_stages_group_until_the_switch_step():
+    # a re-plan swaps this node (P2, s1r0) with P1 (s0r0) from step 10: until step 10 the node still trains stage 1
+    # (its trainer's stage); from step 10 it has no stage-1 group and enters stage 0 (node/run/runtime.py `_train`)
+    from shoal.swarm.run.timeline import GroupTimeline
+
+    s = GroupTimeline(P2)
+    two = dict(stages=2, replicas=1, epochs=(1, 1), standby=None, backups=(), providers=())
+    first = table(version=1, slots=(SlotEntry(stage=0, replica=0, peer_id=P1),
+                                     SlotEntry(stage=1, replica=0, peer_id=P2)), switch_steps=(0, 0), **two)
+    swapped = table(version=2, slots=(SlotEntry(stage=0, replica=0, peer_id=P2),
+                                      SlotEntry(stage=1, replica=0, peer_id=P1)),
+                    switch_steps=(10, 10), **{**two, "epochs": (2, 2)})
+    assert s.add(first) and s.add(swapped)
+    assert s.entry() == (10, 0, 0)
+    assert s.group_at(9) is None  # the newest slot's stage (0): no group of it before step 10
+    old = s.group_at(9, stage=1)
+    assert old is not None and old.stage == 1 and old.members == (P2,) and old.epoch == 1
+    assert s.group_at(10, stage=1) is None  # from the switch step the node holds no stage-1 slot
+    new = s.group_at(10)
+    assert new is not None and new.stage == 0 and new.members == (P2,) and new.epoch == 2

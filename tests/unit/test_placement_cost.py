@@ -179,3 +179,15 @@ def test_a_missing_link_makes_a_placement_that_uses_it_infinitely_slow():
     model = CostModel(net, workload(2, 2))
     assert model.total(np.array([[0, 2], [1, 3]])) == np.inf  # lane 0 sends 0 -> 1
     assert np.isfinite(model.total(np.array([[0, 2], [3, 1]])))  # 0 and 1 share neither a group nor a lane
+
+
+def test_nothing_to_send_costs_nothing_over_a_missing_link():
+    """One lane has no data-parallel bytes: a pair with no usable link prices 0 there, not NaN (0 x inf), with no
+    numpy warning (the test suite turns warnings into errors)."""
+    net = random_network(np.random.default_rng(4), 3)
+    net.bandwidth_bps[0, 1] = net.bandwidth_bps[1, 0] = 0.0
+    model = CostModel(net, Workload(stages=3, lanes=1, grad_bytes=(0.0,) * 3, fwd_bytes=(2e6, 2e6),
+                                    bwd_bytes=(2e6, 2e6), micro_batches=4))
+    assert not np.isnan(model.dp_pair).any() and not np.isnan(model.pp_pair).any()
+    assert np.isfinite(model.total(np.array([[0], [2], [1]])))  # 0 and 1 never talk
+    assert model.total(np.array([[0], [1], [2]])) == np.inf  # 0 -> 1 is a lane hop

@@ -58,6 +58,23 @@ def test_status_record_is_gossip_sized():
     assert len(seal(rec, KEY)) < 1024
 
 
+def test_a_status_with_a_full_loss_history_stays_gossip_sized():
+    """The thinned history a late dashboard draws the run from: 16 training and 16 held-out points of a long run
+    (steps to 10^6, losses in thousandths) cost ~300 bytes on top of a typical record."""
+    from shoal.protocol.records import HISTORY_POINTS
+
+    steps = tuple(range(0, 10**6, 10**6 // HISTORY_POINTS))[:HISTORY_POINTS]
+    base = dict(peer_id=PID, seq=2**40, time=1.7e9, role="active", state="training", run_id="r" * 64, slot="s0r1",
+                step=10**6, loss=2.5, eval_loss=2.6, tokens_per_s=1e4, state_hash="f" * 64, ratio_now=12.5)
+    plain = StatusRecord(**base)
+    full = StatusRecord(**base, history_steps=steps, history_mloss=(65_000,) * len(steps), eval_steps=steps,
+                        eval_mloss=(65_000,) * len(steps))
+    assert open_envelope(seal(full, KEY), RECORD_TYPES).record == full
+    assert full.history()[1] == (steps[1], 65.0)
+    extra = len(seal(full, KEY)) - len(seal(plain, KEY))
+    assert extra < 320 and len(seal(full, KEY)) < 1024, extra
+
+
 def test_link_checkpoints_are_the_last_two_multiples_of_each_grain_and_stay_gossip_sized():
     assert checkpoint_steps(range(200)) == [128, 176, 192, 196]
     assert checkpoint_steps([3, 5]) == [] and checkpoint_steps([4, 8, 12]) == [8, 12]

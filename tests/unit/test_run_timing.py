@@ -218,6 +218,36 @@ def test_round_phases_wait_until_round_start_plus_k_timeouts_on_the_synchronizer
     assert control.missing == {other}  # nothing came from the other member
 
 
+def test_the_first_round_of_an_epoch_waits_longer_for_a_member_entering_it_and_only_that_round():
+    """An entering member pulls revision R once the others got there: its first round gets entry_grace_rounds more
+    round timeouts (docs/architecture.md, "Entering a group"); later rounds, and members that were there, do not."""
+    clock = FakeClock()
+    waits = []
+
+    def exchange(tag, sends, expect, timeout_s):
+        waits.append(round(timeout_s, 6))
+        return dict(sends)  # every member answers at once
+
+    sync = AllReduceSync(exchange=lambda t, s, e, x: {**exchange(t, s, e, x), "new": s["me"]}, penalties=Penalties(),
+                         config=SyncConfig(round_timeout_s=8.0, entry_grace_rounds=2.0), clock=clock)
+    model = torch.nn.Linear(4, 1)
+
+    def round_(step: int, epoch: int, entering: frozenset[str]) -> None:
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        g = Group(run_id="r" * 64, epoch=epoch, members=("me", "new"), me="me", entering=entering)
+        sync.before_optimizer_step(model, None, StepControl(step=step, group=g))
+
+    round_(10, 1, frozenset({"new"}))  # "new" enters at this epoch's first step
+    assert waits == [24.0, 32.0]  # phase 1: 8 + 2 x 8; phase 2: round start + 2 x 8 + 16
+    waits.clear()
+    round_(11, 1, frozenset({"new"}))  # the same epoch's next round: no grace
+    assert waits == [8.0, 16.0]
+    waits.clear()
+    round_(12, 2, frozenset())  # a re-formed group (same members): nobody enters, no grace
+    assert waits == [8.0, 16.0]
+
+
 # -- freezes, leases and restarts (issue 18) ----------------------------------------------------------------------
 def tick(clock: FakeClock, pulse: Pulse, seconds: float) -> None:
     """The event loop running for `seconds`: the pulse ticks every 0.25 s."""

@@ -14,7 +14,7 @@ from textual.widgets import Static
 
 from tests.helpers.tui_scenario import A1, A2, A3, BROKER, END, K1, K2, T0, Clock, play
 
-from shoal.protocol.records import StatusRecord
+from shoal.protocol.records import LeaveNotice, StatusRecord
 from shoal.tui.app import DashApp
 from shoal.tui.events import EventsTable
 from shoal.tui.model import EventKind, Liveness, ViewConfig
@@ -42,10 +42,14 @@ def rows(app: DashApp) -> list[str]:
     return list(app.query_one(PeerTable)._order)
 
 
-def detail_text(app: DashApp) -> str:
+def static_text(app: DashApp, selector: str) -> str:
     console = Console(width=120, record=True, file=io.StringIO())
-    console.print(app.query_one("#peer-detail", Static).content)
+    console.print(app.query_one(selector, Static).content)
     return console.export_text()
+
+
+def detail_text(app: DashApp) -> str:
+    return static_text(app, "#peer-detail")
 
 
 def test_tabs_by_key_and_quit():
@@ -220,3 +224,66 @@ def test_cmd_dash_argument_errors(tmp_path, monkeypatch, capsys):
     assert "no local swarm" in capsys.readouterr().err
     assert shoal_main(["dash"]) == 2
     assert shoal_main(["dash", "--join", "/ip4/127.0.0.1/tcp/1", "--stale-after", "9", "--gone-after", "3"]) == 2
+
+
+# -- a dashboard that tells the truth ------------------------------------------------------------------------------
+def overview_text(app: DashApp) -> str:
+    return static_text(app, "#summary")
+
+
+def test_the_overview_names_the_model_and_plan():
+    async def body(app, pilot, clock):
+        text = overview_text(app)
+        assert "Model    tiny GPT · " in text and "params" in text, text
+        assert "Plan     3 replicas · cocktail" in text, text
+
+    run(body)
+
+
+def test_peers_show_their_loss_the_stage_a_backup_keeps_warm_and_no_figures_once_gone():
+    async def body(app, pilot, clock):
+        table = app.query_one(PeerTable)
+        assert str(table.get_cell(K2, "slot")) == "warm s0"  # a backup: the stage it keeps warm
+        assert str(table.get_cell(A1, "loss")) == f"{app.view.peers[A1].status.loss:.3f}"
+        assert str(table.get_cell(BROKER, "loss")) == "-"
+        for gone in (A2, A3):  # gone and left: no live figures
+            assert str(table.get_cell(gone, "tps")) == "-" and str(table.get_cell(gone, "up")) == "-"
+        assert str(table.get_cell(A1, "tps")) != "-"
+        assert app.sub_title.startswith("4 peers")  # the gone and the departed peer are not counted
+        table.move_cursor(row=rows(app).index(A1), animate=False)
+        await pilot.press("2", "enter")
+        detail = detail_text(app)
+        assert "Loss" in detail and "held-out" in detail and "17.0x now" in detail and "117.0x sync since" in detail
+
+    run(body)
+
+
+def test_the_screen_says_it_is_joining_before_the_first_record():
+    async def body(app, pilot, clock):
+        assert app.sub_title == "joining the swarm as an observer…"
+        app.feed(StatusRecord(peer_id=A1, seq=1, time=T0, role="active"))
+        await pilot.pause()
+        assert app.sub_title.startswith("1 peer · ")
+
+    run(body, until=T0 - 1)
+
+
+def test_a_peers_words_are_shown_as_plain_text_never_as_markup():
+    """An error or a leave reason is a peer's text: markup in it ("[/]" would crash the renderer, "[@click=…]"
+    would run an action) is shown as it is."""
+    async def body(app, pilot, clock):
+        app.feed(StatusRecord(peer_id=A1, seq=10_000, time=END, role="active", error="[/] [@click=app.quit]x[/]"))
+        app.feed(LeaveNotice(peer_id=A1, time=END + 1, reason="[bold]bye[/bold] [/]"))
+        await pilot.press("3")
+        await pilot.pause()
+        events = app.query_one(EventsTable)
+        texts = [str(events.get_row_at(i)[3]) for i in range(2)]
+        assert texts == ["left: [bold]bye[/bold] [/]", "[/] [@click=app.quit]x[/]"], texts
+        await pilot.press("2")
+        table = app.query_one(PeerTable)
+        table.move_cursor(row=rows(app).index(A1), animate=False)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert "[bold]bye[/bold] [/]" in detail_text(app)
+
+    run(body)

@@ -46,9 +46,10 @@ def test_scenario_summary():
     assert s.global_step == 200
     assert s.tokens_per_s == pytest.approx(5200 + 2400)  # A1 + promoted K1; gone/left peers not counted
     assert s.wire_bytes_per_s == pytest.approx(2 * 1.25e6 + 2_000)
-    assert s.uncompressed_bytes_per_s == pytest.approx(2 * 1.25e6 * 117 + 2_000)
+    assert s.uncompressed_bytes_per_s == pytest.approx(2 * 1.25e6 * 17 + 2_000)  # the ratio over the recent window
     assert s.compression == pytest.approx(s.uncompressed_bytes_per_s / s.wire_bytes_per_s)
     assert s.last_loss is not None and s.last_eval_loss is not None
+    assert s.model.startswith("tiny GPT · ") and s.plan == "3 replicas · cocktail"
 
 
 def test_liveness_thresholds_from_the_clock():
@@ -144,17 +145,17 @@ def test_loss_history_is_mean_per_step_and_bounded():
 
 def test_new_record_kind_plugs_in():
     class Assignment:  # stands in for a later record kind
-        def __init__(self, model):
-            self.model = model
+        def __init__(self, plan):
+            self.plan = plan
 
     @SwarmView.register(Assignment)
     def _on_assignment(view, rec, now):
-        view.model = rec.model
+        view.plan = rec.plan
 
     try:
         view = SwarmView()
-        view.feed(Assignment("gpt-small"), T0)
-        assert view.summary(T0).model == "gpt-small"
+        view.feed(Assignment("4 replicas"), T0)
+        assert view.summary(T0).plan == "4 replicas"
     finally:
         del SwarmView.HANDLERS[Assignment]
 
@@ -223,3 +224,83 @@ def test_aqsgd_link_digests_are_judged_against_the_other_end_at_a_common_step():
     console.print(peer_detail(view.peers[A1], T0 + 2))
     text = console.export_text()
     assert "b0/fwd → " in text and "16 rows" in text and "differs" in text
+
+
+# -- issue: a dashboard that tells the truth ----------------------------------------------------------------------
+def test_the_model_row_comes_from_the_runs_manifest():
+    from shoal.protocol import manifest as mf
+
+    m = mf.RunManifest.default("tiny", model=mf.ModelSpec.preset("tiny", tie_embeddings=False),
+                               plan=mf.ParallelPlan(stages=2, replicas=3, sync=mf.SyncSpec(method="diloco")))
+    view = SwarmView()
+    view.feed(st(A1, 1, T0, run_id=m.run_id, role="active", step=1), T0)
+    assert view.summary(T0).model is None
+    view.feed(m, T0)
+    s = view.summary(T0)
+    assert s.model == f"tiny GPT · {fmt.si(m.stage_params(0) + m.stage_params(1))} params"
+    assert s.plan == "2 stages × 3 lanes · diloco"
+    other = mf.RunManifest.default("small")
+    view.feed(other, T0)  # another run's manifest: not this view's run
+    assert view.summary(T0).model.startswith("tiny GPT") and view.records_ignored == 1
+
+
+def test_lane_link_traffic_and_the_ratio_over_the_same_window():
+    """up/s counts a stage's lane links (the node sums them in); the ratio is each node's over its recent window,
+    so a promoted backup's (no warm-up in it) weighs like everyone else's."""
+    view = SwarmView()
+    view.feed(st(A1, 1, T0, role="active", up_bytes_per_s=600_000.0, ratio_now=4.0, compression_ratio=9.8), T0)
+    view.feed(st(K1, 1, T0, role="active", up_bytes_per_s=200_000.0, ratio_now=4.0, compression_ratio=171.3), T0)
+    view.feed(st(A2, 1, T0, role="active", up_bytes_per_s=100.0, compression_ratio=2.0), T0)  # an older node
+    s = view.summary(T0)
+    assert s.wire_bytes_per_s == pytest.approx(800_100.0)
+    assert s.uncompressed_bytes_per_s == pytest.approx(4.0 * 800_000 + 200.0)
+
+
+def test_history_from_before_the_dashboard_and_evals_at_their_steps():
+    """A dashboard that starts at step 300 draws the run from the records' thinned history; each step of each peer
+    counts once however many records repeat it; held-out points sit at the steps they were taken, not at every
+    later step (which drew long flat lines)."""
+    view = SwarmView()
+    hist = dict(history_steps=(0, 100, 200), history_mloss=(5000, 3000, 2500), eval_steps=(100, 200),
+                eval_mloss=(3100, 2600))
+    for seq in (1, 2, 3):  # three records at the same step
+        view.feed(st(A1, seq, T0 + seq, role="active", step=300, loss=2.2, eval_loss=2.6, **hist), T0 + seq)
+    view.feed(st(A2, 1, T0, role="active", step=300, loss=2.4, eval_loss=2.6, **hist), T0)
+    pts = {p.step: p for p in view.loss_history()}
+    assert sorted(pts) == [0, 100, 200, 300]
+    assert pts[0].loss == pytest.approx(5.0) and pts[300].loss == pytest.approx(2.3)  # A1 once, A2 once
+    assert [s for s, p in sorted(pts.items()) if p.eval_loss is not None] == [100, 200]
+    assert pts[200].eval_loss == pytest.approx(2.6)
+    older = SwarmView()  # a node without an eval history: its held-out loss counts when it changes
+    for seq, step, ev in ((1, 10, 3.0), (2, 20, 3.0), (3, 30, 2.9)):
+        older.feed(st(A1, seq, T0, role="active", step=step, loss=3.5, eval_loss=ev), T0)
+    assert [p.step for p in older.loss_history() if p.eval_loss is not None] == [10, 30]
+
+
+def test_status_history_is_checked_on_read():
+    with pytest.raises(ValueError, match="2 values for 3 steps"):
+        st(A1, 1, T0, step=10, history_steps=(1, 2, 3), history_mloss=(1, 2))
+    with pytest.raises(ValueError, match="increase"):
+        st(A1, 1, T0, step=10, eval_steps=(5, 5), eval_mloss=(1, 2))
+    with pytest.raises(ValueError, match="ahead"):
+        st(A1, 1, T0, step=10, eval_steps=(11,), eval_mloss=(1,))
+
+
+def test_a_gone_peer_leaves_the_count():
+    view = played()
+    assert {p.peer_id for p in view.present_peers(END)} == {BROKER, A1, K1, K2}  # A2 gone, A3 left
+
+
+def test_an_old_record_from_a_snapshot_does_not_bring_a_silent_peer_back():
+    """A broker killed: its gossip stops, it turns stale; the observer's next members snapshot carries its last
+    record (newer than any the dashboard got, some of which gossip lost) with that record's age. That is old news,
+    not the peer reporting again; a fresh record is."""
+    view = SwarmView(ViewConfig(stale_after_s=6, gone_after_s=15))
+    view.feed(st(BROKER, 1, T0, role="broker"), T0)
+    view.tick(T0 + 7)
+    assert view.peers[BROKER].liveness is Liveness.STALE
+    events = view.feed(st(BROKER, 2, T0 + 2, role="broker"), T0 + 8, age_s=6.5)  # signed at T0+1.5 by the clock of its arrival
+    assert [e.kind for e in events] == [] and view.peers[BROKER].liveness is Liveness.STALE
+    assert [e.kind for e in view.tick(T0 + 16.6)] == [EventKind.GONE, EventKind.BROKER]  # by its last record's time
+    events = view.feed(st(BROKER, 3, T0 + 17, role="broker"), T0 + 17)  # it really is back (a restart)
+    assert [e.kind for e in events] == [EventKind.BACK, EventKind.BROKER]
