@@ -30,6 +30,9 @@ def swarm(tmp_path):
     made = []
 
     def make(nodes: int, **kw) -> LocalSwarm:
+        # membership only, as `swarm up --no-train` runs it: a node joined without --no-train looks for a run to
+        # join, and a signal before it is up (a run found, or none advertised yet) is an interrupted start (exit 130)
+        kw.setdefault("extra_node_args", ("--no-train",))
         s = LocalSwarm(LocalSwarmConfig(nodes=nodes, workdir=tmp_path / "swarm", home=tmp_path / "home",
                                         status_interval_s=0.5, gone_after_s=4.0, **kw))
         made.append(s)
