@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import signal
 import statistics
 import sys
@@ -110,7 +111,7 @@ def trial(args, n: int) -> dict:
             state_bytes, k, shard_bytes = encodes[-1]["state_bytes"], encodes[-1]["k"], encodes[-1]["shard_bytes"]
             stage = slot.split("r")[0][1:]
             step_s = seen.step_s(victim)  # measured between the first steps seen and now (paced to >= --step-s)
-            t_kill = time.monotonic()
+            t_kill, kill_wall = time.monotonic(), time.time()
             s.nodes[victim].proc.send_signal(signal.SIGKILL)
 
             def trained_again():
@@ -128,7 +129,7 @@ def trial(args, n: int) -> dict:
             took, rev = wait(trained_again, args.timeout, "the lane to train again")
             rep = next(st for st in statuses(s).values() if st.get("slot") == slot)
             rb = rep["recovery"]["rebuilds"][-1]
-            return {"trial": n, "seconds": round(took, 2), "victim_slot": slot, "placed": placed,
+            return {"trial": n, "seconds": round(took, 2), "killed_at": round(kill_wall, 3), "victim": victim, "victim_slot": slot, "placed": placed,
                     "rolled_back_to": rev, "source": rb["source"], "hash_equal": rb["hash"] == placed_hash,
                     "rebuild_s": rb.get("seconds"), "state_bytes": state_bytes, "k": k, "shard_bytes": shard_bytes,
                     "per_holder_limit": state_bytes / k, "status_samples": seen.samples,
@@ -140,6 +141,11 @@ def trial(args, n: int) -> dict:
                     "encode_share": round(max(e["encode_s"] for e in encodes) / (args.snapshot_every * step_s), 5)}
         finally:
             s.stop()
+            if args.keep is not None:  # the nodes' logs and last status files, to read a trial afterwards
+                keep = args.keep / f"trial-{n}"
+                keep.mkdir(parents=True, exist_ok=True)
+                for f in [*wd.glob("node*.log"), *wd.glob("node*.out"), *wd.glob("node*.json")]:
+                    shutil.copy2(f, keep / f.name)
 
 
 def markdown(res: dict, cmd: str) -> str:
@@ -174,6 +180,7 @@ def main() -> None:
     p.add_argument("--step-s", type=float, default=0.2, help="pace: every step takes at least this long")
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--keep", type=Path, default=None, help="copy every trial's node logs and status files here")
     args = p.parse_args()
     cmd = "python bench/bench_stage_loss.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []
