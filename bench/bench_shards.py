@@ -68,14 +68,15 @@ def encode_off_loop(args) -> dict:
     the GIL), alternately; then the loop as long again with no encoding (what the machine does to the tick anyway)."""
     from shoal.bench.shard_peer import state
     from shoal.swarm.state import erasure
-    from shoal.swarm.state.blob import blob_size, snapshot_bytes, snapshot_parts
+    from shoal.swarm.state.blob import snapshot_bytes, snapshot_parts
     from shoal.swarm.state.shards import sha256_hex
 
     snap = state(7, args.state_mb)
 
     def node_path() -> tuple[int, int]:
-        size = blob_size(snap)
-        shards = erasure.encode_parts(snapshot_parts(snap), size, args.k, args.m)
+        parts = list(snapshot_parts(snap))  # as node/run/shards.py encodes
+        size = sum(len(p) for p in parts)
+        shards = erasure.encode_parts(parts, size, args.k, args.m)
         [sha256_hex(s) for s in shards]
         return size, len(shards[0])
 

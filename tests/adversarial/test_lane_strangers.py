@@ -63,7 +63,7 @@ async def test_strangers_and_unnamed_backups_dialing_a_lane_link_are_penalized(t
         async with node_with(join=s.bootstrap_addrs()) as x:
             stranger = await dials(x.sh, victim["peer_id"], m.run_id)
             stranger_id = x.peer_id
-        t1, step1 = trio.current_time(), next(r for r in s.summary() if r["index"] == victim["index"]).get("step")
+        t1, step1 = trio.current_time(), victim_step(s, victim["index"])
         async with trio.open_nursery() as n:
             b = await start(n, m, s.bootstrap_addrs(), broker_id=s.nodes[0].status()["peer_id"])
             assert b.client.role() == "backup"
