@@ -50,7 +50,7 @@ async def run(args) -> dict:
                     step = trainer.step_count
                     if with_ckpt and step % args.every == 0:
                         control = StepControl(step=step)
-                        state = await trio.to_thread.run_sync(trainer.snapshot, control)
+                        state = await trio.to_thread.run_sync(trainer.whole_state, control)
                         snap = Snapshot.of(state, step, copy=False, hashed=False)
                         writer.offer(snap, CheckpointMeta(run_id=m.run_id, stage=0, replica=0, step=step,
                                                           peer_id="bench", state_hash=""))

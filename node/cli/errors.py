@@ -58,7 +58,7 @@ EXPECTED: dict[str, Exit] = {
     "shoal.swarm.net.listen.AddressInUse": Exit.ADDRESS_IN_USE,
     "shoal.node.run.runtime.ResumeError": Exit.USAGE,
     "shoal.node.train.datacheck.DataUnavailable": Exit.INPUTS_UNAVAILABLE,
-    "shoal.node.train.hf.MissingPackage": Exit.INPUTS_UNAVAILABLE,
+    "shoal.node.train.optional.MissingPackage": Exit.INPUTS_UNAVAILABLE,
     "shoal.node.train.tokens.MissingTokenizers": Exit.INPUTS_UNAVAILABLE,
     "shoal.swarm.state.blobs.BlobError": Exit.INPUTS_UNAVAILABLE,
 }

@@ -49,7 +49,7 @@ def model_and_tokenizer(args: argparse.Namespace, tie: bool | None):
     if args.tie_embeddings != "auto":
         raise ValueError("a Hugging Face model's config says whether its head is tied (--tie-embeddings is for the "
                          "built-in GPT)")
-    from shoal.node.train.hf import require_transformers
+    from shoal.node.train.optional import require_transformers
     from shoal.node.train.hfimport import arch_config, config_text, pack_weights, read_model_path
 
     require_transformers()

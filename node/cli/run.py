@@ -323,7 +323,7 @@ def main(args: argparse.Namespace) -> int:
 
         args.data = typed_data(args.data)  # before anything is signed: a path that exists, stored absolute
         from shoal.node.train.datacheck import DataUnavailable
-        from shoal.node.train.hf import MissingPackage
+        from shoal.node.train.optional import MissingPackage
 
         try:
             manifest = build_manifest(args)

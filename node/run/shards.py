@@ -23,7 +23,7 @@ from shoal.protocol.shards import ShardManifest
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.state import erasure
-from shoal.swarm.state.blob import snapshot_bytes
+from shoal.swarm.state.blob import snapshot_parts
 from shoal.swarm.state.shards import (
     Rebuilt, ShardConfig, ShardService, ShardStore, push_shards, recover_stage, sha256_hex, shard_holders)
 from shoal.swarm.state.snapshot import Snapshot
@@ -161,9 +161,10 @@ class StageShards:
     def _encode(self, snap: Snapshot, k: int) -> tuple[Snapshot, int, list, tuple[str, ...]]:
         """Worker thread: the snapshot with its hash, its blob's length, the shards and their hashes."""
         snap = snap.hashed()
-        blob = snapshot_bytes(snap)
-        shards = erasure.encode(blob, k, self.parity)
-        return snap, len(blob), shards, tuple(sha256_hex(s) for s in shards)
+        parts = list(snapshot_parts(snap))  # built once: blob_size would pack the header a second time
+        size = sum(len(p) for p in parts)
+        shards = erasure.encode_parts(parts, size, k, self.parity)
+        return snap, size, shards, tuple(sha256_hex(s) for s in shards)
 
     async def rebuild(self, stage: int, peers: list[str], revision_ok: Callable[[int], bool]) -> Rebuilt:
         """The newest revision of `stage` that k good shards held by `peers` rebuild (NotRecoverable if none)."""

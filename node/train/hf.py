@@ -22,22 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.node.train.optional import require_transformers
 from shoal.protocol.hfconfig import HFShape, parse_config
 from shoal.protocol.manifest import HFModelSpec
-
-HINT = "pip install 'shoal[hf]' (transformers, tokenizers, safetensors, datasets)"
-
-
-class MissingPackage(RuntimeError):
-    """An optional package a run needs is not installed; the message says which and how to install it."""
-
-
-def require_transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise MissingPackage(f"this run's model is a Hugging Face model, which needs `transformers`: {HINT}") from None
-    return transformers
 
 
 def hf_config(spec: HFModelSpec):

@@ -63,7 +63,7 @@ def read_model_path(path: Path) -> HFSource:
 def arch_config(arch: str, *, layers: int, d_model: int, heads: int, kv_heads: int | None = None,
                 ffn: int | None = None, vocab: int, max_positions: int, tie: bool | None = None) -> dict:
     """A config for training from scratch: a family's defaults with these sizes (dropout off)."""
-    from shoal.node.train.hf import require_transformers
+    from shoal.node.train.optional import require_transformers
 
     transformers = require_transformers()
     if arch not in FAMILIES:

@@ -346,6 +346,12 @@ class LinkEnd:
         self._wake()
 
     async def aclose(self) -> None:
+        """Close this end for good (the links are re-formed, the run rolled back, the node stops): a wait in progress
+        fails at once, as after `halt`. Without that, a step waiting on an inbound link whose stream broke in the
+        step before (so the wait expects the neighbour to dial again) sat out its whole receive deadline (60 s) after
+        a rollback, although the rollback closed the links to free it (bench/results/stage_loss.md)."""
+        if self._halted is None:  # a leaving node's own reason stays
+            self.halt("the lane's links were closed here")
         self.services.forget(self)
         for link in self.links:
             stream, link.stream = link.stream, None

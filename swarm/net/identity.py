@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from libp2p.crypto.ed25519 import Ed25519PrivateKey as Libp2pEd25519PrivateKey
-from libp2p.crypto.keys import KeyPair
 
 from shoal.protocol.signing import peer_id_from_public_key, public_key_bytes
+
+if TYPE_CHECKING:
+    from libp2p.crypto.keys import KeyPair
 
 log = logging.getLogger(__name__)
 SEED_BYTES = 32
@@ -60,5 +62,8 @@ def peer_id_of(key: Ed25519PrivateKey) -> str:
 
 def libp2p_key_pair(key: Ed25519PrivateKey) -> KeyPair:
     """The same key in py-libp2p's types, so the libp2p peer id equals `peer_id_of(key)`."""
+    from libp2p.crypto.ed25519 import Ed25519PrivateKey as Libp2pEd25519PrivateKey  # libp2p takes ~1 s to import:
+    from libp2p.crypto.keys import KeyPair  # signing a run (`shoal run create`) does not need it
+
     private = Libp2pEd25519PrivateKey.from_bytes(key.private_bytes_raw())
     return KeyPair(private, private.get_public_key())

@@ -7,12 +7,15 @@ length. zfec releases the GIL while it codes, so a worker thread encodes without
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import zfec
 
 MAX_SHARDS = 256  # zfec's limit on k + m (GF(2^8))
+#: bytes copied per slice while building the padded string in a worker thread: an event loop beside it never waits
+#: on one copy of the whole state (a bytes join holds the GIL ~0.5 ms per MB on a small machine)
+COPY_SLICE = 1 << 20
 
 
 class ErasureError(ValueError):
@@ -41,7 +44,36 @@ def encode(data: bytes | bytearray | memoryview, k: int, m: int) -> list[bytes |
     """The k data shards (views of the padded string) and m parity shards, in index order 0..k+m-1."""
     _check(k, m)
     size = shard_size(len(data), k)
-    padded = memoryview(data) if len(data) == size * k else memoryview(bytes(data) + bytes(size * k - len(data)))
+    if len(data) == size * k:
+        return _encode_padded(memoryview(data), size, k, m)
+    return encode_parts([data], len(data), k, m)
+
+
+def encode_parts(parts: Iterable[bytes | bytearray | memoryview], length: int, k: int, m: int) \
+        -> list[bytes | memoryview]:
+    """`encode` of the concatenation of `parts` (`length` bytes in all), copied once into the padded string, a
+    slice of at most COPY_SLICE bytes at a time by numpy, which releases the GIL (a worker thread encoding a big
+    state then never holds it for long: zfec and hashlib release it too; a bytes join, a bytes + bytes and
+    bytearray(n), which zero-fills, do not)."""
+    _check(k, m)
+    size = shard_size(length, k)
+    buf = np.empty(size * k, dtype=np.uint8)  # not zeroed: every byte is written below
+    at = 0
+    for part in parts:
+        src = np.frombuffer(part, dtype=np.uint8)
+        if at + len(src) > length:
+            raise ValueError(f"the parts hold more than the {length} bytes said")
+        for i in range(0, len(src), COPY_SLICE):  # numpy copies without the GIL; slices bound any wait anyway
+            piece = src[i:i + COPY_SLICE]
+            buf[at:at + len(piece)] = piece
+            at += len(piece)
+    if at != length:
+        raise ValueError(f"the parts hold {at} bytes, {length} said")
+    buf[length:] = 0
+    return _encode_padded(buf.data.toreadonly(), size, k, m)
+
+
+def _encode_padded(padded: memoryview, size: int, k: int, m: int) -> list[bytes | memoryview]:
     blocks: list[bytes | memoryview] = [padded[i * size:(i + 1) * size] for i in range(k)]
     if m == 0:
         return list(blocks)

@@ -246,6 +246,13 @@ def test_train_on_cuda_without_cuda(tmp_path):
     assert_one_line(r, Exit.NO_DEVICE, "--device cuda: CUDA is not available")
 
 
+def as_at_a_terminal() -> None:
+    """In the child before exec: SIGINT's default disposition, as a command typed at a terminal has it. A test
+    runner started as a shell's background job ignores SIGINT, its children inherit that, and Python then installs
+    no KeyboardInterrupt handler: shoal rightly stays deaf to Ctrl+C there, which is not what this test asks."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, when", [(signal.SIGINT, "imports"), (signal.SIGINT, "joining"),
                                        (signal.SIGTERM, "joining")])
 def test_interrupted_during_start_up(tmp_path, sig, when):
@@ -258,7 +265,8 @@ def test_interrupted_during_start_up(tmp_path, sig, when):
         out = tmp_path / "out.txt"
         with open(out, "w") as f:
             proc = subprocess.Popen([*SHOAL, "node", "--join", f"/ip4/127.0.0.1/tcp/{port}/p2p/{NO_SUCH_PEER}"],
-                                    stdout=f, stderr=subprocess.PIPE, text=True, env=env_for(tmp_path))
+                                    stdout=f, stderr=subprocess.PIPE, text=True, env=env_for(tmp_path),
+                                    preexec_fn=as_at_a_terminal)
         try:
             if when == "imports":
                 time.sleep(0.3)

@@ -95,9 +95,19 @@ class Watch:
         """Both replicas were seen at some same step, and at every such step their state hashes agree."""
         common = self.common_steps(a, b)
         assert common, (a, b, self.hashes)
-        for step in common:
-            assert self.hashes[a][step] == self.hashes[b][step], (step, a, b, self.hashes)
+        bad = [step for step in common if self.hashes[a][step] != self.hashes[b][step]]
+        if bad:
+            rows = {n: {s: h[:12] for s, h in sorted(self.hashes[n].items()) if s >= bad[0] - 3} for n in (a, b)}
+            raise AssertionError(f"{a} and {b} differ at steps {bad} (of {len(common)} seen at both):\n"
+                                 f"{json.dumps(rows, indent=1)}\n" + "\n".join(self.story(n) for n in (a, b)))
         return len(common)
+
+    def story(self, name: str) -> str:
+        """What a node's log says about its group, rounds and state (the lines a hash difference is explained by)."""
+        r = self.engine.docker("logs", name, check=False, timeout_s=60)
+        keep = re.compile(r"WARNING|ERROR|hash vote|re-fetch|refetch|entered|entering|promoted|skipped|clipped|left out")
+        lines = [ln for ln in (r.stdout + r.stderr).splitlines() if keep.search(ln) and "libp2p" not in ln]
+        return f"--- {name}: {len(lines)} lines of note, the last 60:\n" + "\n".join(lines[-60:])
 
 
 def test_compose_config_validates():

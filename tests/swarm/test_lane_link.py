@@ -290,6 +290,26 @@ async def test_an_abort_reaches_the_neighbour_at_once():
         assert got[0]["norms"] == [([1.0], True), ([2.0], True)]
 
 
+async def test_closing_an_end_fails_a_wait_on_it_at_once():
+    """A rollback closes the lane's ends to free a step waiting on a dead neighbour: the wait fails at once instead
+    of sitting out its receive deadline while it expects the neighbour to dial again."""
+    async with AsyncExitStack() as stack:
+        hosts, _, hubs = await chain(stack, 2)
+        peers = [h.peer_id for h in hosts]
+        hubs[0].open(spec(0, peers))
+        s1 = hubs[1].open(spec(1, peers))
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:
+            async def close_soon():
+                await trio.sleep(0.2)
+                await s1.aclose()
+            n.start_soon(close_soon)
+            with pytest.raises(LinkError) as e:
+                await s1.recv_act(0, 0)
+        assert e.value.cause == LinkError.ABORTED, e.value
+        assert trio.current_time() - t0 < FAST.recv_timeout_s / 2
+
+
 # -- hostile neighbours ----------------------------------------------------------------------------------------
 
 def frame(body: bytes) -> bytes:

@@ -120,7 +120,7 @@ def test_a_killed_active_node_is_replaced_by_the_backup(tmp_path):
 
 def test_the_standby_takes_over_when_the_broker_is_killed(tmp_path):
     # survivors keep training while the lease runs out (--fail-after 4): long enough for the backup to enter after
-    steps = 400
+    steps = 200
     s = make_swarm(tmp_path, 4, write_run(tmp_path / "w", replicas=3), steps)
     try:
         s.start()

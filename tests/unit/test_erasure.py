@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shoal.swarm.state import erasure
-from shoal.swarm.state.blob import read_snapshot, snapshot_bytes
+from shoal.swarm.state.blob import blob_size, read_snapshot, snapshot_bytes, snapshot_parts
 from shoal.swarm.state.snapshot import Snapshot, StateTransferError
 
 
@@ -55,6 +55,33 @@ def test_a_snapshot_survives_its_blob_and_erasure_coding():
     assert back.hash == snap.hash and back.revision == 12
     assert all(torch.equal(back.tensors[k], v) for k, v in snap.tensors.items())
     assert back.state()["rng"]["python"] == (3, tuple(range(5)), None)
+
+
+@given(data=st.binary(min_size=0, max_size=3000), cuts=st.lists(st.integers(0, 3000), max_size=6),
+       k=st.integers(1, 6), m=st.integers(0, 3))
+def test_encoding_parts_is_encoding_their_concatenation(data, cuts, k, m):
+    """The encoder copies a state's parts into the padded string a slice at a time (the node encodes a snapshot's
+    parts, never their join): the shards are those of the joined bytes, whatever the parts and slice size."""
+    bounds = [0, *sorted(c % (len(data) + 1) for c in cuts), len(data)]
+    parts = [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(erasure, "COPY_SLICE", 7)
+        shards = erasure.encode_parts(parts, len(data), k, m)
+        assert [bytes(x) for x in shards] == [bytes(x) for x in erasure.encode(data, k, m)]
+        assert erasure.decode({i: shards[i] for i in range(m, k + m)}, k, m, len(data)) == data
+        with pytest.raises(ValueError):
+            erasure.encode_parts(parts, len(data) + 1, k, m)
+        if data:
+            with pytest.raises(ValueError):
+                erasure.encode_parts(parts, len(data) - 1, k, m)
+
+
+def test_a_snapshots_parts_encode_like_its_blob():
+    snap = _snapshot()
+    blob = snapshot_bytes(snap)
+    assert blob_size(snap) == len(blob)
+    assert [bytes(x) for x in erasure.encode_parts(snapshot_parts(snap), blob_size(snap), 3, 2)] == \
+        [bytes(x) for x in erasure.encode(blob, 3, 2)]
 
 
 def test_a_damaged_or_unexpected_blob_is_refused():

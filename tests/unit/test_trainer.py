@@ -166,10 +166,16 @@ async def test_step_runs_in_a_worker_thread():
         nonlocal ticks
         while True:
             ticks += 1
-            await trio.sleep(0)
+            await trio.sleep(0.001)  # not a busy loop: spinning on sleep(0) starves the step of the GIL
+
+    def step_watching_the_loop():
+        before = ticks
+        result = t.step()
+        return result, ticks - before
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ticker)
-        result = await trio.to_thread.run_sync(t.step)
+        result, ticked_during_step = await trio.to_thread.run_sync(step_watching_the_loop)
         nursery.cancel_scope.cancel()
-    assert result.step == 1 and ticks > 0
+    assert result.step == 1
+    assert ticked_during_step > 0, "the event loop stood still while the step ran"
