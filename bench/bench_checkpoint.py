@@ -3,8 +3,12 @@ same run (one trainer, segments alternating), written the way a swarm node write
 steps on the trainer's thread (as the runtime's snapshot), then serialised, hashed and written by the checkpoint
 writer in a worker thread of its own while the next steps run.
 
-Run: python bench/bench_checkpoint.py [--layers 4] [--d-model 256] [--segments 6] [--steps 40]
-Writes checkpoint_overhead.json and .md (with this command) into --out (default bench/results).
+Run: python bench/bench_checkpoint.py [--layers 4] [--d-model 256] [--segments 6] [--steps 40] [--order abba]
+Writes checkpoint_overhead.json and .md (with this command) into --out (default bench/results; --name renames them).
+
+--order alternate (A B A B ...) or abba (A B B A, A B B A, ...): in each ABBA block a drift of the machine's speed
+that is linear over the block weighs on both sides alike, so the block's ratio (B1 + B2) / (A1 + A2) measures the
+checkpoints and not the drift; the median over blocks is reported.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ async def run(args) -> dict:
             for _ in range(3):  # warm-up steps
                 await trio.to_thread.run_sync(trainer.step)
             for seg in range(args.segments):
-                with_ckpt = seg % 2 == 1
+                with_ckpt = seg % 2 == 1 if args.order == "alternate" else seg % 4 in (1, 2)
                 times = []
                 for _ in range(args.steps):
                     t0 = time.perf_counter()
@@ -64,8 +68,12 @@ async def run(args) -> dict:
         written = writer.written
     on = [s["step_s"] for s in segments if s["checkpoints"]]
     off = [s["step_s"] for s in segments if not s["checkpoints"]]
+    t = [s["step_s"] for s in segments]
+    blocks = [(t[i + 1] + t[i + 2]) / (t[i] + t[i + 3]) for i in range(0, len(t) - 3, 4)] \
+        if args.order == "abba" else [t[i + 1] / t[i] for i in range(0, len(t) - 1, 2)]
     return {"segments": segments, "with_s": statistics.mean(on), "without_s": statistics.mean(off),
             "slowdown": statistics.mean(on) / statistics.mean(off) - 1, "writes": written,
+            "order": args.order, "pair_ratios": blocks, "median_ratio": statistics.median(blocks),
             "params": sum(p.numel() for p in trainer.model.parameters())}
 
 
@@ -78,7 +86,10 @@ def main() -> None:
     p.add_argument("--segments", type=int, default=6)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--order", choices=("alternate", "abba"), default="alternate",
+                   help="segment order: A B A B, or A B B A blocks that cancel a linear drift (see above)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--name", default="checkpoint_overhead", help="the results' file name, without .json/.md")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     cmd = "python bench/bench_checkpoint.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -86,15 +97,19 @@ def main() -> None:
     w = res["writes"][-1]
     md = (f"# Checkpoint writes vs step time\n\n`{cmd}`\n\n"
           f"{res['params']:,}-parameter model (AdamW), one trainer; segments of {args.steps} steps alternate between "
-          f"a checkpoint every {args.every} steps and none.\n\n| segment | checkpoints | mean step (s) |\n|---|---|---|\n"
+          f"a checkpoint every {args.every} steps and none"
+          f"{' in A B B A blocks (A: none)' if args.order == 'abba' else ''}.\n\n| segment | checkpoints | mean step (s) |\n|---|---|---|\n"
           + "\n".join(f"| {i} | {'every ' + str(args.every) if s['checkpoints'] else 'none'} | {s['step_s']:.4f} |"
                       for i, s in enumerate(res["segments"]))
           + f"\n\nwith checkpoints {res['with_s']:.4f} s/step, without {res['without_s']:.4f} s/step: "
             f"{100 * res['slowdown']:+.2f} % (target <= 3 %); each checkpoint {w['bytes'] / 1e6:.1f} MB written in "
-            f"{w['seconds']} s by the writer thread.\n")
+            f"{w['seconds']} s by the writer thread.\n\n"
+            f"{'ABBA block ratios (B1 + B2) / (A1 + A2)' if args.order == 'abba' else 'adjacent pair ratios B / A'}: "
+            + ", ".join(f"{r:.3f}" for r in res["pair_ratios"])
+            + f"; median **{res['median_ratio']:.3f} ({100 * (res['median_ratio'] - 1):+.1f} %)** (target <= 3 %).\n")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "checkpoint_overhead.json").write_text(json.dumps(res, indent=1))
-    (args.out / "checkpoint_overhead.md").write_text(md)
+    (args.out / f"{args.name}.json").write_text(json.dumps(res, indent=1))
+    (args.out / f"{args.name}.md").write_text(md)
     print(md)
 
 

@@ -179,7 +179,7 @@ def write_results(out: Path, name: str, doc: dict, md: str, *, indent: int = 1) 
 def command_line() -> str:
     """This invocation as a reader would retype it (`python -m shoal.node.cli` is the `shoal` command)."""
     prog = Path(sys.argv[0])
-    name = "shoal" if prog.name == "shoal" or prog.parts[-2:] == ("node", "cli.py") else prog.name
+    name = "shoal" if prog.name == "shoal" or prog.parts[-3:] == ("node", "cli", "__main__.py") else prog.name
     return " ".join([name, *(shlex.quote(a) for a in sys.argv[1:])])
 
 
