@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from shoal.bench.command import write_results
 from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig
 from shoal.protocol import manifest as mf
 from shoal.swarm.net.identity import load_or_create_identity
@@ -421,12 +422,9 @@ def main() -> int:
     result["command"] = " ".join(["python", "bench/bench_crowd.py", *map(shlex.quote, sys.argv[1:])])
     result["wall_s"] = round(time.monotonic() - t0, 1)
     result["machine"] = f"{os.cpu_count()} CPUs (shared)"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"crowd_{args.part}.json").write_text(json.dumps(result, indent=1) + "\n")
     text = "\n".join([f"# bench_crowd: {args.part}", "", f"Command: `{result['command']}` "
                       f"({result['wall_s']:.0f} s on {result['machine']})", "", *md(result)]) + "\n"
-    (args.out / f"crowd_{args.part}.md").write_text(text)
-    print(text)
+    write_results(args.out, f"crowd_{args.part}", result, text)
     return 0
 
 

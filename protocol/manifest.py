@@ -400,6 +400,18 @@ class JoinPolicy(WireRecord):
         return self.mode == "open" or (self.mode == "allowlist" and peer_id in self.allowlist)
 
 
+def lane_granule(stages: int, micro_batch: int) -> int:
+    """The unit a lane's share of the global batch comes in: one sequence, or one micro-batch for a pipeline lane
+    (its stages pass whole micro-batches along)."""
+    return micro_batch if stages > 1 else 1
+
+
+def default_max_replicas(replicas: int, global_batch: int, granule: int, cap: int) -> int:
+    """An elastic run's lane limit when its owner names none: as many lanes as the global batch can give a granule
+    each, at most `cap`, never fewer than the `replicas` it starts with."""
+    return max(replicas, min(cap, global_batch // granule))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunManifest(WireRecord):
     """Everything a node needs to take part in a run. `run_id` hashes all fields but `signature`."""
@@ -487,9 +499,8 @@ class RunManifest(WireRecord):
 
     @property
     def batch_granule(self) -> int:
-        """The unit a lane's share comes in: one sequence, or one micro-batch for a pipeline lane (its stages pass
-        whole micro-batches along)."""
-        return self.batch.micro_batch_size if self.plan.stages > 1 else 1
+        """The unit a lane's share comes in (`lane_granule`)."""
+        return lane_granule(self.plan.stages, self.batch.micro_batch_size)
 
     def stage_params(self, stage: int) -> int:
         """Parameters of stage `stage` of this run's plan (the built-in GPT: blocks of 4+2*mlp_ratio d^2 weights and

@@ -14,13 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from fractions import Fraction
+from statistics import median_low
 
 DEFAULT_SPREAD = 4.0  # a lane's speed is credited within [median / 4, median * 4]
-
-
-def _median_low(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[(len(s) - 1) // 2]
 
 
 def clamp_speeds(speeds: Mapping[int, float | None], spread: float = DEFAULT_SPREAD) -> dict[int, float]:
@@ -32,7 +28,7 @@ def clamp_speeds(speeds: Mapping[int, float | None], spread: float = DEFAULT_SPR
     known = [v for v in speeds.values() if v is not None and v > 0]
     if not known:
         return {r: 1.0 for r in speeds}
-    med = _median_low(known)
+    med = median_low(known)
     return {r: min(max(v if v is not None and v > 0 else med, med / spread), med * spread)
             for r, v in speeds.items()}
 

@@ -393,7 +393,6 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
     from shoal.node.run.preflight import check_inputs, preflight
     from shoal.protocol.errors import ProtocolError
     from shoal.protocol.manifest import RunManifest
-    from shoal.swarm.run.batchsplit import SplitConfig
     from shoal.swarm.run.broker import BrokerConfig
     from shoal.swarm.run.replan import ReplanConfig
 
@@ -423,7 +422,7 @@ def run_config(args: argparse.Namespace, join: list[str], device: str, free: int
                            device_free_bytes=free, threads=args.threads, max_steps=args.steps, data=args.data,
                            round_timeout_s=args.round_timeout,
                            broker=BrokerConfig.for_fail_after(args.fail_after, dissolve_after_s=args.dissolve_after,
-                                                              split=SplitConfig(every_s=args.split_every)),
+                                                              split=SplitDefaults(every_s=args.split_every)),
                            backup_refresh_s=args.backup_refresh, min_step_s=args.min_step_time,
                            aq_buffer_dir=str(shoal_home() / "aq"), blob_dir=str(shoal_home() / "blobs"),
                            checkpoint_dir=str(args.checkpoint_dir or shoal_home() / "checkpoints"),

@@ -256,9 +256,9 @@ def build_manifest(args: argparse.Namespace):
         raise ValueError(f"--batch {args.batch} does not split into {micro_batches} micro-batches")
     micro_batch = args.micro_batch or args.batch // micro_batches
     global_batch = args.global_batch or args.batch * args.replicas
-    granule = micro_batch if args.stages > 1 else 1
-    max_replicas = args.max_replicas if args.max_replicas is not None else \
-        max(args.replicas, min(max(4 * args.replicas, 8), global_batch // granule, mf.MAX_LANES))
+    max_replicas = args.max_replicas if args.max_replicas is not None else mf.default_max_replicas(
+        args.replicas, global_batch, mf.lane_granule(args.stages, micro_batch),
+        cap=min(max(4 * args.replicas, 8), mf.MAX_LANES))
     sync_method = args.sync or ("none" if max_replicas == 1 else "cocktail")
     if args.join_secret_file:
         _secret_file(args.join_secret_file, allow_weak=args.allow_weak_secret)

@@ -145,12 +145,11 @@ def write_manifest(args: argparse.Namespace, workdir, replicas: int, backups: in
     model = mf.ModelSpec.preset("tiny", n_layers=max(args.stages, mf.MODEL_PRESETS["tiny"][0]))
     mbs = 16 // (4 * args.stages) if args.stages > 1 else 16
     batch = mf.BatchSpec(batch_size=16, micro_batch_size=mbs, global_batch=16 * replicas)
-    granule = mbs if args.stages > 1 else 1
     m = mf.RunManifest.default(
         "tiny", name="local swarm", model=model, batch=batch,
         plan=mf.ParallelPlan(stages=args.stages, replicas=replicas,
-                             max_replicas=replicas if args.sync == "none" else max(
-                                 replicas, min(MAX_LOCAL_LANES, 16 * replicas // granule)),
+                             max_replicas=replicas if args.sync == "none" else mf.default_max_replicas(
+                                 replicas, batch.global_batch, mf.lane_granule(args.stages, mbs), MAX_LOCAL_LANES),
                              backups=backups // args.stages,
                              pipeline=mf.PipelineSpec(compression="aqsgd" if args.stages > 1 else "none"),
                              sync=mf.SyncSpec(method=args.sync, cocktail=mf.CocktailSpec(warmup_steps=10),

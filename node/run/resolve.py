@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from shoal.node.run.preflight import RunError, UnknownRun
+from shoal.protocol.manifest import is_sha256
 from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.run.directory import ListedRun, RunDirectory, matching
 
 log = logging.getLogger(__name__)
 
-FULL_ID_CHARS = 64
 ASK_EVERY_S = 5.0  # while waiting, the joined peers are asked again this often
 SETTLE_S = 1.0  # after the first answers, this long for adverts still on their way
 QUIET_S = 12.0  # a swarm whose peers know no run at all: how long to wait for an advert before refusing a --run
@@ -128,7 +128,7 @@ class RunFinder:
         if not settled:
             return None
         q = query.lower()
-        if len(q) == FULL_ID_CHARS and all(c in "0123456789abcdef" for c in q):
+        if is_sha256(q):
             return q  # not advertised (an older node, or a manifest too large to advertise): fetched by its id
         listed = f"its runs: {candidates_text(runs)}" if runs else "no run is advertised in it"
         raise UnknownRun(f"--run {query}: no run of the swarm has this name or id prefix ({listed})")

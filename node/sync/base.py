@@ -394,7 +394,8 @@ def weights_of(group: Group, members) -> list[float] | None:
     if group.even:
         return None
     w = [group.weight(m) for m in members]
-    return [x / sum(w) for x in w]
+    total = sum(w)
+    return [x / total for x in w]
 
 
 def weighted_mean(group: Group, parts: dict[str, torch.Tensor]) -> torch.Tensor:

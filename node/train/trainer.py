@@ -18,6 +18,7 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,17 +144,17 @@ class SpeedMeter:
     once they have passed (the next step), so measuring never holds the device back."""
 
     def __init__(self) -> None:
-        self._rates: list[float] = []
-        self._pending: list[tuple[int, float, Any, Any]] = []  # (sequences, waits in s, start event, end event)
+        self._rates: deque[float] = deque(maxlen=SPEED_STEPS)
+        self._pending: deque[tuple[int, float, Any, Any]] = deque()  # (sequences, waits in s, start event, end event)
 
     def add(self, samples: int, seconds: float) -> None:
         if samples > 0 and seconds > 0:
-            self._rates = (self._rates + [samples / seconds])[-SPEED_STEPS:]
+            self._rates.append(samples / seconds)
 
     def add_events(self, samples: int, waits_s: float, start, end) -> None:
         self._pending.append((samples, waits_s, start, end))
         while self._pending and self._pending[0][3].query():
-            n, w, a, b = self._pending.pop(0)
+            n, w, a, b = self._pending.popleft()
             self.add(n, a.elapsed_time(b) / 1000.0 - w)
 
     def rate(self) -> float:

@@ -68,7 +68,11 @@ class RunAuthority:
 
     def note(self, t: AssignmentTable) -> None:
         """An accepted table: remember its delegation's issue time (older delegations are superseded)."""
-        d = self.delegation(t.delegation)
+        self.note_delegation(t.delegation)
+
+    def note_delegation(self, env: bytes | None) -> None:
+        """An accepted record's delegation (a table's, a run advert's): its issue time supersedes older ones."""
+        d = self.delegation(env)
         if d is not None:
             self.newest = max(self.newest, d.time)
 

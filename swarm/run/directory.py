@@ -56,8 +56,8 @@ class ListedRun:
 
     def admits(self, peer_id: str, has_secret: bool) -> bool:
         """Whether a node may ask to join: an open run, a secret run with a secret at hand, or its allowlist."""
-        mode = self.manifest.join.mode
-        return mode == "open" or (mode == "secret" and has_secret) or self.manifest.join.admits_peer(peer_id)
+        join = self.manifest.join
+        return (join.mode == "secret" and has_secret) or join.admits_peer(peer_id)  # admits_peer: open or listed
 
     def describe(self) -> str:
         """One line for lists and refusals: id prefix, name, model, shape, synchronizer, free lanes, private."""
@@ -122,20 +122,17 @@ class RunDirectory:
         now = self.wall()
         if (cur is not None and ad.time <= cur.advert.time) or not now - self.ttl_s < ad.time <= now + MAX_AHEAD_S:
             return False
-        auth = self._authority.get(ad.run_id)
+        auth = self._authority.get(ad.run_id)  # kept beside its run's entry in _runs, dropped with it
         try:
-            if auth is None and cur is not None:
-                auth = self._authority[ad.run_id] = RunAuthority(cur.manifest)
             manifest = verify_advert(ad, auth)
         except AdvertRejected as e:
             log.info("run advert rejected: %s", e)
             if self.on_bad is not None:
                 self.on_bad(source or ad.peer_id, str(e))
             return False
-        auth = self._authority.setdefault(ad.run_id, RunAuthority(manifest))
-        d = auth.delegation(ad.delegation)
-        if d is not None:
-            auth.newest = max(auth.newest, d.time)
+        if auth is None:
+            auth = self._authority[ad.run_id] = RunAuthority(manifest)
+        auth.note_delegation(ad.delegation)
         self._runs[ad.run_id] = ListedRun(ad, manifest, signed.raw)
         self._trim()
         return True
