@@ -53,6 +53,14 @@ class Consistency:
         self.pending = None
         self._vote_after = revision + self.config.switch_lead_min_steps
 
+    def published(self, step: int) -> str | None:
+        """The hash this node publishes for `step` (its status record's claim): none for a step at which a re-fetch
+        is planned, whose state is about to be replaced by the agreed one (a claim is answered for in votes, and
+        after the re-fetch this node holds, and answers, the agreed hash there)."""
+        if self.pending is not None and step >= self.pending[0]:
+            return None
+        return self.hashes.hashes.get(step)
+
     def refetch_due(self, step: int) -> bool:
         return self.pending is not None and step >= self.pending[0]
 
@@ -114,6 +122,7 @@ class Consistency:
             log.warning("could not re-fetch step %d (%s): voting again", step, e)
             return
         self.refetches += 1
+        self.hashes.reloaded(step, self.replica.sync.state_hash())
         log.warning("state hash disagreed with the majority: re-fetched the state the members agree on at step %d",
                     step)
 

@@ -53,10 +53,13 @@ class StatePulls:
         `wanted`: asked before every retry; once False the pull is given up (the slot it was for has changed).
         `unheld_gives_up`: give up at once when none of the live peers holds the revision or trains toward it (a
         re-fetch: the node goes on from its own state instead of standing still while its group-mates, all pulling
-        themselves, wait on it)."""
+        themselves, wait on it).
+        A source that serves another state than the hash it claimed is not pulled from again in this pull (retrying it
+        would only fetch its lie again, and penalize it into a ban the group then feels as its silence)."""
         deadline = trio.current_time() + self.config.state_pull_timeout_s
         attempt = StateTransferConfig(timeout_s=min(self.config.state_pull_attempt_s, self.config.state_pull_timeout_s))
         last, rounds = None, 0
+        refused: set[str] = set()  # served another state than the hash they claimed: never pulled from again here
         while trio.current_time() < deadline:
             if rounds and wanted is not None and not wanted():  # asked before every retry, with or without peers
                 raise StateTransferError(f"revision {revision} is no longer wanted (this node's slot changed): {last}")
@@ -65,7 +68,7 @@ class StatePulls:
             voters = [p for p in peers if (p in live or last is None) and p not in evicted]  # silent: one try
             try:
                 return await pull_agreed(self.sources.sh, voters, revision=revision, voters=len(voters),
-                                         config=attempt, penalties=self.sources.penalties)
+                                         config=attempt, penalties=self.sources.penalties, refused=refused)
             except StateTransferError as e:
                 last = e
                 log.debug("revision %d: %s", revision, e)

@@ -133,7 +133,7 @@ class RunRuntime:
         if s is not None:
             hashes = self.consistency.hashes.hashes
             # the hash recorded with the step published (once done, the final state's)
-            state_hash = hashes[max(hashes)] if r.state == "done" and hashes else hashes.get(r.at_step)
+            state_hash = hashes[max(hashes)] if r.state == "done" and hashes else self.consistency.published(r.at_step)
             # the byte rates count the lane links' bytes too, and the ratio is over the same window on every node
             link_sent, link_recv, link_fp32 = self.links.bytes() if self.links is not None else (0, 0, 0)
             up, down, ratio_now = r.throughput.rates(self.clock(), s.bytes_sent + link_sent,

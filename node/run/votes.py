@@ -60,17 +60,30 @@ class HashVotes:
         for s in [s for s in self.hashes if s > step]:
             del self.hashes[s]
 
+    def reloaded(self, step: int, state_hash: str) -> None:
+        """This node loaded the state the group agrees on at `step` (a re-fetch): that is its hash there now, and the
+        states it held before are gone (asked about them it holds none, and has no say), with the claims noted
+        against them (votes about steps it no longer holds would only re-fetch again)."""
+        for s in [s for s in self.hashes if s < step]:
+            del self.hashes[s]
+        self.hashes[step] = state_hash
+        self._pending = {p: c for p, c in self._pending.items() if c[0] in self.hashes}
+
     def newest(self) -> int | None:
         return max(self.hashes) if self.hashes else None
 
     def note_claims(self, group: Group | None, run_id: str, statuses: Iterable[tuple[str, StatusRecord]]) -> None:
         """Remember members of our group that published, for a step we still hold, a state hash other than ours
         (the first such claim of each, until a vote settles it). A member given a grace to re-fetch, or found
-        lying, is left out."""
+        lying, is left out; one that lost a vote and now publishes our hash is back on the agreed state."""
         self._pending = {p: c for p, c in self._pending.items() if c[0] in self.hashes}
         if group is None or group.size < MIN_VOTERS:
             return
         for peer, st in statuses:
+            if (peer in self._lost and st.run_id == run_id and st.step in self.hashes
+                    and st.state_hash == self.hashes[st.step] and st.step > self._lost[peer][1] - self.grace_steps):
+                del self._lost[peer]  # its claim after the loss matches ours: back on the agreed state, as a vote
+                #                       it won would show (both are its word); a later drift starts afresh
             if (peer in group.members and peer not in self._pending and st.run_id == run_id and st.state_hash
                     and st.state != "done" and st.step in self.hashes and st.state_hash != self.hashes[st.step]
                     and peer not in self._offended and st.step > self._lost.get(peer, (0, -1))[1]):
@@ -99,7 +112,9 @@ class HashVotes:
         for peer, h in votes.items():
             if peer == self.me or h == agreed_hash or peer in self._offended:
                 continue
-            lost, _ = self._lost.get(peer, (0, -1))
+            lost, until = self._lost.get(peer, (0, -1))
+            if lost and step <= until:
+                continue  # a step within the grace its lost vote gave it (or before): the same loss, not a second
             self._lost[peer] = (lost + 1, step + self.grace_steps)
             if lost + 1 >= LOSSES_TO_OFFEND:
                 self._offend(peer, f"still off the group's agreed state at step {step} after losing {lost} vote(s)")

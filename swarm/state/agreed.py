@@ -95,20 +95,27 @@ async def majority_hash(sh: SwarmHost, peers: list[str], *, revision: int, voter
 
 async def pull_agreed(sh: SwarmHost, peers: list[str], *, revision: int, penalties: Penalties | None,
                       voters: int | None = None, config: StateTransferConfig = StateTransferConfig(),
-                      rng: random.Random | None = None) -> Snapshot:
+                      rng: random.Random | None = None, refused: set[str] | None = None) -> Snapshot:
     """The whole state of `revision` the group agrees on (`majority_hash` over `peers`, counted against `voters`),
     from a random one of those holding it, checked before it is returned. A source that claimed the agreed hash and
-    served something else (another state, malformed bytes, a broken stream) is penalised and the next one tried.
+    served something else (another state, malformed bytes, a broken stream) is penalised, added to `refused` and
+    the next one tried; sources already in `refused` (an earlier attempt's) still vote but are not pulled from again.
     Raises StateTransferError."""
     expected, holders = await majority_hash(sh, peers, revision=revision, voters=voters, config=config)
-    (rng or random.SystemRandom()).shuffle(holders)
+    refused = set() if refused is None else refused
+    sources = [p for p in holders if p not in refused]
+    (rng or random.SystemRandom()).shuffle(sources)
     last: StateTransferError | None = None
-    for p in holders:
+    for p in sources:
         try:
             return await pull_state(sh, p, revision=revision, expect_hash=expected, config=config)
         except StateTransferError as e:
             last = e
+            refused.add(p)
             log.warning("state from %s rejected: %s", p[-8:], e)
             if penalties is not None:
                 penalties.penalize(p, f"state: claimed the agreed hash, served otherwise: {e}"[:300])
+    if not sources:
+        raise StateTransferError(f"every holder of the agreed state at revision {revision} served another state "
+                                 f"before ({len(holders)} refused)")
     raise StateTransferError(f"every source of the agreed state at revision {revision} failed: {last}")

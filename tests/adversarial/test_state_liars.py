@@ -8,6 +8,7 @@ a source is rigged to try it first (the attack's best case)."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -37,7 +38,9 @@ def rig_draws(liar: str, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("attack", ["refetch-model", "entry-optimizer", "entry-malformed"])
-async def test_a_member_serving_another_state_than_the_group_holds_is_never_loaded(attack, monkeypatch):
+async def test_a_member_serving_another_state_than_the_group_holds_is_never_loaded(attack, monkeypatch, caplog):
+    for name in ("shoal.node.run.entry", "shoal.node.run.pulls", "shoal.swarm.state.agreed", "shoal.node.run.votes"):
+        caplog.set_level(logging.DEBUG, name)  # a failure shows whom each pull asked and what each source answered
     steps = 80
     joiner_enters = attack.startswith("entry")
     owner = Ed25519PrivateKey.generate()

@@ -49,13 +49,20 @@ async def test_a_source_lying_about_its_state_is_penalised_and_the_majoritys_sta
             StateServer(sh, lambda: None, by_revision=lambda r, snap=snap: snap if r == REV else None)
         liar = servers[2]
         serve_lies(liar, lambda r: states[2] if r == REV else None, malformed=malformed)
-        pen = Penalties()
+        pen, refused = Penalties(), set()
         got = await pull_agreed(client, [s.peer_id for s in servers], revision=REV, penalties=pen, config=CFG,
-                                rng=LiarFirst({liar.peer_id}))
+                                rng=LiarFirst({liar.peer_id}), refused=refused)
         assert got.hash == states[0].hash  # the whole state: model, optimizer, synchronizer, metadata
         assert torch.equal(got.tensors["/model/w"], states[0].tensors["/model/w"])  # an honest replica's
         assert "claimed the agreed hash" in pen.reasons(liar.peer_id)[0]
         assert not any(pen.reasons(s.peer_id) for s in servers[:2])
+        assert refused == {liar.peer_id}  # a retry of the same pull (a node's next round) does not ask it again
+        again = await pull_agreed(client, [s.peer_id for s in servers], revision=REV, penalties=pen, config=CFG,
+                                  rng=LiarFirst({liar.peer_id}), refused=refused)
+        assert again.hash == states[0].hash and len(pen.reasons(liar.peer_id)) == 1
+        with pytest.raises(StateTransferError, match="served another state before"):
+            await pull_agreed(client, [s.peer_id for s in servers], revision=REV, penalties=pen, config=CFG,
+                              refused=refused | {s.peer_id for s in servers[:2]})
 
 
 async def test_a_source_off_the_majority_is_never_used_and_without_a_majority_nothing_loads():

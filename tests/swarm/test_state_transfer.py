@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
 import trio
 
 from shoal.node.run.votes import HashVotes
+from shoal.protocol.records import StatusRecord
 from shoal.protocol.wire import pack
 from shoal.swarm.net.framing import read_frame, write_frame
 from shoal.swarm.net.rpc import RpcError
@@ -219,6 +221,69 @@ async def test_a_member_that_holds_no_state_at_the_vote_step_has_no_say(third):
     g = Group(run_id="r" * 64, epoch=1, members=(me, b, c), me=me)
     src = await votes.vote(g)  # at step 7 - VOTE_LAG_STEPS = 5
     assert src == (b if third == "holds none" else None)
+
+
+async def test_a_member_off_the_agreed_state_offends_only_when_still_off_after_its_grace():
+    """A member the vote leaves in the minority has a grace of steps to re-fetch: votes held at steps within it
+    (started by other claims, or by other voters) find it off again without counting a second loss; one after it
+    that still finds it off makes it an offender. A member back on the agreed state starts afresh."""
+    me, b, c = "a" * 8, "b" * 8, "c" * 8
+    held: dict[str, dict[int, str]] = {me: {}, b: {}, c: {}}
+
+    async def call(peer: str, method: str, step):
+        return {"hash": held[peer].get(step)}
+
+    def train(to: int, c_off_until: int) -> None:
+        for step in range(len(held[me]) + 1, to + 1):
+            for p in (me, b):
+                held[p][step] = f"good{step}"
+            held[c][step] = f"bad{step}" if step <= c_off_until else f"good{step}"
+            votes.record(step, held[me][step])
+
+    votes = HashVotes(me, call, grace_steps=8)
+    g = Group(run_id="r" * 64, epoch=1, members=(me, b, c), me=me)
+    train(30, c_off_until=30)
+    for step in (5, 6, 9, 13, 3):  # the first loss, then votes within its grace (or before it)
+        assert await votes.vote(g, {c: (step, held[c][step])}) is None
+        assert votes.take_offenders() == {}
+    assert await votes.vote(g, {c: (14, held[c][14])}) is None  # after the grace, still off
+    assert "still off the group's agreed state at step 14" in votes.take_offenders()[c]
+
+    held.update({me: {}, b: {}, c: {}})  # another run of the same shape: c re-fetches within its grace
+    votes = HashVotes(me, call, grace_steps=8)
+    train(30, c_off_until=11)
+    assert await votes.vote(g, {c: (5, held[c][5])}) is None and votes.take_offenders() == {}
+    assert await votes.vote(g, {b: (14, held[b][14])}) is None and votes.take_offenders() == {}  # on it again
+    assert await votes.vote(g, {c: (9, held[c][9])}) is None and votes.take_offenders() == {}  # a new first loss
+    assert await votes.vote(g, {c: (17, "bad17")}) is None
+    assert "published state hash bad17" in votes.take_offenders()[c]  # it claimed a hash it does not vote
+
+    held.update({me: {}, b: {}, c: {}})  # c re-fetches, publishes the agreed hash, and drifts again much later
+    votes = HashVotes(me, call, grace_steps=8)
+    train(60, c_off_until=5)
+    held[c].update({step: f"bad{step}" for step in range(35, 61)})
+    assert await votes.vote(g, {c: (5, held[c][5])}) is None and votes.take_offenders() == {}
+    back = StatusRecord(peer_id=c, seq=1, time=time.time(), run_id="r" * 64, step=20, state_hash="good20")
+    votes.note_claims(g, "r" * 64, [(c, back)])
+    assert await votes.vote(g, {c: (40, held[c][40])}) is None and votes.take_offenders() == {}  # a new first loss
+
+
+async def test_a_reloaded_state_replaces_the_hashes_of_the_states_held_before():
+    """After a re-fetch at step 8 the node holds the agreed state there and none of the states before it: asked
+    about them it holds none, so a vote about a step before the re-fetch cannot make it re-fetch again."""
+    async def call(peer: str, method: str, step):
+        return {"hash": f"agreed{step}"}
+
+    votes = HashVotes("a" * 8, call)
+    for step in range(1, 10):
+        votes.record(step, f"drifted{step}")
+    votes.reloaded(8, "agreed8")
+    assert await votes.rpc_hash_at("b" * 8, 7) == {"hash": None}
+    assert await votes.rpc_hash_at("b" * 8, 8) == {"hash": "agreed8"}
+    assert await votes.rpc_hash_at("b" * 8, 9) == {"hash": "drifted9"}  # recorded after it: kept
+    g = Group(run_id="r" * 64, epoch=1, members=("a" * 8, "b" * 8, "c" * 8), me="a" * 8)
+    assert await votes.vote(g, {"b" * 8: (6, "agreed6")}) is None and votes.votes == 0  # no longer held: no vote
+    assert await votes.vote(g, {"b" * 8: (8, "agreed8")}) is None and votes.votes == 1  # held now: it agrees
 
 
 async def test_a_partial_pull_carries_only_the_asked_tensors_and_completes_from_a_base():
