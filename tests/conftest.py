@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
@@ -45,23 +50,87 @@ def reap_children():
 CHILD_ENV = "SHOAL_TEST_IN_OWN_PROCESS"
 
 
+class _Forker:
+    """The parent's end of tests/helpers/forker.py: one process, started at the first `own_process` test, that forks
+    a fresh child per test from an interpreter that imported the heavy modules once (a fresh interpreter per test
+    spent ~5 s importing them)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.buf = b""  # answers read and not yet taken
+
+    def run(self, root: Path, args: list[str], timeout_s: float) -> tuple[int | None, str]:
+        """(the child's exit code, None when it ran past `timeout_s` and was killed; its output)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.buf = b""
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.forker"], cwd=root,
+                                         env={**os.environ, CHILD_ENV: "1"}, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, bufsize=0)
+        with tempfile.NamedTemporaryFile(prefix="shoal-own-process-", suffix=".log") as out:
+            self.proc.stdin.write((json.dumps({"args": args, "out": out.name}) + "\n").encode())
+            deadline = time.monotonic() + timeout_s
+            pid = self._answer(deadline + 60)["pid"]  # the imports happen once, before the first answer
+            deadline = time.monotonic() + timeout_s
+            try:
+                code = self._answer(deadline)["code"]
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                self._answer(time.monotonic() + 30)
+                code = None
+            return code, Path(out.name).read_text(errors="replace")
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()  # its loop ends at the end of its input
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc.stdout.close()
+            self.proc = None
+
+    def _answer(self, deadline: float) -> dict:
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                raise TimeoutError("no answer from the forking process")
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"the forking process exited ({self.proc.wait()})")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+
+_FORKER = _Forker()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _FORKER.close()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
-    """A test marked `own_process` runs in a fresh interpreter (pytest on its node id): in-process multi-node tests
-    share one event loop and its timing with nothing left over from the tests before them (threads, sockets,
-    caches of py-libp2p's). Its assertions are the test's own; a failure shows the child's output."""
+    """A test marked `own_process` runs in a fresh process (pytest on its node id, forked from a clean interpreter
+    that has only imported modules: tests/helpers/forker.py): in-process multi-node tests share one event loop and
+    its timing with nothing left over from the tests before them (threads, sockets, caches of py-libp2p's). Its
+    assertions are the test's own; a failure shows the child's output."""
     if pyfuncitem.get_closest_marker("own_process") is None or os.environ.get(CHILD_ENV):
         return None
     cfg = pyfuncitem.config
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", pyfuncitem.nodeid]
+    # plugin modules the forking process imported already (anyio, by py-libp2p) cannot have their asserts rewritten
+    args = ["-q", "-p", "no:randomly", "-W", "ignore::pytest.PytestAssertRewriteWarning", pyfuncitem.nodeid]
     profile = cfg.getoption("hypothesis_profile", None)
     if profile:
-        cmd.append(f"--hypothesis-profile={profile}")
-    r = subprocess.run(cmd, cwd=cfg.rootpath, env={**os.environ, CHILD_ENV: "1"}, capture_output=True, text=True,
-                       timeout=280)
-    if r.returncode != 0:
-        pytest.fail(f"{pyfuncitem.nodeid} failed in its own process (exit {r.returncode}):\n"
-                    f"{_failure_excerpt(r.stdout + r.stderr)}", pytrace=False)
+        args.append(f"--hypothesis-profile={profile}")
+    code, out = _FORKER.run(cfg.rootpath, args, timeout_s=280)
+    if code is None:
+        pytest.fail(f"{pyfuncitem.nodeid} ran past 280 s in its own process and was killed:\n"
+                    f"{_failure_excerpt(out)}", pytrace=False)
+    if code != 0:
+        pytest.fail(f"{pyfuncitem.nodeid} failed in its own process (exit {code}):\n"
+                    f"{_failure_excerpt(out)}", pytrace=False)
     return True
 
 
