@@ -104,7 +104,8 @@ class Watch:
 
     def story(self, name: str) -> str:
         """What a node's log says about its group, rounds and state (the lines a hash difference is explained by)."""
-        r = self.engine.docker("logs", name, check=False, timeout_s=60)
+        # the terminal (docker logs) shows a node's errors only; its log file, under SHOAL_HOME=/data, has the rest
+        r = self.engine.docker("exec", name, "sh", "-c", "cat /data/logs/node-*.log", check=False, timeout_s=60)
         keep = re.compile(r"WARNING|ERROR|hash vote|re-fetch|refetch|entered|entering|promoted|skipped|clipped|left out")
         lines = [ln for ln in (r.stdout + r.stderr).splitlines() if keep.search(ln) and "libp2p" not in ln]
         return f"--- {name}: {len(lines)} lines of note, the last 60:\n" + "\n".join(lines[-60:])
