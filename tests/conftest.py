@@ -68,11 +68,9 @@ class _Forker:
                                          stdout=subprocess.PIPE, bufsize=0)
         with tempfile.NamedTemporaryFile(prefix="shoal-own-process-", suffix=".log") as out:
             self.proc.stdin.write((json.dumps({"args": args, "out": out.name}) + "\n").encode())
-            deadline = time.monotonic() + timeout_s
-            pid = self._answer(deadline + 60)["pid"]  # the imports happen once, before the first answer
-            deadline = time.monotonic() + timeout_s
+            pid = self._answer(time.monotonic() + 60)["pid"]  # the imports happen once, before the first answer
             try:
-                code = self._answer(deadline)["code"]
+                code = self._answer(time.monotonic() + timeout_s)["code"]
             except TimeoutError:
                 os.kill(pid, signal.SIGKILL)
                 self._answer(time.monotonic() + 30)

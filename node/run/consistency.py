@@ -57,9 +57,7 @@ class Consistency:
         """The hash this node publishes for `step` (its status record's claim): none for a step at which a re-fetch
         is planned, whose state is about to be replaced by the agreed one (a claim is answered for in votes, and
         after the re-fetch this node holds, and answers, the agreed hash there)."""
-        if self.pending is not None and step >= self.pending[0]:
-            return None
-        return self.hashes.hashes.get(step)
+        return None if self.refetch_due(step) else self.hashes.hashes.get(step)
 
     def refetch_due(self, step: int) -> bool:
         return self.pending is not None and step >= self.pending[0]

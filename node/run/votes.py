@@ -62,12 +62,12 @@ class HashVotes:
 
     def reloaded(self, step: int, state_hash: str) -> None:
         """This node loaded the state the group agrees on at `step` (a re-fetch): that is its hash there now, and the
-        states it held before are gone (asked about them it holds none, and has no say), with the claims noted
-        against them (votes about steps it no longer holds would only re-fetch again)."""
+        states it held before are gone (asked about them it holds none, and has no say); claims noted against them
+        go at the next `note_claims`, as any claim about a step no longer held (a vote about them would only
+        re-fetch again)."""
         for s in [s for s in self.hashes if s < step]:
             del self.hashes[s]
         self.hashes[step] = state_hash
-        self._pending = {p: c for p, c in self._pending.items() if c[0] in self.hashes}
 
     def newest(self) -> int | None:
         return max(self.hashes) if self.hashes else None
