@@ -74,7 +74,7 @@ class Consistency:
 
     async def check(self, group: Group | None) -> None:
         """After a step: if a member published a different hash for a step we hold, vote; a minority replica asks
-        every member for a snapshot a few steps ahead and loads the agreed one there (`refetch`)."""
+        every member for a snapshot a few steps ahead and loads the agreed one there (`plan_refetch`, `refetch`)."""
         step = self.replica.at_step
         self.hashes.note_claims(group, self.run_id(), self.services.statuses())
         claims = self.hashes.due_claims()
@@ -90,18 +90,32 @@ class Consistency:
             self.report(group, sorted(offenders))
         if src is None:
             return
-        target = step + lead  # every member keeps its state there: the majority's is loaded then
-        kept: list[str] = []
+        await self.plan_refetch(group, src, step + lead)
 
-        async def ask(peer: str) -> None:
-            if await self.ask_snapshot(peer, target) is not None:
-                kept.append(peer)
-        async with trio.open_nursery() as n:
-            for peer in group.members:
-                if peer != self.services.peer_id:
+    async def plan_refetch(self, group: Group, src: str, target: int) -> None:
+        """Ask every other member of `group` to keep its state at `target` and plan to load the agreed one there
+        (`pending`), once most of them, `src` (the member the vote named) among them, are still before `target` and
+        so can keep it. When some are past it already, the target moves once ahead of the furthest; failing that,
+        the next vote decides again. (A pull resting on fewer than most members' word would stall on a liar alone
+        among them: it may say it holds the agreed state and serve another.)"""
+        others = [p for p in group.members if p != self.services.peer_id]
+        for _ in range(2):
+            at: dict[str, int | None] = {}
+
+            async def ask(peer: str, target: int = target) -> None:
+                at[peer] = await self.ask_snapshot(peer, target)
+            async with trio.open_nursery() as n:
+                for peer in others:
                     n.start_soon(ask, peer)
-        if src in kept:
-            self.pending = (target, src)
+            kept = [p for p, a in at.items() if a is not None and a < target]  # at the target or past it: too late
+            if src in kept and 2 * len(kept) > len(others):
+                self.pending = (target, src)
+                return
+            ahead = max((a for a in at.values() if a is not None), default=None)
+            if ahead is None or ahead < target:
+                break  # not for lack of time: more waiting cannot help
+            target = ahead + self.config.switch_lead_min_steps
+        log.info("no re-fetch planned at step %d: too few members can keep it; the next vote decides again", target)
 
     async def refetch(self, step: int, group: Group | None) -> None:
         """Load the state the group agrees on at `step` (the vote said ours is not it): its members hash their whole

@@ -25,6 +25,16 @@ class SnapshotLimits:
             raise ValueError("snapshot limits must be positive")
 
 
+def majority_step(others: Iterable[int], members: int) -> int | None:
+    """The newest step a strict majority of a group of `members` (this node among them, behind all the others'
+    steps in question) reports: the step `others` (the other members' reported steps) reach at least
+    `members // 2 + 1` times. A pair has no majority but both: there the other's word decides. None: too few
+    reports. One member's report (a replica that trained on alone, or a liar) cannot say the group is ahead."""
+    steps = sorted(others, reverse=True)
+    need = min(members // 2 + 1, max(members - 1, 1))
+    return steps[need - 1] if len(steps) >= need else None
+
+
 class Entitlement:
     """`table()`: the newest run table this node follows (None: none yet)."""
 

@@ -13,6 +13,7 @@ import trio
 
 from shoal.node.run.config import RunConfig
 from shoal.node.run.context import NodeServices
+from shoal.node.run.entitled import majority_step
 from shoal.node.run.lanes import StageLinks
 from shoal.node.run.pulls import StatePulls
 from shoal.node.run.recovery import StageRecovery
@@ -168,17 +169,18 @@ class Entry:
         self._entered(limit + 1, snap.nbytes, t0)
 
     def left_behind(self, step: int) -> bool:
-        """The other members of our stage report steps more than `switch_lead_min_steps` ahead of ours (we entered
-        after the group's deadline, or stood still) and our slot in the newest table takes effect ahead of us:
-        training through rounds the others have passed only meets deadlines; entering at that step with the group's
-        state catches up at once."""
+        """Most members of our stage report steps more than `switch_lead_min_steps` ahead of ours (we entered after
+        the group's deadline, or stood still) and our slot in the newest table takes effect ahead of us: training
+        through rounds the others have passed only meets deadlines; entering at that step with the group's state
+        catches up at once. One member ahead of the rest (a replica that skipped the others and trained on alone, or
+        one that publishes a step it never trained) does not count: entering would stall on a state only it holds."""
         entry, t = self.timeline.entry(), self.timeline.latest
         if entry is None or t is None or entry[0] <= step:
             return False
         members = set(t.members(entry[1])) - {self.services.peer_id}
-        top = max((st.step for peer, st in self.services.statuses() if peer in members and st.run_id == self.run_id),
-                  default=step)
-        if top - step <= self.config.switch_lead_min_steps:
+        top = majority_step((st.step for peer, st in self.services.statuses()
+                             if peer in members and st.run_id == self.run_id), len(members) + 1)
+        if top is None or top - step <= self.config.switch_lead_min_steps:
             return False
         log.info("the group is at step %d, this node at %d: entering at step %d with the group's state", top, step,
                  entry[0])

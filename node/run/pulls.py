@@ -14,7 +14,7 @@ from shoal.node.run.snapshots import SnapshotStore
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.run.client import RunClient
-from shoal.swarm.state.agreed import NobodyHolds, pull_agreed
+from shoal.swarm.state.agreed import NobodyHolds, NoSourceLeft, pull_agreed
 from shoal.swarm.state.snapshot import Snapshot
 from shoal.swarm.state.transfer import StateTransferConfig, StateTransferError
 
@@ -51,9 +51,9 @@ class StatePulls:
         verdict have no say), from a random one of those holding it, checked before it is returned
         (swarm/state/agreed.py). Waits while no majority has reached the revision.
         `wanted`: asked before every retry; once False the pull is given up (the slot it was for has changed).
-        `unheld_gives_up`: give up at once when none of the live peers holds the revision or trains toward it (a
-        re-fetch: the node goes on from its own state instead of standing still while its group-mates, all pulling
-        themselves, wait on it).
+        `unheld_gives_up`: give up at once when none of the live peers holds the revision or trains toward it, or
+        when every one holding the agreed state failed to serve it (a re-fetch: the node goes on from its own state,
+        and the next vote picks a new revision, instead of standing still while its group-mates wait on it).
         A source that serves another state than the hash it claimed is not pulled from again in this pull (retrying it
         would only fetch its lie again, and penalize it into a ban the group then feels as its silence)."""
         deadline = trio.current_time() + self.config.state_pull_timeout_s
@@ -72,7 +72,7 @@ class StatePulls:
             except StateTransferError as e:
                 last = e
                 log.debug("revision %d: %s", revision, e)
-                if unheld_gives_up and isinstance(e, NobodyHolds):
+                if unheld_gives_up and isinstance(e, (NobodyHolds, NoSourceLeft)):
                     raise
             await trio.sleep(PULL_RETRY_S)
         raise StateTransferError(f"no majority of the members served revision {revision} within "

@@ -22,7 +22,7 @@ from shoal.swarm.net.framing import close_quietly, exchange_failures, read_frame
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.state.snapshot import Snapshot, StateTransferError
-from shoal.swarm.state.transfer import STATE_PROTOCOL, StateTransferConfig, pull_state
+from shoal.swarm.state.transfer import STATE_PROTOCOL, NotServed, StateTransferConfig, pull_state
 from shoal.swarm.state.vote import agreed
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,11 @@ HASH_REPLY_BYTES = 1024
 class NobodyHolds(StateTransferError):
     """None of the members asked holds the revision or is training toward it (every one answered NeverHeld): waiting
     for their answers cannot help while that lasts."""
+
+
+class NoSourceLeft(StateTransferError):
+    """Every member holding the agreed state failed to serve it earlier in this pull (served another state, or said
+    it no longer holds it): asking them again cannot help."""
 
 
 class NeverHeld(StateTransferError):
@@ -99,8 +104,9 @@ async def pull_agreed(sh: SwarmHost, peers: list[str], *, revision: int, penalti
     """The whole state of `revision` the group agrees on (`majority_hash` over `peers`, counted against `voters`),
     from a random one of those holding it, checked before it is returned. A source that claimed the agreed hash and
     served something else (another state, malformed bytes, a broken stream) is penalised, added to `refused` and
-    the next one tried; sources already in `refused` (an earlier attempt's) still vote but are not pulled from again.
-    Raises StateTransferError."""
+    the next one tried; one that answers it no longer holds the revision (it dropped it since it told its hash) is
+    added to `refused` unpenalised. Sources already in `refused` (an earlier attempt's) still vote but are not pulled
+    from again. Raises StateTransferError (NoSourceLeft: every holder of the agreed state is in `refused`)."""
     expected, holders = await majority_hash(sh, peers, revision=revision, voters=voters, config=config)
     refused = set() if refused is None else refused
     sources = [p for p in holders if p not in refused]
@@ -109,6 +115,10 @@ async def pull_agreed(sh: SwarmHost, peers: list[str], *, revision: int, penalti
     for p in sources:
         try:
             return await pull_state(sh, p, revision=revision, expect_hash=expected, config=config)
+        except NotServed as e:
+            last = e
+            refused.add(p)
+            log.info("state from %s: %s", p[-8:], e)
         except StateTransferError as e:
             last = e
             refused.add(p)
@@ -116,6 +126,6 @@ async def pull_agreed(sh: SwarmHost, peers: list[str], *, revision: int, penalti
             if penalties is not None:
                 penalties.penalize(p, f"state: claimed the agreed hash, served otherwise: {e}"[:300])
     if not sources:
-        raise StateTransferError(f"every holder of the agreed state at revision {revision} served another state "
-                                 f"before ({len(holders)} refused)")
+        raise NoSourceLeft(f"every holder of the agreed state at revision {revision} failed to serve it before "
+                           f"({len(holders)} refused)")
     raise StateTransferError(f"every source of the agreed state at revision {revision} failed: {last}")

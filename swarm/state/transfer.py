@@ -129,13 +129,17 @@ def part_hash(snap: Snapshot, prefixes: tuple[str, ...]) -> str:
 
 
 # -- pulling ------------------------------------------------------------------------------------------------
+class NotServed(StateTransferError):
+    """The peer answered that it does not hold the state asked for (no lie: a revision it no longer keeps)."""
+
+
 def check_header(h: Any, config: StateTransferConfig) -> tuple[int, str, Any, list[tuple[str, torch.dtype, tuple, int]]]:
     """A state header from an untrusted source, checked field by field: (revision, hash, skeleton, tensor entries
     as (name, dtype, shape, bytes)); StateTransferError on anything off."""
     if not isinstance(h, dict):
         raise StateTransferError("header is not a map")
     if h.get("ok") is not True:
-        raise StateTransferError(f"peer refused: {str(h.get('e'))[:200]}")
+        raise NotServed(f"peer refused: {str(h.get('e'))[:200]}")
     rev, hsh, skel, entries = h.get("revision"), h.get("hash"), h.get("skeleton"), h.get("tensors")
     if not isinstance(rev, int) or isinstance(rev, bool) or rev < 0:
         raise StateTransferError("bad revision")

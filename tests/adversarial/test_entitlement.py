@@ -129,6 +129,20 @@ def test_a_members_absurd_step_is_clamped_to_a_bounded_lead_and_strangers_do_not
     assert refusals[:3] == [None] * 3 and refusals[3] is not None and refusals[3][1]  # the fifth in 10 s: penalized
 
 
+def test_one_member_ahead_of_the_rest_does_not_leave_the_group_behind():
+    """Whether a member is left behind (and enters at the group's step with the group's state) is judged on the step
+    most of the group reports: one member of three far ahead (it skipped the others and trained on alone, or it lies
+    about its step) moves nothing, two of three do; in a pair the other's word decides (there is no majority)."""
+    from shoal.node.run.entitled import majority_step
+
+    assert majority_step([47, 2], 3) == 2  # the member that ran ahead alone: not the group's step
+    assert majority_step([47, 45], 3) == 45  # both others ahead: this node is behind
+    assert majority_step([HUGE], 2) == HUGE  # a pair: one word against one
+    assert majority_step([47], 3) is None  # one report of two: too few to say
+    assert majority_step([9, 8, 7, 1], 5) == 7 and majority_step([9, 8, 7], 4) == 7
+    assert majority_step([], 1) is None
+
+
 @pytest.mark.own_process
 @pytest.mark.usefixtures("one_torch_thread")
 async def test_one_of_two_members_lying_about_its_step_cannot_stall_a_joiner():

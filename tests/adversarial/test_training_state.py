@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shoal.swarm.net.penalty import Penalties
-from shoal.swarm.state.agreed import NobodyHolds, pull_agreed
+from shoal.swarm.state.agreed import NobodyHolds, NoSourceLeft, pull_agreed
 from shoal.swarm.state.snapshot import Snapshot, StateTransferError
 from shoal.swarm.state.transfer import StateServer, StateTransferConfig
 from tests.adversarial.poisoner import serve_lies
@@ -60,9 +60,32 @@ async def test_a_source_lying_about_its_state_is_penalised_and_the_majoritys_sta
         again = await pull_agreed(client, [s.peer_id for s in servers], revision=REV, penalties=pen, config=CFG,
                                   rng=LiarFirst({liar.peer_id}), refused=refused)
         assert again.hash == states[0].hash and len(pen.reasons(liar.peer_id)) == 1
-        with pytest.raises(StateTransferError, match="served another state before"):
+        with pytest.raises(NoSourceLeft):  # a re-fetch gives up: the next vote picks another revision
             await pull_agreed(client, [s.peer_id for s in servers], revision=REV, penalties=pen, config=CFG,
                               refused=refused | {s.peer_id for s in servers[:2]})
+
+
+async def test_a_source_that_dropped_the_revision_since_it_told_its_hash_is_passed_over_unpenalised():
+    """A member tells its hash at the revision, then drops that revision before the pull reaches it (it keeps a few):
+    it answers that it no longer holds it, which is no lie. The pull goes on to the next holder, and does not ask it
+    again in this pull."""
+    held = replica_state(0)
+    async with AsyncExitStack() as stack:
+        servers = [await stack.enter_async_context(bare_host()) for _ in range(3)]
+        client = await stack.enter_async_context(bare_host([s.addrs[0] for s in servers]))
+        asked: list[int] = []
+
+        def dropping(r: int) -> Snapshot | None:  # held when its hash is asked, gone when its state is
+            asked.append(r)
+            return held if len(asked) == 1 else None
+        StateServer(servers[0], lambda: None, by_revision=dropping)
+        for sh in servers[1:]:
+            StateServer(sh, lambda: None, by_revision=lambda r: held)
+        pen, refused = Penalties(), set()
+        got = await pull_agreed(client, [s.peer_id for s in servers], revision=REV, penalties=pen, config=CFG,
+                                rng=LiarFirst({servers[0].peer_id}), refused=refused)
+        assert got.hash == held.hash and len(asked) == 2  # its hash, then the state it no longer held
+        assert refused == {servers[0].peer_id} and not any(pen.reasons(s.peer_id) for s in servers)
 
 
 async def test_a_source_off_the_majority_is_never_used_and_without_a_majority_nothing_loads():

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 import trio
 
+from shoal.node.run.config import RunConfig
+from shoal.node.run.consistency import Consistency
 from shoal.node.run.votes import HashVotes
 from shoal.protocol.records import StatusRecord
 from shoal.protocol.wire import pack
@@ -284,6 +287,34 @@ async def test_a_reloaded_state_replaces_the_hashes_of_the_states_held_before():
     g = Group(run_id="r" * 64, epoch=1, members=("a" * 8, "b" * 8, "c" * 8), me="a" * 8)
     assert await votes.vote(g, {"b" * 8: (6, "agreed6")}) is None and votes.votes == 0  # no longer held: no vote
     assert await votes.vote(g, {"b" * 8: (8, "agreed8")}) is None and votes.votes == 1  # held now: it agrees
+
+
+@pytest.mark.parametrize("case", ["all keep", "only the named keeps", "ahead", "named gone"])
+async def test_a_refetch_is_planned_only_where_most_members_can_keep_the_state(case):
+    """A minority replica plans its re-fetch at a step most of the other members (the one the vote named among them)
+    are still before, so they keep their state there and a majority vouches for the state it pulls. A member at the
+    step or past it cannot keep it: with most members past it the target moves once ahead of the furthest; with
+    only the named member keeping it (the other silent) there is no re-fetch (the pull would rest on its word alone:
+    a liar's)."""
+    me, liar, honest = "a" * 8, "b" * 8, "c" * 8
+    steps = {"all keep": {liar: 10, honest: 10}, "only the named keeps": {liar: 10, honest: None},
+             "ahead": {liar: 14, honest: 15}, "named gone": {liar: None, honest: 10}}[case]
+    asked: list[tuple[str, int]] = []
+
+    async def call(peer: str, method: str, step):
+        assert method == "run.snapshot_at"
+        asked.append((peer, step))
+        if steps[peer] is None:
+            raise RpcError("no answer")
+        return {"ok": True, "step": steps[peer]}
+
+    cfg = RunConfig(run_id="r" * 64, switch_lead_min_steps=3)
+    c = Consistency(SimpleNamespace(peer_id=me), cfg, None, None, call, lambda: "r" * 64, lambda g, o: None)
+    g = Group(run_id="r" * 64, epoch=1, members=(me, liar, honest), me=me)
+    await c.plan_refetch(g, liar, 12)
+    assert c.pending == {"all keep": (12, liar), "only the named keeps": None, "ahead": (18, liar),
+                         "named gone": None}[case]
+    assert sorted(s for _, s in asked) == ([12, 12, 18, 18] if case == "ahead" else [12, 12])
 
 
 async def test_a_partial_pull_carries_only_the_asked_tensors_and_completes_from_a_base():
