@@ -5,6 +5,7 @@ node far behind its group enters the group's next step; a stage whose lane faile
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,6 +20,7 @@ from shoal.node.run.pulls import StatePulls
 from shoal.node.run.recovery import StageRecovery
 from shoal.node.run.replica import Replica
 from shoal.node.run.snapshots import SnapshotStore
+from shoal.protocol.assignment import AssignmentTable
 from shoal.swarm.run.client import RunClient
 from shoal.swarm.run.timeline import GroupTimeline
 from shoal.swarm.state.transfer import StateTransferError
@@ -26,6 +28,7 @@ from shoal.swarm.state.transfer import StateTransferError
 log = logging.getLogger(__name__)
 
 READY_POLL_S = 1.0  # a node waiting for a slot (or a backup) re-checks the table at least this often
+EPOCHS_KEPT = 64  # steps whose group epoch this node remembers (a table later than that cannot be caught up with)
 
 Build = Callable[[int, int], Awaitable[None]]  # (stage, replica) -> the replica's new trainer is built
 Spawn = Callable[[Callable[[], Awaitable[Any]]], None]  # start a task in the run's nursery
@@ -37,14 +40,17 @@ class Entry:
     def __init__(self, *, services: NodeServices, config: RunConfig, run_id: str, replica: Replica,
                  timeline: GroupTimeline, pulls: StatePulls, client: RunClient, links: StageLinks | None,
                  build: Build, spawn: Spawn, recovery: StageRecovery, snapshots: SnapshotStore,
-                 rolled: Callable[[], int]):
+                 rolled: Callable[[], int], ask: Callable[[str, int], Awaitable[int | None]]):
         self.services, self.config, self.run_id = services, config, run_id
         self.replica, self.timeline, self.pulls, self.client, self.links = replica, timeline, pulls, client, links
         self.build, self.spawn = build, spawn
         self.recovery, self.snapshots, self.rolled = recovery, snapshots, rolled  # rolled: rollbacks applied
+        self.ask = ask  # (peer, step): ask a member to keep its state at that step (Consistency.ask_snapshot)
         self.entries: list[dict[str, Any]] = []
         self.lane_broken_at: int | None = None  # the step at which this stage's lane failed, until re-formed
         self._lane_report_at = 0.0
+        self._epochs: dict[int, int] = {}  # step -> the group epoch this node trained it with (the newest ones)
+        self.caught_up = 0  # times this node went back to a switch step its group's table reached it after
 
     async def wait_for_table(self, timeout_s: float) -> None:
         with trio.move_on_after(timeout_s):
@@ -184,6 +190,58 @@ class Entry:
             return False
         log.info("the group is at step %d, this node at %d: entering at step %d with the group's state", top, step,
                  entry[0])
+        return True
+
+    def ask_to_keep(self, table: AssignmentTable) -> None:
+        """`table` (new here) re-forms our stage's group, with this node in it, at a switch step S ahead of us: ask the
+        other members staying in it to keep their state at S, as this node does. A member the table reaches only
+        after S (its gossip lost) then still holds it and can go back there (`caught_late`)."""
+        stage = self.timeline.stage()
+        me = self.services.peer_id
+        if stage is None or stage >= table.stages or me not in table.members(stage):
+            return
+        switch = table.switch_step(stage)
+        before = self.timeline.table_at(switch - 1, stage) if switch > self.replica.at_step else None
+        if before is None or before.epochs[stage] == table.epochs[stage]:
+            return
+        for p in sorted(set(table.members(stage)) & set(before.members(stage)) - {me}):
+            self.spawn(functools.partial(self.ask, p, switch))
+
+    def trained(self, step: int, epoch: int) -> None:
+        """This node trained `step` with its stage group's epoch `epoch`."""
+        self._epochs[step] = epoch
+        self._epochs.pop(step - EPOCHS_KEPT, None)
+
+    async def caught_late(self, epoch: int, stage: int, step: int, forget: Callable[[int], None]) -> bool:
+        """The table that re-formed our group as `epoch` at switch step S reached this node only now, at `step` > S,
+        after it had begun S with the group before (the table's gossip was lost here and the next poll came after
+        S; or, at a run's start, the broker placed a joiner at step 0 as this node began it): the members that had
+        the table in time, and a node entering at S, wait for it at S. It goes back to S and forgets what came after
+        (`forget`: the hashes it recorded); True when it did. Its state at S is the one it kept there (the members
+        ask each other to: `ask_to_keep`), or at step 0 the run's initial state, which it builds again. Without that
+        state, or in a pipeline (its lane's neighbours would be out of step with it), it trains on and the hash vote
+        settles the difference."""
+        start = self.timeline.epoch_start(stage, epoch)
+        if start is None or start >= step or self._epochs.get(start) in (None, epoch):
+            return False
+        self._epochs = {s: e for s, e in self._epochs.items() if s < start}  # judged once
+        snap = self.snapshots.at(start)
+        late = f"stage {stage}'s group epoch {epoch} took effect at step {start}, its table reached this node at {step}"
+        if (snap is None and start > 0) or self.links is not None:
+            log.warning("%s: %s", late, "it holds no state there, trains on" if snap is None else
+                        "a pipeline stage trains on")
+            return False
+        log.warning("%s: back to step %d", late, start)
+        self.snapshots.forget_after(start)  # states of a past no member shares: never served
+        forget(start)
+        self.caught_up += 1
+        if snap is None:
+            self.replica.drop()  # built again at step 0 (the run's initial state) by the next entry
+            return True
+        try:
+            await self.replica.load(snap)
+        except StateTransferError as e:
+            log.warning("could not go back to step %d: %s", start, e)
         return True
 
     def lane_failed(self, step: int) -> None:

@@ -106,6 +106,7 @@ class RunRuntime:
         self.finished = trio.Event()
         self._start_deadline = 0.0
         self._abandoned: dict[int, int] = {}  # stage -> the newest group epoch this node left when counted failed
+        self._stepping: tuple[int, Group] | None = None  # the step in progress and its group
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
 
@@ -190,12 +191,25 @@ class RunRuntime:
         if self.timeline.add(table):
             for step in self.timeline.switch_steps(table):
                 self.snapshots.request(step)
+            if self.entry is not None:
+                self.entry.ask_to_keep(table)
             if StageRecovery.rollback_due(table, self._rolled) is not None and self.links is not None:
                 # a step still waiting on a lane neighbour that is gone would hold the rollback up until its
                 # deadline: the links go now (the rollback reopens them), and the step is given up at once
                 self._nursery.start_soon(self.links.close)
             if table.provider_state(self.services.peer_id) == GONE and self.replica.at_step > 0:
                 self._abandon(self.group_at(self.replica.at_step))
+            if self._stepping is not None and self.collective is not None \
+                    and self._superseded(*self._stepping):
+                # a table that re-formed our group at a step we are already in (it reached us late): the round in
+                # flight waits for members that are elsewhere; it ends now, and the step is caught up with
+                # (Entry.caught_late)
+                self.collective.give_up(self._stepping[1].epoch_tag())
+
+    def _superseded(self, step: int, group: Group) -> bool:
+        """Whether the tables this node holds now give its stage another group epoch at `step` than `group`."""
+        now = self.timeline.group_at(step, group.stage)
+        return now is None or now.epoch != group.epoch
 
     def _abandon(self, group: Group | None) -> None:
         """The broker counts this node failed (it was frozen, or cut off) while it held `group`: the group goes on
@@ -225,8 +239,8 @@ class RunRuntime:
             if r.throughput is not None and r.last is not None else 0.0
         steps = self.entitled.progress(r.at_step, m.run_id, self.services.statuses(), own_rate)  # members, clamped
         top = max(s for s, _ in steps)
-        if top == 0:
-            return 0  # nothing trained yet: the change can apply from the start
+        if top == 0 and not self._begun(m.run_id):
+            return 0  # nothing trained yet, nor under way: the change can apply from the start
         t = self.timeline.table_at(top, stage)
         if t is not None and len(t.complete_lanes()) < m.plan.lanes_min:
             return top  # below its minimum the run waits at `top`: the change applies there
@@ -237,6 +251,13 @@ class RunRuntime:
         own = th.steps_per_s() if th is not None else 0.0
         rate = max(tps / per_step, own) if tps > 0 or own > 0 else 1.0
         return top + max(self.config.switch_lead_min_steps, math.ceil(self.config.switch_lead_s * rate))
+
+    def _begun(self, run_id: str) -> bool:
+        """Whether this node, or a member by its status, is training the run: step 0 may be under way (its status
+        says step 0 until it is done), so a change placed at step 0 would reach the members after they began it."""
+        return self.replica.state == "training" or any(
+            st.run_id == run_id and st.state == "training" and self.entitled.member(p)
+            for p, st in self.services.statuses())
 
     def _lane_named(self, peer: str, hello: LinkHello) -> bool:
         """Whether the tables this node follows (in force from the step before ours, or announced) name `peer` at
@@ -297,13 +318,23 @@ class RunRuntime:
             self.snapshots.add(await r.take(control))
         checks: Checks | None = await self.verified.before(control.step) if self.verified is not None else None
         t0 = self.clock()
-        result = await r.step(control, self.clock)
+        self._stepping = (control.step, group)
+        try:
+            result = await r.step(control, self.clock)
+        finally:
+            self._stepping = None
         if self.verified is not None:
             self.verified.after(group, checks)
         self.contribution.add(result)
+        assert self.entry is not None
+        self.entry.trained(control.step, group.epoch)
         self.step_samples[control.step] = result.samples  # this lane's share of the step (for the status file)
         self.step_samples.pop(control.step - RECENT_SAMPLES, None)
-        self.consistency.record(r.at_step, control.state_hash)
+        if self._superseded(control.step, group):  # the table reached us late: the step is taken again with the
+            control.missing.clear()  # new group (Entry.caught_late); its state is nobody's to claim, and the members
+            #                          it missed were elsewhere
+        else:
+            self.consistency.record(r.at_step, control.state_hash)
         if control.missing and self._froze_since(t0):
             log.info("step %d: not reporting %d members missing: this process stood still during the step",
                      control.step, len(control.missing))
@@ -432,6 +463,8 @@ class RunRuntime:
             g = self._group_to_train(step) if t is not None else None
             if g is not None and entry.left_behind(step):
                 g = None  # enter our next group with its state rather than train through rounds the others passed
+            if g is not None and await entry.caught_late(g.epoch, g.stage, step, self.consistency.forget_after):
+                continue  # back at the switch step our group's table reached us after
             if g is None:
                 slot = self.timeline.entry()
                 if slot is not None and (t is None or slot[0] > step) and slot[0] < limit:
@@ -562,7 +595,8 @@ class RunRuntime:
             self.entry = Entry(services=sv, config=cfg, run_id=m.run_id, replica=self.replica,
                                timeline=self.timeline, pulls=self.pulls, client=client, links=self.links,
                                build=self._build, spawn=nursery.start_soon, recovery=self.recovery,
-                               snapshots=self.snapshots, rolled=lambda: self._rolled)
+                               snapshots=self.snapshots, rolled=lambda: self._rolled,
+                               ask=self.consistency.ask_snapshot)
             await nursery.start(client.run)
             if client.table is not None:
                 self._on_table(client.table)

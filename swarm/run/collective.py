@@ -28,6 +28,7 @@ MAX_HEADER_BYTES = 1024
 MAX_TAG_CHARS = 200
 DONE_TAGS_KEPT = 4096  # finished tags remembered, so late messages for them are dropped
 MAX_PEER_TAGS = 64  # tags one peer may have waiting in the inbox at once
+GIVEN_UP_KEPT = 16  # group epochs whose rounds this node gave up (`give_up`), the newest
 
 
 class Collective:
@@ -87,7 +88,9 @@ class Collective:
         self._changed = trio.Event()
         self._out: dict[str, Any] = {}  # peer -> the (libp2p) stream our messages to it go on
         self._out_locks: dict[str, trio.Lock] = {}  # one message at a time on a stream
-        self._waiting: set[trio.CancelScope] = set()  # the deadlines of the exchanges in progress
+        self._waiting: dict[trio.CancelScope, str] = {}  # the deadlines of the exchanges in progress -> their tags
+        self._given_up: deque[str] = deque(maxlen=GIVEN_UP_KEPT)  # tag prefixes whose exchanges end at once
+        self._held: set[tuple[str, str]] = set()  # (tag, peer) of waiting messages the gate is to judge again
         self.closed = False
         sh.set_handler(COLLECTIVE_PROTOCOL, self._serve)
 
@@ -98,6 +101,16 @@ class Collective:
         self.closed = True
         for scope in self._waiting:
             scope.cancel()
+
+    def give_up(self, prefix: str) -> None:
+        """Exchanges under tags starting with `prefix` (a group epoch's rounds: Group.tag) end now with what they
+        have, and later ones at once: that group was re-formed at a step this node had already begun (the table
+        reached it late), so nobody will answer them."""
+        if prefix not in self._given_up:
+            self._given_up.append(prefix)
+        for scope, tag in self._waiting.items():
+            if tag.startswith(prefix):
+                scope.cancel()
 
     # -- receiving ----------------------------------------------------------------------------------
 
@@ -125,7 +138,9 @@ class Collective:
                     if not 0 < n <= self.max_frame_bytes:
                         raise DecodeError(f"announced payload of {n} bytes is outside 1..{self.max_frame_bytes}")
                     refusal = self._refusal(peer, tag)
-                    if refusal is not None:  # dropped unread: the stream is reset (an honest sender reopens one)
+                    if refusal is not None and getattr(refusal, "hold", False) and not self._holds(peer):
+                        log.info("collective message %s from %s held: %s", tag, peer, refusal.why)
+                    elif refusal is not None:  # dropped unread: the stream is reset (an honest sender reopens one)
                         self.refused += 1
                         if refusal.penalize:
                             self.penalties.penalize(peer, f"collective: {refusal.why}")
@@ -145,7 +160,7 @@ class Collective:
             except StreamClosed as e:
                 log.debug("collective stream from %s closed early: %s", peer, e)
                 return
-            self._deliver(tag, peer, payload, wire=2 * PREFIX_BYTES + len(raw) + n)
+            self._deliver(tag, peer, payload, wire=2 * PREFIX_BYTES + len(raw) + n, held=refusal is not None)
 
     def _refusal(self, peer: str, tag: str):
         if tag not in self._inbox and tag not in self._done_set:
@@ -154,7 +169,7 @@ class Collective:
                 return _Refused(f"{waiting} tags of this peer wait in the inbox already")
         return self.gate(peer, tag) if self.gate is not None else None
 
-    def _deliver(self, tag: str, peer: str, payload: bytes, wire: int) -> None:
+    def _deliver(self, tag: str, peer: str, payload: bytes, wire: int, held: bool = False) -> None:
         self._expire()
         if tag in self._done_set:
             log.debug("late message for finished %s from %s dropped", tag, peer)
@@ -171,6 +186,8 @@ class Collective:
                 self._drop(tag)
             return
         box[peer] = payload
+        if held:
+            self._held.add((tag, peer))
         self._peer_bytes[peer] = self._peer_bytes.get(peer, 0) + len(payload)
         self._total_bytes += len(payload)
         self.bytes_recv += wire
@@ -211,13 +228,38 @@ class Collective:
         self._arrived.pop(tag, None)
         box = self._inbox.pop(tag, {})
         for peer, payload in box.items():
-            left = self._peer_bytes[peer] - len(payload)
-            if left:
-                self._peer_bytes[peer] = left
-            else:
-                del self._peer_bytes[peer]
-            self._total_bytes -= len(payload)
+            self._release(tag, peer, payload)
         return box
+
+    def _release(self, tag: str, peer: str, payload: bytes) -> None:
+        self._held.discard((tag, peer))
+        left = self._peer_bytes[peer] - len(payload)
+        if left:
+            self._peer_bytes[peer] = left
+        else:
+            del self._peer_bytes[peer]
+        self._total_bytes -= len(payload)
+
+    def _holds(self, peer: str) -> bool:
+        """Whether a message of `peer`'s is held already: one is all an honest member sends before the table that
+        names its epoch comes (its next waits for this node's answer), so any more are dropped."""
+        return any(p == peer for _, p in self._held)
+
+    def _judge_held(self, tag: str) -> None:
+        """This node's round under `tag` begins: the messages held for it (their group epoch was unknown here when
+        they came) are put to the gate again, now that this node knows the epoch, and kept or dropped by it."""
+        box = self._inbox.get(tag, {})
+        for peer in [p for p in box if (tag, p) in self._held]:
+            refusal = self._refusal(peer, tag)
+            self._held.discard((tag, peer))
+            if refusal is None:
+                continue
+            self._release(tag, peer, box.pop(peer))
+            self.refused += 1
+            if refusal.penalize:
+                self.penalties.penalize(peer, f"collective: {refusal.why}")
+            else:
+                log.info("held collective message %s from %s dropped: %s", tag, peer, refusal.why)
 
     def _finish(self, tag: str) -> None:
         if len(self._done) == self._done.maxlen:
@@ -296,9 +338,11 @@ class Collective:
         failed: set[str] = set()
         box: dict[str, bytes] = {}
         self._active.add(tag)
+        self._judge_held(tag)
         try:
-            with trio.move_on_after(0 if self.closed else timeout_s) as deadline:
-                self._waiting.add(deadline)
+            given_up = any(tag.startswith(p) for p in self._given_up)
+            with trio.move_on_after(0 if self.closed or given_up else timeout_s) as deadline:
+                self._waiting[deadline] = tag
                 async with trio.open_nursery() as nursery:
                     for p, b in sends.items():
                         if p != self.me:
@@ -307,7 +351,7 @@ class Collective:
                         await self._changed.wait()
         finally:
             self._active.discard(tag)
-            self._waiting.discard(deadline)
+            self._waiting.pop(deadline, None)
             box = self._drop(tag)
             self._finish(tag)
         if self.me in sends:

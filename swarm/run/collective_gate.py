@@ -21,6 +21,9 @@ EARLY_WINDOW_S = 60.0
 class Refusal:
     why: str
     penalize: bool  # False: maybe an honest race (a group epoch this node has not heard of yet): dropped only
+    # True: an epoch this node has not heard of yet, from a provider of the run: the message is kept like an early
+    # one, and the gate asked again when this node's own round under that tag begins (its table has come by then)
+    hold: bool = False
 
 
 class CollectiveGate:
@@ -28,9 +31,9 @@ class CollectiveGate:
     group epoch (Group.tag); the sender must be a member of that stage's group at that epoch in one of the tables
     this node follows (the one in force and those announced for later steps; tables are signed by the run's
     authorised broker). Nothing else reaches the inbox: a tag of another run, or from a peer that is no member of
-    a known epoch, is an offence; an epoch newer than any this node knows is refused too, unpunished a few times
-    when a provider of the run sends it (a promoted backup whose table is still on its way here), an offence
-    beyond that or from anyone else."""
+    a known epoch, is an offence; an epoch newer than any this node knows is held, a few times, when a provider of
+    the run sends it (the table re-forming the group is still on its way here: the message counts if the table
+    says so once it has come, Collective's `hold`), an offence beyond that or from anyone else."""
 
     def __init__(self, run_id: str, tables: Callable[[], Sequence[AssignmentTable]],
                  step: Callable[[], int] | None = None, clock: Callable[[], float] = trio.current_time):
@@ -72,7 +75,7 @@ class CollectiveGate:
         why = f"stage {stage} epoch {epoch} is unknown here"
         if latest is not None and epoch <= newest + EPOCHS_AHEAD and \
                 latest.provider_state(peer) not in (None, GONE) and self._early.take(peer):
-            return Refusal(why=why, penalize=False)
+            return Refusal(why=why, penalize=False, hold=True)
         return Refusal(why=why, penalize=True)
 
     def _live_epochs(self, tables: list[AssignmentTable], stage: int) -> set[int]:

@@ -53,4 +53,8 @@ class Group:
         return len(set(self.weights)) <= 1
 
     def tag(self, round_: int, phase: str) -> str:
-        return f"{self.run_id[:16]}/{self.stage}/{self.epoch}/{round_}/{phase}"
+        return f"{self.epoch_tag()}{round_}/{phase}"
+
+    def epoch_tag(self) -> str:
+        """What every round tag of this group epoch starts with."""
+        return f"{self.run_id[:16]}/{self.stage}/{self.epoch}/"

@@ -97,6 +97,12 @@ class GroupTimeline:
         was = set(before.group_members(stage))
         return replace(g, entering=frozenset(m for m in g.members if m not in was))
 
+    def epoch_start(self, stage: int, epoch: int) -> int | None:
+        """The step at which `stage`'s group epoch `epoch` took effect (the first switch step of the tables this node
+        holds with that epoch; a later table of the same epoch moves no one), or None when none holds it."""
+        steps = [t.switch_step(stage) for t in self.tables if stage < t.stages and t.epochs[stage] == epoch]
+        return min(steps) if steps else None
+
     def entry(self) -> tuple[int, int, int] | None:
         """(step, stage, replica) of this node's slot in the newest table, or None when it has none: the switch step
         at which its stage's group took effect with this node in this slot (a later table of the same group epoch,

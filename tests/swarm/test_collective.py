@@ -100,3 +100,60 @@ async def test_a_leaving_node_ends_its_round_at_once_not_at_the_deadline():
         t1 = trio.current_time()
         assert await colls[0].exchange("t/after", {a: b"s"}, {a, b}, timeout_s=30) == {a: b"s"}
         assert trio.current_time() - t1 < 1
+
+
+async def test_a_given_up_group_epoch_ends_its_rounds_at_once_and_no_other():
+    """give_up(prefix) (the table re-formed the group at a step this node had begun): an exchange of that epoch
+    waiting for a peer returns now with what it has, a later one of that epoch at once, one of another epoch
+    waits as before."""
+    async with AsyncExitStack() as stack:
+        hosts, _, colls = await three_hosts(stack)
+        a, b, c = (h.peer_id for h in hosts)
+        out = {}
+
+        async def waiting():
+            out["r"] = await colls[0].exchange("run/0/4/9/grad/rs", {a: b"self", b: b"x"}, {a, b, c}, timeout_s=30)
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:
+            n.start_soon(waiting)
+            await trio.sleep(0.5)
+            colls[0].give_up("run/0/4/")
+        assert trio.current_time() - t0 < 3 and out["r"] == {a: b"self"}
+        t1 = trio.current_time()
+        assert await colls[0].exchange("run/0/4/9/grad/ag", {a: b"s"}, {a, c}, timeout_s=30) == {a: b"s"}
+        assert trio.current_time() - t1 < 1
+        t2 = trio.current_time()
+        assert await colls[0].exchange("run/0/5/9/grad/rs", {a: b"s"}, {a, c}, timeout_s=1.5) == {a: b"s"}
+        assert trio.current_time() - t2 >= 1.4  # another epoch's round still waits for its members
+
+
+async def test_a_message_for_an_epoch_not_known_yet_is_held_and_judged_when_the_round_begins():
+    """A provider's message under a group epoch this node has not heard of (the table is on its way) is held, one per
+    peer, and put to the gate again when this node's round under that tag begins: kept when the table named the
+    sender, dropped and penalized when it did not; a second message of the same peer meanwhile is dropped."""
+    from shoal.swarm.run.collective_gate import Refusal
+
+    known: set[str] = set()  # the epochs this node's tables name, and who is in them
+    async with AsyncExitStack() as stack:
+        hosts = [await stack.enter_async_context(bare_host()) for _ in range(3)]
+        for h in hosts[1:]:
+            await h.connect(hosts[0].addrs[0])
+        a, b, c = (h.peer_id for h in hosts)
+
+        def gate(peer: str, tag: str):
+            epoch = tag.split("/")[1]
+            if epoch not in {k.split("/")[0] for k in known}:
+                return Refusal(why=f"epoch {epoch} is unknown here", penalize=False, hold=True)
+            return None if f"{epoch}/{peer}" in known else Refusal(why="not a member", penalize=True)
+        pens = [Penalties(PenaltyConfig(strikes_before_ban=3)) for _ in hosts]
+        coll = Collective(hosts[0], pens[0], gate=gate)
+        senders = [Collective(h, p) for h, p in zip(hosts[1:], pens[1:])]
+        await senders[0].exchange("r/7/30/rs", {a: b"from b"}, set(), timeout_s=5)
+        await senders[1].exchange("r/7/30/rs", {a: b"from c"}, set(), timeout_s=5)
+        await senders[0].exchange("r/7/31/rs", {a: b"b again"}, set(), timeout_s=5)
+        await wait_for(lambda: len(coll._held) == 2 and coll.refused == 1, 5, "two held, the third dropped")
+        known.update({"7/" + a, "7/" + b})  # the table comes: epoch 7 is a, b (not c)
+        out = await coll.exchange("r/7/30/rs", {a: b"self"}, {a, b, c}, timeout_s=1.0)
+        assert out == {a: b"self", b: b"from b"} and not coll._held
+        assert pens[0].reasons(c) and not pens[0].reasons(b)

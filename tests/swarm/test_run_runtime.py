@@ -135,6 +135,40 @@ async def test_a_late_joiner_enters_at_an_agreed_step_with_the_groups_state():
                 assert late.runtime.replica.trainer.step_count == steps
 
 
+async def test_a_member_the_new_table_reaches_late_goes_back_to_the_switch_step():
+    """A third replica joins while one member hears no table (its gossip lost, its polls unanswered): that member
+    begins the switch step with the group before, whose rounds nobody answers any more. When the table reaches it
+    (here handed over as its next poll would), its round in flight ends at once, it goes back to the switch step
+    with the state it kept there (the joiner asked it to) and takes that step with the new group: the three hold
+    the same state at every step, and no hash vote has anything to re-fetch."""
+    steps = 60
+    cfg = node_config(manifest("allreduce"), steps, start_wait_s=1.0)
+    async with running_node((), cfg) as first, running_node(first.sh.addrs, cfg) as late:
+        await wait_training([first, late], 2, 5, 60, "two replicas to train")
+        deaf = [True]
+        client = late.runtime.client
+        accept = client._accept
+        client._accept = lambda t, env, source: False if deaf[0] else accept(t, env, source)  # gossip and polls
+        async with running_node(first.sh.addrs, cfg) as joiner:
+            await wait_for(lambda: len(first.runtime.timeline.latest.members(0)) == 3, 60, "the joiner's table")
+            switch = first.runtime.timeline.latest.switch_step(0)
+            await wait_for(lambda: first.runtime.replica.at_step >= switch, 60, "the switch step")
+            assert late.runtime.replica.at_step >= switch - 1 and late.runtime.timeline.latest.members(0) != \
+                first.runtime.timeline.latest.members(0)  # it trained up to the switch with the group before
+            deaf[0] = False
+            client.accept_envelope(first.runtime.client.table_env, first.peer_id)
+            nodes = [first, late, joiner]
+            await wait_for(lambda: finished(nodes), 120, "the run to finish with three")
+            print(f"switch step {switch}; the late member went back {late.runtime.entry.caught_up} time(s); "
+                  f"re-fetches {[n.runtime.consistency.refetches for n in nodes]}")
+            assert late.runtime.entry.caught_up == 1
+            assert [n.runtime.consistency.refetches for n in nodes] == [0, 0, 0]
+            assert len(hashes(nodes)) == 1
+            held = [n.runtime.consistency.hashes.hashes for n in nodes]
+            common = set.intersection(*(set(h) for h in held))
+            assert common and all(len({h[s] for h in held}) == 1 for s in common)
+
+
 @pytest.mark.parametrize("sync", ["allreduce", "cocktail"])
 async def test_a_poisoning_member_is_evicted_and_the_backup_takes_its_slot(sync):
     """NaN updates from one member: the others reject and report them, the broker evicts it on most members'
