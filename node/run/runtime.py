@@ -42,6 +42,7 @@ from shoal.node.run.verified import Checks, VerifiedStage
 from shoal.node.run.verify import StageVerifier
 from shoal.node.run.votes import MIN_VOTERS
 from shoal.node.run.workload import make_placer
+from shoal.node.sync.base import SyncConfig
 from shoal.node.train.batch import StepBatch
 from shoal.node.train.control import StepControl
 from shoal.protocol.assignment import GONE, AssignmentTable, Rollback
@@ -532,7 +533,7 @@ class RunRuntime:
                 sv.links.follow(lambda: self.client.table if self.client is not None else None)
             placer = make_placer(m, sv.links.book, cfg.replan)
         ctx = sv.run_context(m, self.switch_step, placer, step=lambda: self.replica.at_step)
-        lim = inbox_limits(m, cfg.round_timeout_s)
+        lim = inbox_limits(m, cfg.round_timeout_s, SyncConfig().entry_grace_rounds)  # the replica's (replica.py)
         overlap = 1 + (sync.diloco.overlap_steps if sync.method == "diloco" else 0)  # a round runs on that long
         self.collective = Collective(sv.sh, sv.penalties,  # only members of known groups, under their tags
                                      gate=CollectiveGate(m.run_id, lambda: self.timeline.tables,

@@ -95,14 +95,17 @@ class InboxLimits:
     max_wait_s: float  # how long a message may wait for its exchange
 
 
-def inbox_limits(manifest: RunManifest, round_timeout_s: float) -> InboxLimits:
+def inbox_limits(manifest: RunManifest, round_timeout_s: float, entry_grace_rounds: float) -> InboxLimits:
     """Caps sized by the run: no honest message is larger than 8 bytes per parameter of the largest stage (an fp32
     chunk, or a compressed one with its indices) plus framing, no member has more than two waiting (the next
     round's first phase, sent by a member a step ahead), no group has more than the run's most lanes as members
-    (`lanes_max`: an elastic run grows to it), and none waits longer than two round deadlines (its sender gave up on
-    this node by then). So a member's flood costs at most two messages' memory, given back when they expire."""
+    (`lanes_max`: an elastic run grows to it), and none waits longer than its sender waits for this node: two round
+    deadlines, and `entry_grace_rounds` more in an epoch's first round for a node entering the group (which pulls the
+    group's state first: the members' messages must outlast that wait, else a member that waited for the entering
+    node finds it answering without the part the member sent, dropped meanwhile). So a member's flood costs at most
+    two messages' memory, given back when they expire."""
     frame = 8 * max(manifest.stage_params(s) for s in range(manifest.plan.stages)) + (1 << 20)
     peer = 2 * frame
     return InboxLimits(max_frame_bytes=frame, max_peer_buffer_bytes=peer,
                        max_buffer_bytes=peer * max(2, manifest.plan.lanes_max),
-                       max_wait_s=2 * round_timeout_s + 10.0)
+                       max_wait_s=(2 + entry_grace_rounds) * round_timeout_s + 10.0)

@@ -91,8 +91,9 @@ async def test_non_members_and_backups_flooding_the_collective_are_dropped_and_m
 
 async def test_a_members_flood_is_capped_and_given_back_when_it_expires():
     """A member may put messages in another member's inbox (its rounds' messages may come early), so its flood is
-    bounded by the caps sized from the run, and what waits is dropped after two round deadlines: 200 x 1 MB
-    under tags of rounds to come, on real hosts in this process."""
+    bounded by the caps sized from the run, and what waits is dropped once its sender no longer waits for this node
+    (two round deadlines, two more for an entering node): 200 x 1 MB under tags of rounds to come, on real hosts in
+    this process."""
     import tempfile
 
     from shoal.swarm.run.collective_gate import inbox_limits
@@ -100,7 +101,7 @@ async def test_a_members_flood_is_capped_and_given_back_when_it_expires():
     from tests.helpers.swarm import bare_host
 
     m = RunManifest.from_toml(write_run(Path(tempfile.mkdtemp()), replicas=2, sync="allreduce").read_text())
-    lim = inbox_limits(m, round_timeout_s=4.0)
+    lim = inbox_limits(m, round_timeout_s=4.0, entry_grace_rounds=2.0)
     now = [0.0]
     pen = Penalties()
     async with bare_host() as victim_sh, bare_host([victim_sh.addrs[0]]) as member_sh:
@@ -122,7 +123,7 @@ async def test_a_members_flood_is_capped_and_given_back_when_it_expires():
         await trio.sleep(0.5)
         held, taken = victim.waiting_bytes, victim.messages_recv
         peak = max(peak, rss_bytes(os.getpid()))
-        now[0] += lim.max_wait_s + 1  # the messages' two round deadlines pass
+        now[0] += lim.max_wait_s + 1  # the time their sender waits for this node passes
         assert await victim.exchange("other/0/1/0/x", {}, set(), timeout_s=0.1) == {}
         left, expired = victim.waiting_bytes, victim.expired
     gc.collect()

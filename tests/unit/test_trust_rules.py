@@ -85,12 +85,13 @@ def test_inbox_limits_scale_with_the_run():
     from shoal.protocol.manifest import ModelSpec, ParallelPlan, RunManifest, SyncSpec
 
     m = RunManifest.default(plan=ParallelPlan(replicas=4, sync=SyncSpec(method="allreduce")))
-    lim = inbox_limits(m, round_timeout_s=20.0)
+    lim = inbox_limits(m, round_timeout_s=20.0, entry_grace_rounds=2.0)
     assert lim.max_frame_bytes >= 8 * m.stage_params(0) and lim.max_peer_buffer_bytes == 2 * lim.max_frame_bytes
-    assert lim.max_buffer_bytes == 4 * lim.max_peer_buffer_bytes and lim.max_wait_s == 50.0
+    # a message waits as long as its sender waits for this node: two phases, and two more rounds for an entering node
+    assert lim.max_buffer_bytes == 4 * lim.max_peer_buffer_bytes and lim.max_wait_s == 4 * 20.0 + 10.0
     big = RunManifest.default(model=ModelSpec.preset("small"), plan=ParallelPlan(replicas=2,
                                                                                 sync=SyncSpec(method="allreduce")))
-    assert inbox_limits(big, 20.0).max_frame_bytes > lim.max_frame_bytes
+    assert inbox_limits(big, 20.0, 2.0).max_frame_bytes > lim.max_frame_bytes
 
 
 def test_a_relayed_members_row_is_never_fresher_than_its_signed_status():
