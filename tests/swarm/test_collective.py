@@ -80,23 +80,30 @@ async def test_garbage_and_oversized_messages_penalize_the_sender():
         assert colls[0]._inbox == {} and colls[0].bytes_recv == 0
 
 
+async def ended_at_once(coll: Collective, tag: str, me: str, peers: set[str], end) -> dict[str, bytes]:
+    """An exchange under `tag` waiting for `peers` (who never send), then `end()` half a second in: what it returned,
+    having returned within 3 s (the round's deadline is 30 s)."""
+    out = {}
+
+    async def waiting():
+        out["r"] = await coll.exchange(tag, {me: b"self"}, {me, *peers}, timeout_s=30)
+
+    t0 = trio.current_time()
+    async with trio.open_nursery() as n:
+        n.start_soon(waiting)
+        await trio.sleep(0.5)
+        end()
+    assert trio.current_time() - t0 < 3
+    return out["r"]
+
+
 async def test_a_leaving_node_ends_its_round_at_once_not_at_the_deadline():
     """close() (the node is leaving): an exchange waiting for a peer returns now with what it has, and a later one
     returns at once; a trainer thread blocked in the round is freed, so leaving takes no round deadline."""
     async with AsyncExitStack() as stack:
         hosts, _, colls = await three_hosts(stack)
         a, b, c = (h.peer_id for h in hosts)
-        out = {}
-
-        async def waiting():
-            out["r"] = await colls[0].exchange("t/close", {a: b"self", b: b"x"}, {a, b, c}, timeout_s=30)
-
-        t0 = trio.current_time()
-        async with trio.open_nursery() as n:
-            n.start_soon(waiting)
-            await trio.sleep(0.5)
-            colls[0].close()
-        assert trio.current_time() - t0 < 3 and out["r"] == {a: b"self"}
+        assert await ended_at_once(colls[0], "t/close", a, {b, c}, colls[0].close) == {a: b"self"}
         t1 = trio.current_time()
         assert await colls[0].exchange("t/after", {a: b"s"}, {a, b}, timeout_s=30) == {a: b"s"}
         assert trio.current_time() - t1 < 1
@@ -109,17 +116,8 @@ async def test_a_given_up_group_epoch_ends_its_rounds_at_once_and_no_other():
     async with AsyncExitStack() as stack:
         hosts, _, colls = await three_hosts(stack)
         a, b, c = (h.peer_id for h in hosts)
-        out = {}
-
-        async def waiting():
-            out["r"] = await colls[0].exchange("run/0/4/9/grad/rs", {a: b"self", b: b"x"}, {a, b, c}, timeout_s=30)
-
-        t0 = trio.current_time()
-        async with trio.open_nursery() as n:
-            n.start_soon(waiting)
-            await trio.sleep(0.5)
-            colls[0].give_up("run/0/4/")
-        assert trio.current_time() - t0 < 3 and out["r"] == {a: b"self"}
+        assert await ended_at_once(colls[0], "run/0/4/9/grad/rs", a, {b, c},
+                                   lambda: colls[0].give_up("run/0/4/")) == {a: b"self"}
         t1 = trio.current_time()
         assert await colls[0].exchange("run/0/4/9/grad/ag", {a: b"s"}, {a, c}, timeout_s=30) == {a: b"s"}
         assert trio.current_time() - t1 < 1
