@@ -13,7 +13,7 @@ import trio
 
 from shoal.node.run.config import RunConfig
 from shoal.node.run.context import NodeServices
-from shoal.node.run.pulls import StatePulls
+from shoal.node.run.pulls import StatePulls, asked
 from shoal.node.run.replica import Replica
 from shoal.node.run.votes import Call, HashVotes
 from shoal.swarm.net.rpc import RpcError
@@ -100,13 +100,7 @@ class Consistency:
         among them: it may say it holds the agreed state and serve another.)"""
         others = [p for p in group.members if p != self.services.peer_id]
         for _ in range(2):
-            at: dict[str, int | None] = {}
-
-            async def ask(peer: str, target: int = target) -> None:
-                at[peer] = await self.ask_snapshot(peer, target)
-            async with trio.open_nursery() as n:
-                for peer in others:
-                    n.start_soon(ask, peer)
+            at = await asked(self.ask_snapshot, others, target)
             kept = [p for p, a in at.items() if a is not None and a < target]  # at the target or past it: too late
             if src in kept and 2 * len(kept) > len(others):
                 self.pending = (target, src)

@@ -16,7 +16,7 @@ from shoal.node.run.config import RunConfig
 from shoal.node.run.context import NodeServices
 from shoal.node.run.entitled import majority_step
 from shoal.node.run.lanes import StageLinks
-from shoal.node.run.pulls import StatePulls
+from shoal.node.run.pulls import Ask, StatePulls
 from shoal.node.run.recovery import StageRecovery
 from shoal.node.run.replica import Replica
 from shoal.node.run.snapshots import SnapshotStore
@@ -28,7 +28,6 @@ from shoal.swarm.state.transfer import StateTransferError
 log = logging.getLogger(__name__)
 
 READY_POLL_S = 1.0  # a node waiting for a slot (or a backup) re-checks the table at least this often
-EPOCHS_KEPT = 64  # steps whose group epoch this node remembers (a table later than that cannot be caught up with)
 
 Build = Callable[[int, int], Awaitable[None]]  # (stage, replica) -> the replica's new trainer is built
 Spawn = Callable[[Callable[[], Awaitable[Any]]], None]  # start a task in the run's nursery
@@ -40,7 +39,7 @@ class Entry:
     def __init__(self, *, services: NodeServices, config: RunConfig, run_id: str, replica: Replica,
                  timeline: GroupTimeline, pulls: StatePulls, client: RunClient, links: StageLinks | None,
                  build: Build, spawn: Spawn, recovery: StageRecovery, snapshots: SnapshotStore,
-                 rolled: Callable[[], int], ask: Callable[[str, int], Awaitable[int | None]]):
+                 rolled: Callable[[], int], ask: Ask):
         self.services, self.config, self.run_id = services, config, run_id
         self.replica, self.timeline, self.pulls, self.client, self.links = replica, timeline, pulls, client, links
         self.build, self.spawn = build, spawn
@@ -49,7 +48,7 @@ class Entry:
         self.entries: list[dict[str, Any]] = []
         self.lane_broken_at: int | None = None  # the step at which this stage's lane failed, until re-formed
         self._lane_report_at = 0.0
-        self._epochs: dict[int, int] = {}  # step -> the group epoch this node trained it with (the newest ones)
+        self._last: tuple[int, int] | None = None  # (step, group epoch) of the newest step this node trained
         self.caught_up = 0  # times this node went back to a switch step its group's table reached it after
 
     async def wait_for_table(self, timeout_s: float) -> None:
@@ -209,8 +208,7 @@ class Entry:
 
     def trained(self, step: int, epoch: int) -> None:
         """This node trained `step` with its stage group's epoch `epoch`."""
-        self._epochs[step] = epoch
-        self._epochs.pop(step - EPOCHS_KEPT, None)
+        self._last = (step, epoch)
 
     async def caught_late(self, epoch: int, stage: int, step: int, forget: Callable[[int], None]) -> bool:
         """The table that re-formed our group as `epoch` at switch step S reached this node only now, at `step` > S,
@@ -221,10 +219,12 @@ class Entry:
         ask each other to: `ask_to_keep`), or at step 0 the run's initial state, which it builds again. Without that
         state, or in a pipeline (its lane's neighbours would be out of step with it), it trains on and the hash vote
         settles the difference."""
-        start = self.timeline.epoch_start(stage, epoch)
-        if start is None or start >= step or self._epochs.get(start) in (None, epoch):
+        start, last = self.timeline.epoch_start(stage, epoch), self._last
+        # late: the newest step it trained is S or after, and with another epoch (on time, every step from S on is
+        # trained with this one)
+        if start is None or start >= step or last is None or last[0] < start or last[1] == epoch:
             return False
-        self._epochs = {s: e for s, e in self._epochs.items() if s < start}  # judged once
+        self._last = None  # judged once
         snap = self.snapshots.at(start)
         late = f"stage {stage}'s group epoch {epoch} took effect at step {start}, its table reached this node at {step}"
         if (snap is None and start > 0) or self.links is not None:

@@ -4,7 +4,7 @@ revision (entering a group, a re-fetch, the final state) and a backup's warm cop
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Protocol
 
 import trio
@@ -22,6 +22,22 @@ log = logging.getLogger(__name__)
 
 PULL_RETRY_S = 0.2  # the pause between rounds of pull attempts while no majority has the revision
 WARM_LEAD_STEPS = 4  # a backup asks the group to keep its state this many steps past the group's newest step
+
+
+Ask = Callable[[str, int], Awaitable[int | None]]  # (peer, step): ask it to keep its state there; its own step or None
+
+
+async def asked(ask: Ask, peers: list[str], step: int) -> dict[str, int | None]:
+    """Every one of `peers` asked at once to keep its state at `step` (`ask`: its own step, or None when it did not
+    answer): peer -> answer."""
+    answers: dict[str, int | None] = {}
+
+    async def one(p: str) -> None:
+        answers[p] = await ask(p, step)
+    async with trio.open_nursery() as n:
+        for p in peers:
+            n.start_soon(one, p)
+    return answers
 
 
 class Sources(Protocol):
@@ -78,7 +94,7 @@ class StatePulls:
         raise StateTransferError(f"no majority of the members served revision {revision} within "
                                  f"{self.config.state_pull_timeout_s} s: {last}")
 
-    async def keep_warm(self, client: RunClient, target: Callable[[int], int], ask: Callable[[str, int], object]) -> None:
+    async def keep_warm(self, client: RunClient, target: Callable[[int], int], ask: Ask) -> None:
         """While this node is a backup (`client`: its run client), keep a warm copy of its stage's state: every
         `backup_refresh_s`, the whole entry state at a revision just ahead of the group (`target(stage)`), which
         each member is asked to keep (`ask(peer, step)` answers the member's own step, or None), verified like any
@@ -92,17 +108,9 @@ class StatePulls:
             await trio.sleep(self.config.backup_refresh_s)
 
     async def _refresh_warm(self, client: RunClient, stage: int, members: list[str], step: int,
-                            ask: Callable[[str, int], object]) -> None:
+                            ask: Ask) -> None:
         for _ in range(2):
-            answers: list[int] = []
-
-            async def one(p: str, step: int = step) -> None:
-                got = await ask(p, step)
-                if isinstance(got, int):
-                    answers.append(got)
-            async with trio.open_nursery() as n:
-                for p in members:
-                    n.start_soon(one, p)
+            answers = [a for a in (await asked(ask, members, step)).values() if a is not None]
             if not answers or max(answers) < step:
                 break
             step = max(answers) + WARM_LEAD_STEPS  # the group is past it: once more, ahead of where it is
