@@ -118,15 +118,17 @@ class Consistency:
         when none of the members holds that revision or trains toward it (they are all entering or re-fetching
         themselves: waiting, this node not training either, would hold the whole group still)."""
         assert self.pending is not None
-        src, self.pending = self.pending[1], None
+        src = self.pending[1]
         self.replica.state = "syncing"
         members = [m for m in (group.members if group is not None else (src,)) if m != self.services.peer_id]
-        try:
+        try:  # planned until the pull ends: meanwhile this node publishes no claim about the step it replaces
             await self.replica.load(await self.pulls.revision(step, members, unheld_gives_up=True,
                                                               wanted=lambda: src in self.services.live()))
         except StateTransferError as e:
             log.warning("could not re-fetch step %d (%s): voting again", step, e)
             return
+        finally:
+            self.pending = None
         self.refetches += 1
         self.hashes.reloaded(step, self.replica.sync.state_hash())
         log.warning("state hash disagreed with the majority: re-fetched the state the members agree on at step %d",
