@@ -300,7 +300,7 @@ def serve(args: argparse.Namespace, config, hardware, key, device: str | None, f
         node = Node(config, hardware, key=key)
         if sys.stdin.isatty() and sys.stdout.isatty():
             node.choose_run = ask_which_run
-        up, interrupted = False, False
+        up, interrupted, announced = False, False, trio.Event()
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
                 async def on_signals() -> None:
@@ -329,12 +329,13 @@ def serve(args: argparse.Namespace, config, hardware, key, device: str | None, f
                 if args.parent is not None:
                     nursery.start_soon(watch_parent)
                 nursery.start_soon(functools.partial(print_progress, node, args.print_every, _say, device=device,
-                                                     free_bytes=free))
+                                                     free_bytes=free, announced=announced))
                 await nursery.start(run_node)
                 up = True
                 if args.address_file is not None:
                     write_address_file(args.address_file, node.sh.addrs)
                 _say(ready_line(node))
+                announced.set()
         return interrupted
 
     if trio.run(run):

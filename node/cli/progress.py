@@ -109,9 +109,10 @@ def status_line(node: Any, now: float | None = None) -> str:
 
 
 async def print_progress(node: Any, every_s: float, say: Callable[[str], None], *, device: str | None = None,
-                         free_bytes: int | None = None) -> None:
+                         free_bytes: int | None = None, announced: trio.Event | None = None) -> None:
     """Start-up progress and peers joining or leaving as they happen, then `status_line` every `every_s` (at most
-    every UNCHANGED_EVERY_S while it says nothing new). With `device`, the run's description once its manifest
+    every UNCHANGED_EVERY_S while it says nothing new), the first once `announced` is set (the caller has said how
+    others join this node: no status line comes before it). With `device`, the run's description once its manifest
     arrives from the swarm (a run joined by id)."""
     last_text, described, next_line, events_seen, said_waiting = None, device is None, 0.0, 0, False
     last_line, last_line_at = "", -UNCHANGED_EVERY_S
@@ -134,7 +135,8 @@ async def print_progress(node: Any, every_s: float, say: Callable[[str], None], 
                 + (f" ({one_line(ev.detail)})" if ev.detail and ev.kind != "join" else ""))  # text: one line
         events_seen = len(node.events)
         now = trio.current_time()
-        if node.state == "ready" and text is None and every_s > 0 and now >= next_line:
+        up = node.state == "ready" and (announced is None or announced.is_set())
+        if up and text is None and every_s > 0 and now >= next_line:
             line = status_line(node)
             body = line.split(" · ", 1)[-1]  # without the time
             if body != last_line or now - last_line_at >= UNCHANGED_EVERY_S:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import trio
+
 from shoal.kernels.codec import dtype_name
 from shoal.bench.poison import broadcast, contribution, poisoner
 from shoal.node.train.trainer import Trainer
@@ -24,6 +26,9 @@ from tests.swarm.test_sync_groups import corpus, flat, run_group, run_manifest
 
 __all__ = ["ATTACK_METHODS", "attack_manifest", "broadcast", "contribution", "corpus", "flat", "heldout_drop", "honest_agree",
            "poisoner", "run_group", "serve_lies"]
+
+HASH_WAIT_S = 3.0  # serve_lies: how long the liar waits for a revision it is asked the hash of (under the
+# hash exchange's timeout)
 
 #: every synchronizer with a round each step, so a few steps give an owner enough rounds to judge a member
 ATTACK_METHODS = {
@@ -66,13 +71,20 @@ def serve_lies(sh, real_at, *, malformed: bool = False, poison: str = "/model/")
     the majority); asked for the state, it serves another one: the model's weights shifted, with a checksum that
     matches them (a self-consistent poisoned state), or with `malformed`, a state its own checksum vouches for whose
     metadata this version cannot read (format 999). `poison`: the tensors shifted (by name prefix: "/optimizer/"
-    poisons the moments alone). Returns the list of peers it served a state to (it grows)."""
+    poisons the moments alone). Returns the list of peers it served a state to (it grows).
+    The liar's best case: asked for the hash of a revision it has not reached yet, it answers once it has (within
+    `HASH_WAIT_S`) rather than "not yet", so that it is among the holders of every revision it reaches; an honest
+    member answering at once let a pull that came a moment early agree without it, and the liar was never asked."""
     served: list[str] = []
 
     async def handler(stream) -> None:
         try:
             req = unpack(await read_frame(stream, 4096), max_bytes=4096)
             snap, only = real_at(req["revision"]), req.get("only")
+            waited = trio.current_time() + HASH_WAIT_S
+            while snap is None and req["want"] == "hash" and trio.current_time() < waited:
+                await trio.sleep(0.05)
+                snap = real_at(req["revision"])
             if snap is None:
                 await write_frame(stream, pack({"ok": False, "e": "not yet"}))
             elif req["want"] == "hash":

@@ -42,3 +42,32 @@ def test_a_thinned_history_spans_the_whole_run_in_a_bounded_number_of_points():
     assert max(fields["s"]) <= 5_000 and fields["v"][0] == 5_000  # thousandths
     with pytest.raises(ValueError):
         Thinned(1)
+
+
+def test_no_status_line_is_printed_before_the_node_has_said_how_others_join_it():
+    """`shoal node` prints its ready line (with the join address) once the node is up; the status printer sees the
+    node "ready" a moment earlier (while it starts its links and run) and, on a loaded machine, printed a status
+    line first: a script that waits for the first status line then read an address file not yet written."""
+    import types
+
+    import trio
+    import trio.testing
+
+    from shoal.node.cli.progress import print_progress
+
+    node = types.SimpleNamespace(state="ready", phase="ready", runtime=None, membership=None, role="peer", events=[])
+    said: list[str] = []
+
+    async def main():
+        announced = trio.Event()
+        async with trio.open_nursery() as n:
+            n.start_soon(lambda: print_progress(node, 1.0, said.append, announced=announced))
+            await trio.sleep(5)
+            assert said == []  # up, but not yet announced: nothing
+            said.append("ready; others join with: …")
+            announced.set()
+            await trio.sleep(1.5)
+            n.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert said[0].startswith("ready;") and len(said) == 2 and " · peer · 0 peers" in said[1], said
