@@ -13,6 +13,7 @@ import trio
 
 from shoal.node.run.config import RunConfig
 from shoal.node.run.context import NodeServices
+from shoal.node.run.entitled import AskPacer
 from shoal.node.run.pulls import StatePulls, asked
 from shoal.node.run.replica import Replica
 from shoal.node.run.votes import Call, HashVotes
@@ -39,6 +40,7 @@ class Consistency:
         self.run_id = run_id
         self.report = report
         self.hashes = HashVotes(services.peer_id, call)
+        self.pacer = AskPacer(services.clock)  # our snapshot requests, within what each peer accepts
         self.refetches = 0  # states loaded from the majority after ours differed
         self.pending: tuple[int, str] | None = None  # (step, majority peer): load that peer's state at that step
         self._vote_after = 0  # no new vote before this step
@@ -63,7 +65,12 @@ class Consistency:
         return self.pending is not None and step >= self.pending[0]
 
     async def ask_snapshot(self, peer: str, step: int) -> int | None:
-        """Ask `peer` to keep its state at `step` (a re-fetch, a backup's warm copy); its own step, or None."""
+        """Ask `peer` to keep its state at `step` (a re-fetch, a backup's warm copy, a group's switch step); its own
+        step, or None (no answer, or not asked: this node keeps within the peer's limit on requests)."""
+        if not self.pacer.allow(peer, step):
+            log.info("not asking %s to keep step %d now: it was asked for other steps too often lately", peer[-8:],
+                     step)
+            return None
         try:
             ans = await self.call(peer, "run.snapshot_at", step)
         except RpcError as e:

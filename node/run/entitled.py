@@ -12,12 +12,13 @@ from shoal.protocol.records import StatusRecord
 
 MAX_STEP_LEAD = 64  # a member's reported step counts at most this far past the group's median (ours included)
 MAX_RATE_RATIO = 4.0  # a member's reported tokens/s counts at most this many times the group's median
+ASK_SLACK_S = 5.0  # AskPacer: its window is this much longer than a peer's, for requests delayed on the way
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SnapshotLimits:
     window_steps: int = 64  # a snapshot may be asked for steps within window_steps of ours
-    per_peer: int = 4  # requests per peer ...
+    per_peer: int = 4  # requests for distinct steps per peer (asking for a step again is free) ...
     per_s: float = 10.0  # ... within this many seconds
 
     def __post_init__(self) -> None:
@@ -44,7 +45,7 @@ class Entitlement:
         self.clock = clock
         self.limits = limits
         self.max_lead_steps = max_lead_steps
-        self._asked: dict[str, list[float]] = {}
+        self._asked: dict[str, list[tuple[float, int]]] = {}  # peer -> (when, step) of its recent requests
 
     def member(self, peer: str) -> bool:
         """A provider of the run (active, backup or draining) in the table we follow."""
@@ -68,18 +69,47 @@ class Entitlement:
 
     def snapshot_refusal(self, peer: str, step: int, own_step: int) -> tuple[str, bool] | None:
         """Why `peer`'s request for a snapshot at `step` is refused, and whether that is an offence (None: keep
-        it). Only members may ask, for a step near ours, a few times within `per_s`."""
+        it). Only members may ask, for a step near ours, for a few distinct steps within `per_s` (a step asked for
+        again within it is free: the request changes nothing). Honest askers pace themselves (`AskPacer`)."""
         if not self.member(peer):
             return "snapshots are kept for the run's members only", False
         lim = self.limits
         if abs(step - own_step) > lim.window_steps:
             return f"step {step} is outside [{own_step - lim.window_steps}, {own_step + lim.window_steps}]", False
         now = self.clock()
-        recent = [t for t in self._asked.get(peer, []) if now - t < lim.per_s]
+        recent = [(t, s) for t, s in self._asked.get(peer, []) if now - t < lim.per_s]
+        for p in [p for p, asks in self._asked.items() if not asks or now - asks[-1][0] >= lim.per_s]:
+            del self._asked[p]
+        if any(s == step for _, s in recent):
+            self._asked[peer] = recent
+            return None
         if len(recent) >= lim.per_peer:
             self._asked[peer] = recent
             return f"more than {lim.per_peer} snapshot requests within {lim.per_s:g} s", True
-        self._asked[peer] = recent + [now]
-        for p in [p for p, ts in self._asked.items() if not ts or now - ts[-1] >= lim.per_s]:
-            del self._asked[p]
+        self._asked[peer] = recent + [(now, step)]
         return None
+
+
+class AskPacer:
+    """The asking side of `SnapshotLimits`: whether this node may ask `peer` to keep a step now without going over
+    the peer's limit, with room to spare for requests that arrive closer together than they were sent (its window
+    is `ASK_SLACK_S` longer, and a step asked for again is free only well inside the peer's window). An ask it holds
+    back is one the peer did not answer."""
+
+    def __init__(self, clock: Callable[[], float], limits: SnapshotLimits = SnapshotLimits()):
+        self.clock, self.limits = clock, limits
+        self._sent: dict[str, list[tuple[float, int]]] = {}
+
+    def allow(self, peer: str, step: int) -> bool:
+        now, lim = self.clock(), self.limits
+        recent = [(t, s) for t, s in self._sent.get(peer, []) if now - t < lim.per_s + ASK_SLACK_S]
+        for p in [p for p, sent in self._sent.items() if not sent or now - sent[-1][0] >= lim.per_s + ASK_SLACK_S]:
+            del self._sent[p]
+        self._sent[peer] = recent
+        if any(s == step and now - t < lim.per_s - ASK_SLACK_S for t, s in recent):
+            return True  # the same step again, well inside the peer's window: free there
+        others = [(t, s) for t, s in recent if s != step]
+        if len(others) >= lim.per_peer:
+            return False
+        self._sent[peer] = others + [(now, step)]
+        return True

@@ -111,7 +111,10 @@ class StatePulls:
                             ask: Ask) -> None:
         for _ in range(2):
             answers = [a for a in (await asked(ask, members, step)).values() if a is not None]
-            if not answers or max(answers) < step:
+            if not answers:
+                log.info("no warm copy of stage %d now: no member answered the request to keep step %d", stage, step)
+                return
+            if max(answers) < step:
                 break
             step = max(answers) + WARM_LEAD_STEPS  # the group is past it: once more, ahead of where it is
         try:
