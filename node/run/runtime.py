@@ -1,4 +1,5 @@
-"""A node's part in a training run: setting it up, the step loop and its tables, one step, the status it publishes.
+"""A node's part in a training run: setting it up, the step loop and its tables, one step (what it publishes of
+the run: node/run/published.py).
 
 The loop runs on the event loop and owns every piece of run state (tables, snapshots, hashes). Each training step
 is one `StepControl`: the loop plans it (step number, the round's group), the trainer runs it in a worker thread,
@@ -37,6 +38,7 @@ from shoal.node.run.replica import Replica
 from shoal.node.run.resolve import RunFinder
 from shoal.node.run.shards import StageShards
 from shoal.node.run.snapshots import SnapshotStore
+from shoal.node.run.published import run_detail, run_status
 from shoal.node.run.status import Contribution, RunDetail
 from shoal.node.run.verified import Checks, VerifiedStage
 from shoal.node.run.verify import StageVerifier
@@ -122,70 +124,11 @@ class RunRuntime:
     # -- what the node publishes ---------------------------------------------------------------------------
     def status(self) -> RunStatus:
         """What this node's status record says about the run (checked as it is built)."""
-        if self.manifest is None:
-            return RunStatus(state="ready")  # idle while it looks for the run to join
-        c, r = self.client, self.replica
-        t, s, last = r.trainer, r.sync, r.last
-        loss = last.loss if t is not None and last is not None else None  # None at a stage that is not the last
-        loss = loss if loss is not None and math.isfinite(loss) else None
-        if t is not None:  # the history is sampled as the status is taken (reading a loss waits for the GPU's step)
-            r.sample_history(loss)
-        link_bytes = self.links.total_bytes() if self.links is not None else None
-        up = down = ratio_now = state_hash = None
-        if s is not None:
-            hashes = self.consistency.hashes.hashes
-            # the hash recorded with the step published (once done, the final state's)
-            state_hash = hashes[max(hashes)] if r.state == "done" and hashes else self.consistency.published(r.at_step)
-            # the byte rates count the lane links' bytes too, and the ratio is over the same window on every node
-            link_sent, link_recv, link_fp32 = self.links.bytes() if self.links is not None else (0, 0, 0)
-            up, down, ratio_now = r.throughput.rates(self.clock(), s.bytes_sent + link_sent,
-                                                     s.bytes_recv + link_recv, s.fp32_bytes + link_fp32)
-        return RunStatus(
-            run_id=self.manifest.run_id, state=r.state,
-            role=None if c is None else "broker" if c.is_broker() else c.role(),  # the broker may hold a slot too
-            slot=None if c is None else c.slot_name(), warm_stage=None if c is None else c.backup_stage(),
-            step=r.at_step if t is not None else None,
-            loss=loss,
-            tokens_per_s=round(r.throughput.tokens_per_s(last.tokens_per_s), 1)
-            if t is not None and last is not None else None,
-            eval_loss=t.last_eval_loss if t is not None else None,
-            link_bytes_sent=link_bytes[0] if link_bytes is not None else None,
-            link_bytes_recv=link_bytes[1] if link_bytes is not None else None,
-            lane_links=self.links.statuses() if self.links is not None else None,
-            bytes_sent=s.bytes_sent if s is not None else None, bytes_recv=s.bytes_recv if s is not None else None,
-            up_bytes_per_s=up, down_bytes_per_s=down,
-            compression_ratio=round(s.compression_ratio, 2) if s is not None else None, ratio_now=ratio_now,
-            state_hash=state_hash or None,
-            error="evicted from the run: most of its group rejected its updates" if c is not None and c.evicted()
-            else self.error[:200] if self.error else None,
-            samples_per_s=round(t.speed.rate(), 3) if t is not None else None, **self.contribution.fields(),
-            **(r.history_fields() if t is not None else {}), **self._recovery_status())
-
-    def _recovery_status(self) -> dict[str, Any]:
-        rec = self.recovery
-        if rec is None:
-            return {}
-        return {"shards": tuple(rec.shards.holdings()), "shards_placed": rec.shards.placed, "recovery": rec.notice}
+        return run_status(self)
 
     def detail(self) -> RunDetail:
         """What the node's status file adds about the run."""
-        links = self.links
-        return RunDetail(refetches=self.consistency.refetches,
-                         entries=tuple(self.entry.entries[-4:]) if self.entry is not None else (),
-                         recent_hashes=dict(sorted(self.consistency.hashes.hashes.items())[-16:]),
-                         recent_samples=dict(sorted(self.step_samples.items())[-16:]),
-                         warm_revision=self.warm.revision if self.warm is not None else None,
-                         links=links.counters() if links is not None else {},
-                         recent_link_digests=links.recent_digests() if links is not None else {},
-                         verified=self._verified_detail())
-
-    def _verified_detail(self) -> dict[str, Any] | None:
-        """A verified run's stage: what it re-executed and found (None: not a verified run)."""
-        v = self.verified.verifier if self.verified is not None else None
-        if v is None or not v.enabled:
-            return None
-        return {"checked": v.stats.checked, "skipped": v.stats.skipped, "confirmations": v.stats.confirmations,
-                "findings": [[f.step, f.micro, f.lane, f.stage, f.suspect, f.why] for f in v.stats.findings[-16:]]}
+        return run_detail(self)
 
     # -- groups by step ------------------------------------------------------------------------------------
     def _on_table(self, table: AssignmentTable) -> None:
