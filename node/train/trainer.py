@@ -18,7 +18,6 @@ import logging
 import math
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from shoal.node.train import checkpoint
 from shoal.node.train.batch import GlobalOrder, StepBatch, micro_loss
 from shoal.node.train.control import StepControl, StepResult, StepStage
 from shoal.node.train.data import Corpus, Samples, heldout_batches, load_corpus
-from shoal.node.train.device import resolve_device
+from shoal.node.train.device import PinnedRing, SpeedMeter, resolve_device
 from shoal.node.train.lane import Boundary, SoloLane
 from shoal.node.train.pipeline import PipelineSchedule, schedule_for
 from shoal.node.train.stages import build_stage_model, lm_loss
@@ -41,7 +40,6 @@ from shoal.protocol.manifest import OptimSpec, RunManifest
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 2  # 2: the state names its stage
 READABLE_FORMATS = (1, 2)  # a format-1 checkpoint is of the whole model: stage 0 of one
-SPEED_STEPS = 16  # a lane's compute speed is the median over this many recent steps
 LOCAL_STATE = ("rng", "scaler", "last_eval_loss")  # a replica's own, never passed to one entering the group
 DEVICE_OPTIONS = ("fused", "foreach", "capturable", "differentiable")  # optimizer options of the device, not the run
 
@@ -98,71 +96,6 @@ def copy_state(state: Any) -> Any:
     if isinstance(state, tuple):
         return tuple(copy_state(v) for v in state)
     return state
-
-
-class PinnedRing:
-    """Page-locked host buffers reused round-robin for asynchronous copies (allocating pinned memory each step
-    costs more than the copy): a buffer is reused only once the copy that last used it has finished."""
-
-    SLOTS = 8
-
-    def __init__(self) -> None:
-        self._bufs: dict[tuple, list[list]] = {}  # (shape, dtype) -> [buffer, event or None] per slot
-        self._next: dict[tuple, int] = {}
-
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        key = (tuple(like.shape), like.dtype)
-        ring = self._bufs.setdefault(key, [])
-        if len(ring) < self.SLOTS:
-            ring.append([torch.empty(like.shape, dtype=like.dtype, pin_memory=True), None])
-            return ring[-1][0]
-        i = self._next[key] = (self._next.get(key, -1) + 1) % self.SLOTS
-        buf, event = ring[i]
-        if event is not None:
-            event.synchronize()  # long done in practice: the slot was used SLOTS copies ago
-        return buf
-
-    def used(self, buf: torch.Tensor, event) -> None:
-        for slot in self._bufs.get((tuple(buf.shape), buf.dtype), ()):
-            if slot[0] is buf:
-                slot[1] = event
-
-    def to_device(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """`x` copied to `device` asynchronously, through a pinned buffer."""
-        buf = self.take(x)
-        buf.copy_(x)
-        out = buf.to(device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()  # after the copy: once it has happened, the buffer may be written again
-        self.used(buf, event)
-        return out
-
-
-class SpeedMeter:
-    """This stage's own compute speed: sequences per second of its forward and backward passes (waits for lane
-    neighbours left out), the median of the last SPEED_STEPS steps. On a GPU a step's time is read from CUDA events
-    once they have passed (the next step), so measuring never holds the device back."""
-
-    def __init__(self) -> None:
-        self._rates: deque[float] = deque(maxlen=SPEED_STEPS)
-        self._pending: deque[tuple[int, float, Any, Any]] = deque()  # (sequences, waits in s, start event, end event)
-
-    def add(self, samples: int, seconds: float) -> None:
-        if samples > 0 and seconds > 0:
-            self._rates.append(samples / seconds)
-
-    def add_events(self, samples: int, waits_s: float, start, end) -> None:
-        self._pending.append((samples, waits_s, start, end))
-        while self._pending and self._pending[0][3].query():
-            n, w, a, b = self._pending.popleft()
-            self.add(n, a.elapsed_time(b) / 1000.0 - w)
-
-    def rate(self) -> float:
-        """Sequences per second (0 before the first step)."""
-        if not self._rates:
-            return 0.0
-        s = sorted(self._rates)
-        return s[len(s) // 2]
 
 
 class Trainer:
