@@ -309,7 +309,8 @@ async def test_a_refetch_is_planned_only_where_most_members_can_keep_the_state(c
         return {"ok": True, "step": steps[peer]}
 
     cfg = RunConfig(run_id="r" * 64, switch_lead_min_steps=3)
-    c = Consistency(SimpleNamespace(peer_id=me), cfg, None, None, call, lambda: "r" * 64, lambda g, o: None)
+    c = Consistency(SimpleNamespace(peer_id=me, clock=trio.current_time), cfg, None, None, call, lambda: "r" * 64,
+                    lambda g, o: None)
     g = Group(run_id="r" * 64, epoch=1, members=(me, liar, honest), me=me)
     await c.plan_refetch(g, liar, 12)
     assert c.pending == {"all keep": (12, liar), "only the named keeps": None, "ahead": (18, liar),
