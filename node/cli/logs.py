@@ -19,6 +19,7 @@ from shoal.node.cli.logquota import Quota
 
 FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 BUFFERED_RECORDS = 2000  # kept until the log file is opened
+TRACEBACK_HEAD = "Traceback (most recent call last)"
 MAX_LOG_BYTES = 10 * 1000 * 1000  # a log file past this size is rotated: FILE -> FILE.1 -> … -> FILE.KEEP
 KEEP_LOGS = 3  # rotated files kept beside the current one
 
@@ -104,10 +105,15 @@ class LogFile(logging.Handler):
     def format(self, record: logging.LogRecord) -> str:
         """shoal's records in full (tracebacks included); a library's on one line below -vv: py-libp2p logs routine
         failures with multi-line dumps and tracebacks (a connection arriving while the host shuts down: a
-        LifecycleError traceback), which say nothing a user acts on; -vv writes them whole."""
+        LifecycleError traceback, attached or written into the message), which say nothing a user acts on; -vv
+        writes them whole."""
         if self.verbosity >= 2 or ours(record):
             return super().format(record)
-        text = " · ".join(line.strip() for line in record.getMessage().splitlines() if line.strip())
+        message = record.getMessage()
+        cut = message.find(TRACEBACK_HEAD)  # one written into the message itself (py-libp2p's add_conn does)
+        if cut >= 0:
+            message = message[:cut].rstrip() + " [its traceback left out: -vv writes it]"
+        text = " · ".join(line.strip() for line in message.splitlines() if line.strip())
         if record.exc_info and record.exc_info[1] is not None:
             exc = record.exc_info[1]
             text += f" [{type(exc).__name__}: {exc}]" if str(exc) else f" [{type(exc).__name__}]"

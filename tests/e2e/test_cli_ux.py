@@ -199,10 +199,11 @@ def test_a_librarys_record_is_one_line_without_its_traceback_below_vv(tmp_path):
     failed stream with a multi-line dump: one line each in the log file (-vv keeps them whole); shoal's own records
     keep their tracebacks."""
     import logging
+    import traceback
 
     from shoal.node.cli.logs import LogFile
 
-    for verbosity, lines in ((0, 3), (2, 8)):
+    for verbosity, lines in ((0, 4), (2, 8)):
         handler = LogFile(verbosity)
         handler.open(tmp_path / f"v{verbosity}.log")
         lib, ours = logging.getLogger("libp2p.network.swarm"), logging.getLogger("shoal.test.logs")
@@ -215,6 +216,10 @@ def test_a_librarys_record_is_one_line_without_its_traceback_below_vv(tmp_path):
             except RuntimeError:
                 lib.warning("[ADDCONN_FAIL] add_conn failed for peer X", exc_info=True)
             lib.error("Failed to open stream to peer X:\n  Timeout: 30s\n  Connection: Yamux")
+            try:  # py-libp2p 0.4's add_conn writes the traceback into the message itself
+                raise RuntimeError("Cannot schedule task after service has stopped")
+            except RuntimeError as e:
+                lib.warning("[ADDCONN_FAIL] add_conn failed for peer %s: %r\n%s", "Y", e, traceback.format_exc())
             try:
                 raise KeyError("ours")
             except KeyError:
@@ -229,7 +234,11 @@ def test_a_librarys_record_is_one_line_without_its_traceback_below_vv(tmp_path):
         if verbosity == 0:
             assert "add_conn failed for peer X [RuntimeError: Cannot schedule task after service has stopped]" in text
             assert "Failed to open stream to peer X: · Timeout: 30s · Connection: Yamux" in text
+            assert "add_conn failed for peer Y: RuntimeError('Cannot schedule task after service has stopped') [its " \
+                   "traceback left out: -vv writes it]" in text
             assert text.count("Traceback") == 1 and "KeyError: 'ours'" in text  # shoal's own, in full
+        else:
+            assert text.count("Traceback") == 3  # -vv: the library's two, and shoal's
 
 
 def test_log_files_rotate_by_size_and_keep_a_bounded_number(tmp_path):
