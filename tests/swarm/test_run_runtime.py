@@ -145,6 +145,15 @@ async def test_a_member_the_new_table_reaches_late_goes_back_to_the_switch_step(
     cfg = node_config(manifest("allreduce"), steps, start_wait_s=1.0)
     async with running_node((), cfg) as first, running_node(first.sh.addrs, cfg) as late:
         await wait_training([first, late], 2, 5, 60, "two replicas to train")
+        t0 = time.monotonic()
+
+        def pace(t) -> None:  # until the joiner is seated, the steps left are spread over 60 s of wall time: the run
+            # must not end before the joiner's slot takes effect (a loaded machine starts its process slowly; the
+            # slot then took effect after the last step, and there was no switch step to be late for)
+            if len(first.runtime.timeline.latest.members(0)) < 3:
+                time.sleep(max(0.2, (t0 + 60 - time.monotonic()) / max(1, steps - t.step_count)))
+        for x in (first, late):
+            x.runtime.replica.trainer.before_step_hooks.append(pace)
         deaf = [True]
         client = late.runtime.client
         accept = client._accept
@@ -153,8 +162,11 @@ async def test_a_member_the_new_table_reaches_late_goes_back_to_the_switch_step(
             await wait_for(lambda: len(first.runtime.timeline.latest.members(0)) == 3, 60, "the joiner's table")
             switch = first.runtime.timeline.latest.switch_step(0)
             stepping = lambda: late.runtime._stepping  # noqa: E731 - (step, group) of the step in progress
+            # the late member is at the switch step or past it with the group before (while it hears no table, every
+            # step it begins from there on is with that group; its round at the switch step may end at the round
+            # deadline before a poll sees it, as on CI's loaded machine once, and it then trains on alone)
             await wait_for(lambda: first.runtime.replica.at_step >= switch and stepping() is not None
-                           and stepping()[0] == switch, 60, "both at the switch step")
+                           and stepping()[0] >= switch, 60, "both at the switch step or past it")
             assert len(stepping()[1].members) == 2  # it began the switch step with the group before
             deaf[0] = False
             client.accept_envelope(first.runtime.client.table_env, first.peer_id)
