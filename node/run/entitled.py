@@ -36,6 +36,16 @@ def majority_step(others: Iterable[int], members: int) -> int | None:
     return steps[need - 1] if len(steps) >= need else None
 
 
+Asks = dict[str, list[tuple[float, int]]]  # peer -> (when, step) of its recent snapshot requests, oldest first
+
+
+def recent_asks(book: Asks, peer: str, now: float, window_s: float) -> list[tuple[float, int]]:
+    """`peer`'s requests in `book` younger than `window_s` (a new list); peers with none that young are dropped."""
+    for p in [p for p, asks in book.items() if not asks or now - asks[-1][0] >= window_s]:
+        del book[p]
+    return [(t, s) for t, s in book.get(peer, ()) if now - t < window_s]
+
+
 class Entitlement:
     """`table()`: the newest run table this node follows (None: none yet)."""
 
@@ -45,7 +55,7 @@ class Entitlement:
         self.clock = clock
         self.limits = limits
         self.max_lead_steps = max_lead_steps
-        self._asked: dict[str, list[tuple[float, int]]] = {}  # peer -> (when, step) of its recent requests
+        self._asked: Asks = {}  # the members' requests to us
 
     def member(self, peer: str) -> bool:
         """A provider of the run (active, backup or draining) in the table we follow."""
@@ -77,17 +87,15 @@ class Entitlement:
         if abs(step - own_step) > lim.window_steps:
             return f"step {step} is outside [{own_step - lim.window_steps}, {own_step + lim.window_steps}]", False
         now = self.clock()
-        recent = [(t, s) for t, s in self._asked.get(peer, []) if now - t < lim.per_s]
-        for p in [p for p, asks in self._asked.items() if not asks or now - asks[-1][0] >= lim.per_s]:
-            del self._asked[p]
-        if any(s == step for _, s in recent):
-            self._asked[peer] = recent
-            return None
-        if len(recent) >= lim.per_peer:
-            self._asked[peer] = recent
-            return f"more than {lim.per_peer} snapshot requests within {lim.per_s:g} s", True
-        self._asked[peer] = recent + [(now, step)]
-        return None
+        recent = recent_asks(self._asked, peer, now, lim.per_s)
+        refusal = None
+        if not any(s == step for _, s in recent):  # a step asked for again: free
+            if len(recent) >= lim.per_peer:
+                refusal = f"more than {lim.per_peer} snapshot requests within {lim.per_s:g} s", True
+            else:
+                recent.append((now, step))
+        self._asked[peer] = recent
+        return refusal
 
 
 class AskPacer:
@@ -98,18 +106,17 @@ class AskPacer:
 
     def __init__(self, clock: Callable[[], float], limits: SnapshotLimits = SnapshotLimits()):
         self.clock, self.limits = clock, limits
-        self._sent: dict[str, list[tuple[float, int]]] = {}
+        self._sent: Asks = {}  # our requests to each peer
 
     def allow(self, peer: str, step: int) -> bool:
         now, lim = self.clock(), self.limits
-        recent = [(t, s) for t, s in self._sent.get(peer, []) if now - t < lim.per_s + ASK_SLACK_S]
-        for p in [p for p, sent in self._sent.items() if not sent or now - sent[-1][0] >= lim.per_s + ASK_SLACK_S]:
-            del self._sent[p]
-        self._sent[peer] = recent
-        if any(s == step and now - t < lim.per_s - ASK_SLACK_S for t, s in recent):
-            return True  # the same step again, well inside the peer's window: free there
+        recent = recent_asks(self._sent, peer, now, lim.per_s + ASK_SLACK_S)
         others = [(t, s) for t, s in recent if s != step]
-        if len(others) >= lim.per_peer:
-            return False
-        self._sent[peer] = others + [(now, step)]
-        return True
+        if any(s == step and now - t < lim.per_s - ASK_SLACK_S for t, s in recent):
+            allowed = True  # the same step again, well inside the peer's window: free there
+        elif len(others) >= lim.per_peer:
+            allowed = False
+        else:
+            allowed, recent = True, others + [(now, step)]
+        self._sent[peer] = recent
+        return allowed

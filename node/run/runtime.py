@@ -32,13 +32,13 @@ from shoal.node.run.find import fetch_manifest, find_table, serve_manifest
 from shoal.node.run.lanes import StageLinks
 from shoal.node.run.files import RunFiles
 from shoal.node.run.preflight import NotTheOwner, check_inputs, data_source, preflight
+from shoal.node.run.published import run_detail, run_status
 from shoal.node.run.pulls import StatePulls
 from shoal.node.run.recovery import StageRecovery
 from shoal.node.run.replica import Replica
 from shoal.node.run.resolve import RunFinder
 from shoal.node.run.shards import StageShards
 from shoal.node.run.snapshots import SnapshotStore
-from shoal.node.run.published import run_detail, run_status
 from shoal.node.run.status import Contribution, RunDetail
 from shoal.node.run.verified import Checks, VerifiedStage
 from shoal.node.run.verify import StageVerifier
