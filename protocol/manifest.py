@@ -172,14 +172,25 @@ class DataSpec(WireRecord):
             raise FieldError("tokenizer", "'bytes' or the sha256 of a tokenizer.json (lowercase hex)")
 
 
+WARMUP_BITS = (2, 4, 8, 32)  # CocktailSpec.warmup_bits: quantized (kernels/quant.py) or 32, uncompressed
+WARMUP_BITS_DEFAULT = 32
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CocktailSpec(WireRecord):
-    """CocktailSGD: random fraction p, top-k ratio r of it, b-bit quantization; uncompressed all-reduce first."""
+    """CocktailSGD: random fraction p, top-k ratio r of it, b-bit quantization; a warm-up of all-reduced gradients
+    first, quantized to `warmup_bits` with error feedback (32: uncompressed, in the run's all-reduce dtype)."""
 
     p: float = spec(Float(1e-6, 1.0), default=0.1)
     r: float = spec(Float(1e-6, 1.0), default=0.2)
     bits: int = spec(Int(1, 16), default=4)
     warmup_steps: int = spec(Int(0, 1 << 40), default=100)
+    warmup_bits: int = spec(Int(2, 32), default=WARMUP_BITS_DEFAULT, omit_if_default=True)
+
+    def __post_init__(self) -> None:
+        WireRecord.__post_init__(self)
+        if self.warmup_bits not in WARMUP_BITS:
+            raise FieldError("warmup_bits", f"{self.warmup_bits} is not one of {WARMUP_BITS}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

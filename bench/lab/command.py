@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--cocktail", type=cocktail_setting, action="append", metavar="P,R,B",
                    help="a cocktail variant's mask fraction, top-k fraction and bits (repeat for several; "
                         "default: 0.1,0.2,4)")
+    v.add_argument("--cocktail-warmup", type=warmup_setting, action="append", metavar="N:BITS", default=[],
+                   help="also run each cocktail variant after a warm-up of N all-reduced steps, their gradients "
+                        "quantized to BITS (2, 4, 8) with error feedback or uncompressed (32); repeat for several")
     v.add_argument("--inner-steps", type=int, default=50, help="DiLoCo H for the fp32 variant")
     v.add_argument("--inner-steps-e3m0", type=int, default=100, help="DiLoCo H for the E3M0 variants")
     v.add_argument("--fragments", type=int, default=2, help="Streaming DiLoCo fragments")
@@ -190,6 +193,15 @@ def cocktail_setting(text: str) -> tuple[float, float, int]:
         return float(sp), float(sr), int(sb)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected P,R,B such as 0.1,0.2,4") from None
+
+
+def warmup_setting(text: str) -> tuple[int, int]:
+    """'N:BITS' (e.g. 50:2) for --cocktail-warmup."""
+    try:
+        n, bits = text.split(":")
+        return int(n), int(bits)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N:BITS such as 50:2") from None
 
 
 def heavy_tailed(numel: int, seed: int):
@@ -463,7 +475,7 @@ def convergence(args: argparse.Namespace) -> int:
             seed=args.seed, d_model=args.d_model, layers=args.layers, batch=args.batch, lr=args.lr,
             h=args.inner_steps, h_e3m0=args.inner_steps_e3m0, fragments=args.fragments, overlap=args.overlap,
             alpha=args.alpha, timeout_s=args.timeout, only=tuple(args.only), compare_robust=args.compare_robust,
-            poison=args.poison,
+            poison=args.poison, warmups=tuple(args.cocktail_warmup),
             **({"cocktail": tuple(args.cocktail)} if args.cocktail else {}))
     except ValueError as e:
         print(f"shoal bench convergence: {e}", file=sys.stderr)

@@ -61,6 +61,7 @@ class BenchConfig:
     timeout_s: float = 60.0
     only: tuple[str, ...] = ()
     cocktail: tuple[tuple[float, float, int], ...] = ((0.1, 0.2, 4),)  # (p, r, bits) of each cocktail variant
+    warmups: tuple[tuple[int, int], ...] = ()  # (steps, bits): each cocktail variant again after this warm-up
     compare_robust: bool = False  # every networked variant also with robust aggregation off
     poison: float | None = None  # also run each networked variant with replica 0 multiplying its updates by this
 
@@ -73,6 +74,8 @@ class BenchConfig:
             raise ValueError(f"regimes are {', '.join(REGIMES)}")
         for sp, sr, sb in self.cocktail:
             CocktailSpec(p=sp, r=sr, bits=sb, warmup_steps=0)  # raises ValueError on a setting the manifest refuses
+        for n, bits in self.warmups:
+            CocktailSpec(warmup_steps=n, warmup_bits=bits)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,6 +94,11 @@ def variants(c: BenchConfig) -> list[Variant]:
         *(Variant(label=f"cocktail p={sp:g} r={sr:g} b={sb} (no warm-up)",
                   sync=SyncSpec(method="cocktail", cocktail=CocktailSpec(p=sp, r=sr, bits=sb, warmup_steps=0)))
           for sp, sr, sb in c.cocktail),
+        *(Variant(label=f"cocktail p={sp:g} r={sr:g} b={sb} (warm-up {n} steps, "
+                        f"{'fp32' if wb == 32 else f'{wb}-bit'})",
+                  sync=SyncSpec(method="cocktail", cocktail=CocktailSpec(p=sp, r=sr, bits=sb, warmup_steps=n,
+                                                                         warmup_bits=wb)))
+          for sp, sr, sb in c.cocktail for n, wb in c.warmups),
         Variant(label=f"diloco H={c.h} fp32", sync=SyncSpec(method="diloco", diloco=DilocoSpec(inner_steps=c.h))),
         Variant(label=f"diloco H={c.h_e3m0} E3M0",
                 sync=SyncSpec(method="diloco", diloco=DilocoSpec(inner_steps=c.h_e3m0, e3m0=True))),

@@ -104,8 +104,12 @@ SYNC_FLAGS = (
     SpecFlag("--cocktail-p", "plan.sync.cocktail.p", "CocktailSGD: share of coordinates kept by the random mask", "P"),
     SpecFlag("--cocktail-r", "plan.sync.cocktail.r", "CocktailSGD: share of those kept by top-k", "R"),
     SpecFlag("--cocktail-bits", "plan.sync.cocktail.bits", "CocktailSGD: bits per quantized value", "B"),
-    SpecFlag("--cocktail-warmup", "plan.sync.cocktail.warmup_steps", "CocktailSGD: steps synchronized uncompressed "
-                                                                      "first", "N"),
+    SpecFlag("--cocktail-warmup", "plan.sync.cocktail.warmup_steps", "CocktailSGD: steps whose gradients are "
+                                                                      "all-reduced first (see --cocktail-warmup-bits)",
+             "N"),
+    SpecFlag("--cocktail-warmup-bits", "plan.sync.cocktail.warmup_bits", "CocktailSGD: the warm-up's gradients "
+                                                                           "quantized to 2, 4 or 8 bits with error "
+                                                                           "feedback, or 32: uncompressed", "BITS"),
     SpecFlag("--diloco-h", "plan.sync.diloco.inner_steps", "DiLoCo: inner steps between outer steps", "H"),
     SpecFlag("--diloco-fragments", "plan.sync.diloco.fragments", "Streaming DiLoCo: fragments synchronized in turn",
              "N"),

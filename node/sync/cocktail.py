@@ -12,7 +12,9 @@ it is joined just before optimizer step t+1, whose gradient was computed on the 
 parameters in between), and the round's result is written into the parameters then. So communication overlaps the
 forward and backward of step t+1, as in the reference. A chunk whose owner's s_hat did not arrive is left
 untouched (no worker error feedback either: its delta stays in x - g for a later round).
-During the first `warmup_steps` steps gradients are all-reduced uncompressed and g follows x.
+During the first `warmup_steps` steps gradients are all-reduced and g follows x: uncompressed (the reference's
+warm-up), or quantized to `warmup_bits` bits in buckets with worker error feedback (what a replica's quantized
+contribution lost is added to its next warm-up gradient), so that the warm-up does not stall a slow link.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from shoal.kernels.cocktail import CocktailCompressor, CocktailConfig
+from shoal.kernels.codec import Codec, QuantCodec
 from shoal.kernels.topk import topk_count
 from shoal.node.sync.allreduce import wire_codec
 from shoal.node.sync.base import (GroupSync, RoundReport, chunk_bounds, decode_tensor, decode_values, flat_grads,
@@ -34,16 +37,27 @@ from shoal.swarm.state.snapshot import hash_tensor
 
 log = logging.getLogger(__name__)
 
+WARM_BUCKET = 128  # values per fp16 scale of a quantized warm-up gradient
+
+
+def sent_values(v: torch.Tensor, codec: Codec, members: int) -> torch.Tensor:
+    """What the members of a group of `members` receive of `v` from this replica in GroupSync.allreduce_mean: each
+    chunk encoded on its own (a group of one encodes the whole), decoded."""
+    bounds = chunk_bounds(v.numel(), members) if members > 1 else [(0, v.numel())]
+    return torch.cat([codec.decode(codec.encode(v[lo:hi].contiguous())).float().reshape(-1) for lo, hi in bounds])
+
 
 class CocktailSync(GroupSync):
     name = "cocktail"
 
     def __init__(self, *, cocktail: CocktailConfig = CocktailConfig(), warmup_steps: int = 0,
-                 allreduce_dtype: str = "fp32", **kw: Any):
+                 warmup_bits: int = 32, allreduce_dtype: str = "fp32", **kw: Any):
         super().__init__(**kw)
         self.cfg = cocktail
         self.warmup_steps = warmup_steps
         self.codec = wire_codec(allreduce_dtype)
+        self.warm_codec = self.codec if warmup_bits == 32 else QuantCodec(warmup_bits, WARM_BUCKET)
+        self.warm_e: torch.Tensor | None = None  # fp32, what this replica's quantized warm-up gradients lost
         self.g: torch.Tensor | None = None  # fp16, the synchronized parameters
         self.e: torch.Tensor | None = None  # fp32, server error (only the chunk this replica serves is used)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cocktail-round")
@@ -67,10 +81,24 @@ class CocktailSync(GroupSync):
         step = control.step
         if step < self.warmup_steps:
             report = RoundReport()
-            mean, _ = self.allreduce_mean(flat_grads(model), self.codec, self.group(control), step, "warm", report)
+            write_flat_grads(model, self._warm_round(flat_grads(model), self.group(control), step, report))
             report.into(control)
-            write_flat_grads(model, mean)
+        else:
+            self.warm_e = None
         return True
+
+    def _warm_round(self, grads: torch.Tensor, group: Group, step: int, report: RoundReport) -> torch.Tensor:
+        """The group's mean gradient. Quantized: this replica sends grads + warm_e and keeps what the quantizer
+        lost of it (all of a chunk whose owner's mean did not come back) as the next warm_e."""
+        codec = self.warm_codec
+        if not isinstance(codec, QuantCodec):
+            return self.allreduce_mean(grads, codec, group, step, "warm", report)[0]
+        if self.warm_e is None or self.warm_e.shape != grads.shape:
+            self.warm_e = torch.zeros_like(grads, dtype=torch.float32)
+        v = grads.float() + self.warm_e
+        mean, covered = self.allreduce_mean(v, codec, group, step, "warm", report)
+        self.warm_e = torch.where(covered, v - sent_values(v, codec, group.size), v)
+        return mean
 
     def after_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              control: StepControl) -> None:
@@ -155,7 +183,8 @@ class CocktailSync(GroupSync):
     def state_dict(self) -> dict[str, Any]:
         self._wait()  # a round in flight finishes first; its parameters are handed over as pending_x
         return {"g": None if self.g is None else self.g.clone(), "e": None if self.e is None else self.e.clone(),
-                "rounds": self.rounds, "pending_x": self._ready_x}
+                "rounds": self.rounds, "pending_x": self._ready_x,
+                "warm_e": None if self.warm_e is None else self.warm_e.clone()}
 
     def enter(self, model: torch.nn.Module) -> None:
         """x = g and no server error: a copy of another replica's x would count its unsent residual twice in the
@@ -165,11 +194,12 @@ class CocktailSync(GroupSync):
         if self.g is not None:
             write_flat_params(model, self.g.float())
             self.e = torch.zeros_like(self.e) if self.e is not None else None
+        self.warm_e = None
 
     def entry_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """g alone: an entering replica's x is g and its server error zero (`enter`), its optimizer starts afresh
         (another replica's moments follow that replica's own x)."""
-        return fresh_locals(state, {"g": state["sync"]["g"], "e": None, "pending_x": None})
+        return fresh_locals(state, {"g": state["sync"]["g"], "e": None, "pending_x": None, "warm_e": None})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._wait()
@@ -178,5 +208,6 @@ class CocktailSync(GroupSync):
             self.e = torch.zeros_like(self.g, dtype=torch.float32)
         self.rounds = int(state.get("rounds", 0))
         self._ready_x = state.get("pending_x")
+        self.warm_e = state.get("warm_e")
         if self.g is not None:
             self.last_hash = hash_tensor(self.g)

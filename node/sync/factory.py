@@ -27,6 +27,7 @@ def make_synchronizer(manifest: RunManifest, *, exchange: Exchange, penalties: P
     if spec.method == "cocktail":
         c = spec.cocktail
         return CocktailSync(cocktail=CocktailConfig(p=c.p, r=c.r, bits=c.bits), warmup_steps=c.warmup_steps,
+                            warmup_bits=c.warmup_bits,
                             allreduce_dtype=spec.allreduce.dtype, **kw)
     if spec.method == "diloco":
         d = spec.diloco

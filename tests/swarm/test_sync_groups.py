@@ -88,7 +88,7 @@ class Table:
 
 async def run_group(manifest: RunManifest, steps: int, *, n: int = 3, timeout_s: float = 20.0, faults=None,
                     stop_after: dict[int, int] | None = None, evict: bool = False, device: str = "cpu",
-                    config: SyncConfig | None = None, shares: list[int] | None = None):
+                    config: SyncConfig | None = None, shares: list[int] | None = None, prepare=None):
     """`n` replicas on real hosts; replica i is lane i, and with `shares` it computes shares[i] sequences of each
     step's global batch (weighing that much in the aggregation), else an even split."""
     faults, stop_after = faults or {}, stop_after or {}
@@ -113,6 +113,8 @@ async def run_group(manifest: RunManifest, steps: int, *, n: int = 3, timeout_s:
                                          config=config or SyncConfig(round_timeout_s=timeout_s))
             rep.sync.fault = faults.get(i)
             rep.trainer = Trainer(manifest, device=device, replica=i, synchronizer=rep.sync, corpus=corpus())
+            if prepare is not None:
+                prepare(rep)
             reps.append(rep)
 
         def outcome(rep: Replica, me: str, control: StepControl) -> None:
@@ -190,6 +192,50 @@ async def test_cocktail_learns_g_stays_identical_and_bytes_match_the_formula():
         assert 0 < headers < (warm * 4 + rounds * 4) * 128, headers  # tensor-frame headers: < 128 bytes a message
         formula = rounds * 2 * (2 / 3) * n * kc.bits_per_param() / 8  # p(1 + rb + 16r/B) bits, each direction
         assert exact == pytest.approx(formula, rel=0.10)
+
+
+async def test_cocktails_quantized_warm_up_costs_its_bits_keeps_replicas_identical_and_feeds_back_what_it_lost():
+    """A 2-bit warm-up: every step the group applies one mean gradient (bit-identical parameters), each message
+    carries 2-bit codes and an fp16 scale per 128 values (about 15x fewer bytes than fp32), each replica keeps what
+    its quantized contribution lost and sends it in the next warm-up step; the compressed rounds that follow drop
+    that buffer."""
+    from shoal.kernels.codec import QuantCodec
+    from shoal.node.sync.base import chunk_bounds
+
+    steps, warm = 8, 5
+    cfg = CocktailSpec(p=0.1, r=0.2, bits=4, warmup_steps=warm, warmup_bits=2)
+    seen = []  # (step, replica, |warm_e|) while warming up
+
+    def watch(rep):
+        before = rep.sync.before_optimizer_step
+
+        def spy(model, optimizer, control):
+            out = before(model, optimizer, control)
+            e = rep.sync.warm_e
+            seen.append((control.step, id(rep), None if e is None else float(e.abs().max())))
+            return out
+        rep.sync.before_optimizer_step = spy
+
+    reps, _ = await run_group(run_manifest("cocktail", steps, cocktail=cfg), steps, prepare=watch)
+    assert_learns_and_agrees(reps, steps)
+    n = sum(p.numel() for p in reps[0].trainer.model.parameters())
+    q = QuantCodec(2, 128)
+    bounds = chunk_bounds(n, 3)
+    for rank, r in enumerate(sorted(reps, key=lambda r: r.coll.me)):
+        lo, hi = bounds[rank]
+        others = sum(q.payload_nbytes(b - a) for i, (a, b) in enumerate(bounds) if i != rank)
+        warm_exact = warm * (others + 2 * q.payload_nbytes(hi - lo))  # reduce-scatter out, my chunk's mean back
+        assert warm_exact == pytest.approx(warm * 2 * 2 / 3 * n * 2.125 / 8, rel=0.01)
+        assert r.sync.bytes_sent > warm_exact
+        assert warm * 2 * 2 / 3 * n * 4 / warm_exact > 14  # vs the uncompressed warm-up
+        assert r.sync.rounds == steps - warm
+    for step, _, e in seen:
+        if step < warm:
+            # kept, and bounded: gradients are clipped to norm 1 and 2-bit rounding loses at most half a bucket's
+            # largest value, so |e| <= (1 + |e|) / 2 stays <= 1
+            assert e is not None and 0 < e <= 1.0
+        else:
+            assert e is None
 
 
 # -- diloco ----------------------------------------------------------------------------------------------

@@ -84,6 +84,7 @@ def test_signature_of_another_owner_fails(key):
         ("[plan]\nreplicas = 4", "plan.sync.method"),
         ("[plan.sync]\nmethod = \"gossip\"", "plan.sync.method"),
         ("[plan.sync.cocktail]\np = 2.0", "plan.sync.cocktail.p"),
+        ("[plan.sync.cocktail]\nwarmup_bits = 3", "plan.sync.cocktail.warmup_bits"),
         ("[batch]\nbatch_size = 16\nmicro_batch_size = 5", "batch.micro_batch_size"),
         ("[model]\npositions = \"alibi\"", "model.positions"),
         ("[model]\nd_model = 100\nn_heads = 3", "model.n_heads"),
