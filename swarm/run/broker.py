@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -17,67 +16,21 @@ from shoal.protocol.assignment import (
 from shoal.protocol.envelope import seal
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.membership import LEFT
-from shoal.swarm.net.rpc import RpcError, call, parse_body
-from shoal.swarm.run.accusations import MISSED, OFFENCE, Accusations, Verdict
+from shoal.swarm.net.rpc import parse_body
 from shoal.swarm.run.authority import DELEGATES, RunAuthority
-from shoal.swarm.run.batchsplit import BatchSplit, SplitConfig
+from shoal.swarm.run.batchsplit import BatchSplit
+from shoal.swarm.run.brokerconfig import BrokerConfig
 from shoal.swarm.run.context import Handler, RunContext
 from shoal.swarm.run.directory import seal_advert
-from shoal.swarm.run.gate import AdmissionGate, AdmissionLimits
+from shoal.swarm.run.gate import AdmissionGate
 from shoal.swarm.run.placer import Placer, Seats
+from shoal.swarm.run.reports import Reports
 from shoal.swarm.run.seating import Provider, Seating
 
 log = logging.getLogger(__name__)
 
 MAX_GONE_KEPT = 32  # gone providers listed in the table, newest first; older ones are forgotten
 NEW_BACKUP = 1 << 30  # a newly admitted backup's place: after every backup a taken-over table listed
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BrokerConfig:
-    heartbeat_s: float = 5.0  # how often liveness is checked (status gossip and RPC contact are the beats)
-    suspect_after_beats: int = 3
-    fail_after_s: float = 30.0  # silent this long: failed, its slot goes to a backup
-    lease_renew_s: float = 3.0
-    lease_timeout_s: float = 15.0  # a lease not renewed for this long lets the standby take over
-    republish_s: float = 10.0  # the table is re-gossiped this often even when nothing changed
-    ping_timeout_s: float = 2.0  # checking a member reported missing
-    straggler_misses: int = 3  # a member that misses rounds (yet answers) this often within the window ...
-    straggler_window_s: float = 600.0
-    demote_hold_s: float = 300.0  # ... is moved to the backup pool, and not promoted again for this long
-    # a member's step this far behind the others' (its own signed status) is the broker's own evidence that it
-    # lags; reports of a missed round wait this long for the other members' before they are weighed
-    straggler_lag_steps: int = 2
-    corroborate_s: float = 1.0
-    dht_timeout_s: float = 5.0
-    # a pipeline lane with a slot empty this long and no backup of that stage to fill it is dissolved: its
-    # members return to the backup pool (each keeping its stage warm)
-    dissolve_after_s: float = 60.0
-    admission: AdmissionLimits = field(default_factory=AdmissionLimits)  # wrong join-secret proofs checked
-    split: SplitConfig = SplitConfig()  # the global batch across the lanes, by their speed
-
-    def __post_init__(self) -> None:
-        if not 0 < self.heartbeat_s <= self.fail_after_s:
-            raise ValueError("need 0 < heartbeat_s <= fail_after_s")
-        if not 0 < self.lease_renew_s < self.lease_timeout_s:
-            raise ValueError("need 0 < lease_renew_s < lease_timeout_s")
-        if self.suspect_after_beats < 1 or min(self.republish_s, self.ping_timeout_s, self.dht_timeout_s) <= 0:
-            raise ValueError("suspect_after_beats >= 1 and positive intervals are required")
-        if self.dissolve_after_s <= 0:
-            raise ValueError("dissolve_after_s must be positive")
-        if self.straggler_misses < 1 or self.straggler_window_s <= 0 or self.demote_hold_s < 0:
-            raise ValueError("straggler_misses >= 1, straggler_window_s > 0 and demote_hold_s >= 0 are required")
-        if self.straggler_lag_steps < 1 or self.corroborate_s < 0:
-            raise ValueError("straggler_lag_steps >= 1 and corroborate_s >= 0 are required")
-
-    @classmethod
-    def for_fail_after(cls, fail_after_s: float, **more: Any) -> BrokerConfig:
-        """Settings scaled to one failure-detection time: the lease lapses after it too, liveness is checked three
-        times within it (never less often than the default) and the lease renewed four times (each renewal is
-        gossiped and put in the DHT: no more often than that)."""
-        d = cls()
-        return cls(fail_after_s=fail_after_s, lease_timeout_s=fail_after_s,
-                   heartbeat_s=min(d.heartbeat_s, fail_after_s / 3), lease_renew_s=fail_after_s / 4, **more)
 
 
 class AdmissionError(RuntimeError):
@@ -125,10 +78,7 @@ class Broker:
         self.renewed_at = self.clock()  # the last lease renewal this broker issued (clock seconds)
         self.on_change: list[Callable[[AssignmentTable, bytes], object]] = []  # called with each new table
         self.reforms = 0  # groups re-formed (same members, next epoch) after a member missed a round but answered
-        # reports against members, weighed so that no lone accuser counts (swarm/run/accusations.py)
-        self.accusations = Accusations(self.clock, window_s=config.straggler_window_s,
-                                       false_to_penalize=config.straggler_misses)
-        self._checking: set[tuple[int, int, str]] = set()  # (stage, epoch, peer) reported missing, being pinged
+        self.reports = Reports(self)  # what members report against each other, weighed (swarm/run/reports.py)
         self._dirty = trio.Event()
         self.authority = RunAuthority(ctx.manifest)
         self.gate = AdmissionGate(ctx, secret, config.admission)  # who may join
@@ -410,26 +360,7 @@ class Broker:
         table = self.table
         if table is None or not self.holds_lease():  # (a broker holding its lease has published a table)
             raise NotBroker("this node's broker does not hold the run's lease")
-        if rep.run_id != self.ctx.run_id or rep.stage >= self.stages or caller not in table.members(rep.stage):
-            return {"accepted": False}
-        if rep.epoch > self.epochs[rep.stage]:
-            return {"accepted": False, "epoch": self.epochs[rep.stage]}
-        members = table.members(rep.stage)
-        current = rep.epoch == self.epochs[rep.stage]
-        if current:  # offences count within one epoch; a silent peer is checked anyway
-            for pid in set(rep.offenders):
-                if pid in members and pid != caller:
-                    self._offence(rep.stage, rep.epoch, pid, caller, members)
-        missing = [(pid, rep.stage, rep.epoch) for pid in set(rep.missing) if pid in members and pid != caller]
-        for pid in set(rep.neighbours):  # only the caller's own lane neighbours, at their stage's current epoch
-            slot = table.slot_of(pid)
-            mine = table.slot_of(caller)
-            if slot is not None and mine is not None and slot[1] == mine[1] and abs(slot[0] - mine[0]) == 1:
-                missing.append((pid, slot[0], self.epochs[slot[0]]))
-        async with trio.open_nursery() as n:
-            for pid, stage, epoch in missing:
-                n.start_soon(self._check_missing, pid, caller, stage, epoch)
-        return {"accepted": current, "epoch": self.epochs[rep.stage]}
+        return await self.reports.weigh(caller, rep, table)
 
     async def _rpc_rollback(self, caller: str, body: Any) -> Any:
         req = parse_body(RollbackRequest, body)
@@ -478,82 +409,17 @@ class Broker:
         self._rebuild()
         return r
 
-    def _false_accusers(self, verdict: Verdict, what: str) -> None:
-        for r in verdict.false_accusers:
-            if self.ctx.penalties is not None and r != self.ctx.me:
-                self.ctx.penalties.penalize(r, f"{what}: its reports went unconfirmed {self.config.straggler_misses} "
-                                               f"times within {self.config.straggler_window_s:.0f} s")
-
-    def _offence(self, stage: int, epoch: int, offender: str, reporter: str, members: tuple[str, ...]) -> None:
-        """A member rejected `offender`'s update. Once a strict majority of the other members have, it leaves the
-        group and is banned (one report could be a lie; most of the group saw it). A group of two never evicts on
-        a report: each member's word is one against the other's."""
-        stale = self.accusations.report(OFFENCE, stage, epoch, offender, reporter, members)
-        self._false_accusers(Verdict(counts=False, false_accusers=stale), "offence reports")
-        verdict = self.accusations.judge(OFFENCE, stage, epoch, offender, members, measured=None, final=False)
-        if verdict.counts and offender != self.ctx.me:
-            reporters = len(self.accusations.reporters(OFFENCE, stage, epoch, offender)) or "most"
-            why = f"updates rejected by a majority ({reporters}) of the {len(members) - 1} other members"
-            if self.ctx.penalties is not None:
-                self.ctx.penalties.ban(offender, why)
-            self.evicted.pop(offender, None)
-            self.evicted[offender] = None
-            while len(self.evicted) > MAX_EVICTED:
-                del self.evicted[next(iter(self.evicted))]
-            if not self.mark_failed(offender, why):
-                self._rebuild()  # (already gone: the table lists the eviction all the same)
-
-    def _lags(self, peer_id: str, members: tuple[str, ...]) -> bool | None:
-        """The broker's own measurement of whether `peer_id` lags its group: the step it signs in its status
-        against the others' (None: no status of it or of the others)."""
-        m = self.ctx.membership
-        if m is None:
-            return None
-        steps = {e.peer_id: e.status_record.step for e in m.live_peers()
-                 if e.peer_id in members and e.status_record is not None
-                 and e.status_record.run_id == self.ctx.run_id}
-        if self.ctx.me in members and self.ctx.step is not None:
-            steps[self.ctx.me] = self.ctx.step()
-        if peer_id not in steps or len(steps) < 2:
-            return None
-        others = sorted(s for p, s in steps.items() if p != peer_id)
-        return steps[peer_id] < others[len(others) // 2] - self.config.straggler_lag_steps
-
-    async def _check_missing(self, peer_id: str, reporter: str, stage: int, epoch: int) -> None:
-        """Ping a member reported missing: a silent one is replaced (the broker's own probe). One that answers
-        missed a round only when a strict majority of the other members of its group reported it, or the broker
-        sees it lag (with two members, the latter alone); the group is re-formed (same members, next epoch) so
-        every member stops skipping it at the same step, unless only distrusted reporters asked for it."""
-        members = self.table.members(stage) if self.table is not None else ()
-        self.accusations.report(MISSED, stage, epoch, peer_id, reporter, members)
-        key = (stage, epoch, peer_id)
-        if key in self._checking:
-            return  # another member's report of the same miss is being checked
-        self._checking.add(key)
-        try:
-            if peer_id != self.ctx.me:
-                await call(self.ctx.sh, peer_id, "run.ping", {"run_id": self.ctx.run_id},
-                           timeout_s=self.config.ping_timeout_s)
-                self.touch(peer_id)
-            await trio.sleep(self.config.corroborate_s)  # the other members' reports of the same round arrive
-        except RpcError as e:
-            self.mark_failed(peer_id, f"reported missing by {reporter[:16]}… and did not answer: {e}")
-            return
-        finally:
-            self._checking.discard(key)
-        if self.epochs[stage] != epoch:
-            return  # the group changed meanwhile: every member's skips are reset already
-        reporters = self.accusations.reporters(MISSED, stage, epoch, peer_id)
-        verdict = self.accusations.judge(MISSED, stage, epoch, peer_id, members, measured=self._lags(peer_id, members))
-        self._false_accusers(verdict, "missed-round reports")
-        by = ", ".join(r[:16] + "…" for r in sorted(reporters))
-        if verdict.counts:
-            self.missed_round(peer_id, stage, f"{peer_id[:16]}… missed a round (reported by {by}) but answers")
-        elif all(self.accusations.distrusted(r) for r in reporters):
-            log.info("reports that %s missed a round (by %s) are not acted on: its reporters accuse falsely",
-                     peer_id[:16], by)
-        else:
-            self.reform(stage, f"{peer_id[:16]}… reported missing by {by} alone, answers: no miss counted")
+    def evict(self, peer_id: str, why: str) -> None:
+        """Out of the run for good on a majority verdict: banned, listed in the table (refused admission by this
+        broker and its successors), its slot to a backup."""
+        if self.ctx.penalties is not None:
+            self.ctx.penalties.ban(peer_id, why)
+        self.evicted.pop(peer_id, None)
+        self.evicted[peer_id] = None
+        while len(self.evicted) > MAX_EVICTED:
+            del self.evicted[next(iter(self.evicted))]
+        if not self.mark_failed(peer_id, why):
+            self._rebuild()  # (already gone: the table lists the eviction all the same)
 
     def missed_round(self, peer_id: str, stage: int, why: str) -> None:
         """A member missed a round yet answers: re-form its group, or, once it has missed `straggler_misses` rounds
