@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
@@ -15,43 +14,27 @@ import trio
 from shoal.kernels.codec import wire_roundtrip
 from shoal.protocol.errors import DecodeError, ProtocolError, TooLargeError
 from shoal.protocol.frames import MAX_HEADER_BYTES
-from shoal.protocol.records import LinkStatus, checkpoint_steps
-from shoal.protocol.lane import (AQ, BWD, FWD, LANE_PROTOCOL, MAX_RECORD_BYTES, TENSOR_TYPES, TRAIN, Abort, Act, Credit,
-                                 Grad, LaneMessage, LaneNorm, LinkHello, Nack, Refuse, StepMessage, decode_data,
-                                 decode_message, decode_one, encode_message, payload_nbytes)
-from shoal.swarm.net.framing import close_quietly, read_exactly, read_frame
+from shoal.protocol.records import LinkStatus
+from shoal.protocol.lane import (AQ, BWD, FWD, MAX_RECORD_BYTES, TENSOR_TYPES, TRAIN, Abort, Act, Credit, Grad,
+                                 LaneMessage, LaneNorm, LinkHello, Nack, StepMessage, decode_data, decode_one,
+                                 encode_message, payload_nbytes)
+from shoal.swarm.net.framing import read_exactly, read_frame
 from shoal.swarm.net.linkmeter import DOWN, UP
 from shoal.swarm.lane.aq_codec import group_nbytes
 from shoal.swarm.lane.aq_handover import AQStores, StoreKey
+from shoal.swarm.lane.aq_ledger import StoreLedger
 from shoal.swarm.lane.aq_link import AQReceiver, AQSender, link_status, store_config
+from shoal.swarm.lane.dial import dial
 from shoal.swarm.lane.payload import Outgoing, decode_acts, decode_grads, encode_acts, encode_grads, resend_encoding
-from shoal.swarm.lane.signing import SignatureRing, sign_tensor, tensor_signed_by
-from shoal.swarm.lane.spec import (LEN, MAX_CONTROL_BYTES, LaneSpec, LinkConfig, LinkCounters, LinkError, Violation,
-                                   aq_groups, check_record, reset_quietly)
+from shoal.swarm.lane.signing import LinkSeals
+from shoal.swarm.lane.spec import (LEN, MAX_CONTROL_BYTES, LaneSpec, Link, LinkConfig, LinkError, Violation, aq_groups,
+                                   check_record, reset_quietly)
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-DIGEST_HISTORY = 16  # steps of store digests each AQ-SGD link end keeps for its status file
-
-
-class _Link:
-    """One directed link as this end sees it: outbound (we send data, read credits) or inbound (the reverse)."""
-
-    def __init__(self, boundary: int, direction: str, peer: str, outbound: bool):
-        self.boundary, self.direction, self.peer, self.outbound = boundary, direction, peer, outbound
-        self.name = f"b{boundary}/{direction}"
-        self.sent, self.recv = LinkCounters(), LinkCounters()
-        self.stream = None
-        self.write_lock = trio.Lock()
-        self.credits = 0  # outbound: messages we may still send
-        self.window = 0  # outbound: the receiver's window (its first credit)
-        #: inbound: arrived, not consumed: each record with its raw tensor frames (the consumer decodes them)
-        self.inbox: dict[tuple, tuple[StepMessage, Any]] = {}
-        # broke: every step up to this one fails here (None: the next step a call is made for)
-        self.failed: tuple[int | None, LinkError] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,20 +63,16 @@ class LinkEnd:
         self._aborted: dict[tuple[int, str], LinkError] = {}  # (step, phase) given up, by us or a neighbour
         self._halted: LinkError | None = None  # this node is leaving: every wait fails with it
         s, prev, nxt = spec.stage, spec.prev_peer, spec.next_peer
-        self.act_in = _Link(s - 1, FWD, prev, False) if prev else None
-        self.grad_out = _Link(s - 1, BWD, prev, True) if prev else None
-        self.act_out = _Link(s, FWD, nxt, True) if nxt else None
-        self.grad_in = _Link(s, BWD, nxt, False) if nxt else None
+        self.act_in = Link(s - 1, FWD, prev, False) if prev else None
+        self.grad_out = Link(s - 1, BWD, prev, True) if prev else None
+        self.act_out = Link(s, FWD, nxt, True) if nxt else None
+        self.grad_in = Link(s, BWD, nxt, False) if nxt else None
         self.links = [x for x in (self.act_in, self.grad_out, self.act_out, self.grad_in) if x is not None]
         self.aq_out: AQSender | None = None  # AQ-SGD: this end's store of each activation link
         self.aq_in: AQReceiver | None = None
-        self.settled: tuple[int, dict[str, dict[str, Any]]] | None = None  # (step, stores()) after the last step
-        #: (link, side) -> (step, digest) after each of the last DIGEST_HISTORY steps: observers that sample two
-        #: ends at different moments compare them at a step both hold
-        self.recent: dict[tuple[str, str], deque[tuple[int, str]]] = {}
-        self.checks: dict[tuple[str, str], dict[int, str]] = {}  # (link, side) -> digests at checkpoint steps
+        self.ledger = StoreLedger()  # what the AQ-SGD stores held after each finished step (status, checks)
         self._fresh: list[tuple[StoreKey, Any, str]] = []  # stores new here: pulled from the other end (adopt)
-        self.sigs = SignatureRing()  # a verified run's signatures of the last steps' tensors (evidence)
+        self.seals = LinkSeals(services.sh.key, spec.run_id, spec.lane)  # a verified run's signatures (evidence)
         if spec.aq is not None:
             for boundary, side, peer in ((s, "sender", nxt), (s - 1, "receiver", prev)):
                 if peer is None:
@@ -109,12 +88,7 @@ class LinkEnd:
                 else:
                     self.aq_in = AQReceiver(spec.aq, store)
 
-    # -- a verified run's signatures (swarm/lane/signing.py): made and checked in the caller's thread, as the coding
-    # is (reading only the spec and the links' fixed ends; the ring takes its own lock)
-
-    def _where(self, link: _Link, step: int, micro: int, ids) -> dict[str, Any]:
-        return dict(run=self.spec.run_id, lane=self.spec.lane, boundary=link.boundary, direction=link.direction,
-                    step=step, micro=micro, ids=tuple(ids))
+    # -- a verified run's signatures (swarm/lane/signing.py): made and checked in the caller's thread, as the coding is
 
     def seal(self, direction: str, step: int, micro: int, out: Outgoing, x: torch.Tensor, *,
              phase: str = TRAIN) -> Outgoing:
@@ -126,8 +100,7 @@ class LinkEnd:
         ids = out.ids if direction == FWD else ()
         decoded = wire_roundtrip(out.kind, x)
         assert decoded is not None  # a signed spec has a dense wire (LaneSpec checks it)
-        out.sig = sign_tensor(self.services.sh.key, decoded, **self._where(link, step, micro, ids))
-        self.sigs.put("act_out" if direction == FWD else "grad_out", step, micro, out.sig)
+        out.sig = self.seals.sign("act_out" if direction == FWD else "grad_out", link, step, micro, ids, decoded)
         return out
 
     def unseal(self, direction: str, rec: Act | Grad, x: torch.Tensor) -> str | None:
@@ -138,15 +111,14 @@ class LinkEnd:
         link = _need(self.act_in if direction == FWD else self.grad_in, f"no inbound {direction} link here")
         what = "act_in" if direction == FWD else "grad_in"
         ids = rec.ids if isinstance(rec, Act) else ()
-        if not rec.sig or not tensor_signed_by(link.peer, rec.sig, x, **self._where(link, rec.step, rec.micro, ids)):
+        if not self.seals.check(what, link, rec.step, rec.micro, ids, rec.sig, x):
             return f"{what} of step {rec.step} #{rec.micro} without a valid signature"
-        self.sigs.put(what, rec.step, rec.micro, rec.sig)
         return None
 
     def signatures(self, step: int, micro: int) -> dict[str, bytes]:
         """The signatures this end holds for a training micro-batch (a verified run): of what it sent (act_out,
         grad_out, its own) and of what it received (act_in, grad_in, its neighbours')."""
-        return self.sigs.of(step, micro)
+        return self.seals.ring.of(step, micro)
 
     def counters(self) -> dict[str, dict[str, Any]]:
         """Per link ("b0/fwd"...): the neighbour and what was sent and received on it, for status and benchmarks."""
@@ -164,22 +136,13 @@ class LinkEnd:
     def link_statuses(self) -> tuple[LinkStatus, ...]:
         """What the status record says about this stage's activation links: the compression, and with AQ-SGD the
         store digest after the last finished step."""
-        out = []
-        settled_at, stores = self.settled if self.settled is not None else (None, {})
-        for link, side in ((self.act_in, "receiver"), (self.act_out, "sender")):
-            if link is None:
-                continue
-            st = stores.get(link.name)
-            checks = sorted(self.checks.get((link.name, side), {}).items())
-            out.append(LinkStatus(link=link.name, peer=link.peer, side=side, compression=self.spec.kind,
-                                  **({"step": settled_at, "digest": st["digest"][:16], "rows": st["rows"],
-                                      "nacks": st["nacks"], "check_steps": tuple(s for s, _ in checks),
-                                      "check_digests": tuple(d for _, d in checks)} if st else {})))
-        return tuple(out)
+        return self.ledger.link_statuses([(link.name, link.peer, side) for link, side in
+                                          ((self.act_in, "receiver"), (self.act_out, "sender")) if link is not None],
+                                         self.spec.kind)
 
     def recent_digests(self) -> dict[str, dict[str, str]]:
         """"link/side" -> {step: digest} of this end's stores after each of the last steps (AQ-SGD)."""
-        return {f"{link}/{side}": {str(step): d for step, d in hist} for (link, side), hist in self.recent.items()}
+        return self.ledger.recent_digests()
 
     def stores(self) -> dict[str, dict[str, Any]]:
         """Per activation link ("b0/fwd"...) with AQ-SGD: this end's store (compression, digest, rows, NACKs)."""
@@ -297,7 +260,7 @@ class LinkEnd:
                 await self._send(out, mine, step, TRAIN)
         inbound = [x for x in (self.act_in, self.grad_in) if x is not None]
 
-        def arrived() -> tuple[_Link, LaneNorm] | None:
+        def arrived() -> tuple[Link, LaneNorm] | None:
             for link in inbound:
                 for key in link.inbox:
                     if key[0] == "norm" and key[1] == step:
@@ -322,12 +285,7 @@ class LinkEnd:
         self._aborted.setdefault((step, phase), LinkError(LinkError.ABORTED, f"step {step} given up: {reason}"))
         if self.aq_out is not None and phase == TRAIN:
             self.aq_out.drop(step)  # no ACK will come: the receiver's rows are repaired by NACKs (rule 3)
-        for link in self.links:
-            if not link.outbound:
-                stale = [k for k in link.inbox if k[1] == step and k[3] == phase]
-                for k in stale:
-                    del link.inbox[k]
-                await self._grant(link, len(stale))
+        await self._drop(lambda k: k[1] == step and k[3] == phase)
         self._wake()
         rec = Abort(step=step, phase=phase, reason=reason[:200])
         for link in self.links:
@@ -370,29 +328,28 @@ class LinkEnd:
         if self.step is not None and step <= self.step:
             return
         if self.step is not None and self.spec.aq is not None:
-            self.settled = (self.step, self.stores())  # nothing of `step` has touched the stores yet
-            for name, st in self.settled[1].items():
-                key, digest = (name, st["side"]), st["digest"][:16]
-                self.recent.setdefault(key, deque(maxlen=DIGEST_HISTORY)).append((self.step, digest))
-                checks = self.checks.setdefault(key, {})
-                checks[self.step] = digest
-                for old in set(checks) - set(checkpoint_steps(checks)):
-                    del checks[old]
+            self.ledger.settle(self.step, self.stores())  # nothing of `step` has touched the stores yet
         self.step = step
         self._aborted = {k: v for k, v in self._aborted.items() if k[0] >= step - 1}
         if self.aq_out is not None:
             self.aq_out.drop(step - 1)
+        await self._drop(lambda k: k[1] < step)
         for link in self.links:
             if not link.outbound:
-                stale = [k for k in link.inbox if k[1] < step]
-                for k in stale:
-                    del link.inbox[k]
-                await self._grant(link, len(stale))
                 far = [k for k in link.inbox if k[1] > step + 1]
                 if far:  # arrived before this end knew its step
                     await self._reject(link, f"message for step {far[0][1]} while the lane is at step {step}", step)
 
-    def _check(self, step: int, phase: str, links: list[_Link]) -> None:
+    async def _drop(self, stale: Callable[[tuple], bool]) -> None:
+        """Drop what arrived on the inbound links under a `stale` key, and give its credit back."""
+        for link in self.links:
+            if not link.outbound:
+                keys = [k for k in link.inbox if stale(k)]
+                for k in keys:
+                    del link.inbox[k]
+                await self._grant(link, len(keys))
+
+    def _check(self, step: int, phase: str, links: list[Link]) -> None:
         if self._halted is not None:
             raise self._halted
         if (step, phase) in self._aborted:
@@ -408,7 +365,7 @@ class LinkEnd:
                 continue
             raise err
 
-    async def _wait(self, what: str, step: int, phase: str, links: list[_Link], ready: Callable[[], Any],
+    async def _wait(self, what: str, step: int, phase: str, links: list[Link], ready: Callable[[], Any],
                     timeout_s: float) -> Any:
         deadline = trio.current_time() + timeout_s
         while True:
@@ -422,7 +379,7 @@ class LinkEnd:
             with trio.move_on_at(deadline):
                 await self._changed.wait()
 
-    async def _take(self, link: _Link, key: tuple, step: int, phase: str, what: str):
+    async def _take(self, link: Link, key: tuple, step: int, phase: str, what: str):
         item = await self._wait(what, step, phase, [link], lambda: link.inbox.pop(key, None),
                                 self.config.recv_timeout_s)
         await self._grant(link, 1)
@@ -430,61 +387,27 @@ class LinkEnd:
 
     # -- sending --------------------------------------------------------------------------------------------
 
-    async def _open(self, link: _Link, step: int | None = None, phase: str = TRAIN) -> None:
-        """Dial the neighbour, say hello, get the first credit. Each dial must be answered within dial_timeout_s;
-        a neighbour that answers with a refusal (its end is not open yet: it is still entering its slot) is dialed
-        again, at growing intervals, until open_timeout_s has passed, unless this end halts or `step` is given up
-        meanwhile (by a neighbour, or by this node) first."""
+    async def _open(self, link: Link, step: int | None = None, phase: str = TRAIN) -> None:
+        """Dial the neighbour (swarm/lane/dial.py) unless the link is open; while a refusing neighbour is dialed
+        again, this end halting or `step` being given up (by a neighbour, or by this node) ends the wait."""
         if link.stream is not None:
             return
         if self.services.penalties.is_banned(link.peer):
             raise LinkError(LinkError.DIAL, "the neighbour is banned", link.peer)
-        hello = LinkHello(run=self.spec.run_id, boundary=link.boundary, lane=self.spec.lane,
-                          direction=link.direction, peers=(self.me, link.peer))
-        cfg = self.config
-        patience = max(cfg.dial_timeout_s, cfg.open_timeout_s)
-        give_up = trio.current_time() + patience
-        interval = cfg.retry_interval_s
-        refused = ""
-        while True:
-            stream = None
-            try:
-                with trio.fail_after(cfg.dial_timeout_s):
-                    stream = await self.services.sh.open_stream(link.peer, LANE_PROTOCOL)
-                    body = encode_message(hello)
-                    await stream.write(LEN.pack(len(body)) + body)
-                    raw = await read_frame(stream, MAX_CONTROL_BYTES)
-                    reply: LaneMessage = decode_message(raw, frozenset({Credit.TYPE, Refuse.TYPE}))
-            except trio.TooSlowError:
-                await reset_quietly(stream)
-                why = f"refused: {refused}" if refused else f"no answer within {self.config.dial_timeout_s:g} s"
-                raise LinkError(LinkError.DIAL, why, link.peer) from None
-            except ProtocolError as e:
-                await reset_quietly(stream)
-                self.services.penalties.penalize(link.peer, f"lane link: bad answer to hello: {e}")
-                raise LinkError(LinkError.VIOLATION, f"bad answer to hello: {e}", link.peer) from e
-            except Exception as e:  # noqa: BLE001 - dial errors come as many types from py-libp2p
-                await reset_quietly(stream)
-                raise LinkError(LinkError.DIAL, f"{type(e).__name__}: {e}", link.peer) from e
-            link.sent.control_bytes += 4 + len(body)
-            link.recv.control_bytes += 4 + len(raw)
-            if isinstance(reply, Credit):
-                link.stream, link.credits, link.window, link.failed = stream, reply.n, reply.n, None
-                self.services.nursery.start_soon(self._read_credits, link, stream)
-                return
-            await close_quietly(stream)
-            refused = reply.reason if isinstance(reply, Refuse) else ""
+
+        def still_wanted() -> None:
             if self._halted is not None:
                 raise self._halted
             if step is not None:
                 self._check(step, phase, [])
-            now = trio.current_time()
-            if now >= give_up:
-                raise LinkError(LinkError.DIAL, f"refused for {patience:g} s: {refused}", link.peer)
-            await trio.sleep(min(interval, give_up - now))
-            interval = min(2 * interval, cfg.max_retry_interval_s)
 
-    async def _read_credits(self, link: _Link, stream) -> None:
+        hello = LinkHello(run=self.spec.run_id, boundary=link.boundary, lane=self.spec.lane,
+                          direction=link.direction, peers=(self.me, link.peer))
+        stream, credit = await dial(self.services.sh, self.services.penalties, self.config, link, hello, still_wanted)
+        link.stream, link.credits, link.window, link.failed = stream, credit, credit, None
+        self.services.nursery.start_soon(self._read_credits, link, stream)
+
+    async def _read_credits(self, link: Link, stream) -> None:
         try:
             while link.stream is stream:
                 raw = await read_frame(stream, MAX_CONTROL_BYTES)
@@ -501,7 +424,7 @@ class LinkEnd:
             if link.stream is stream:
                 await self._lost(link, f"{type(e).__name__}: {e}")
 
-    async def _send(self, link: _Link, rec: LaneMessage, step: int, phase: str, *, headers: Sequence[Any] = (),
+    async def _send(self, link: Link, rec: LaneMessage, step: int, phase: str, *, headers: Sequence[Any] = (),
                     frames: Sequence[bytes] = ()) -> None:
         await self._open(link, step, phase)
         await self._wait(f"credit on {link.name}", step, phase, [link], lambda: link.credits > 0 or None,
@@ -525,7 +448,7 @@ class LinkEnd:
         except Exception as e:  # noqa: BLE001 - the step fails at the receiver's deadline or by an abort
             log.info("%s: resend of step %d micro-batch %d failed: %s", link.name, rec.step, rec.micro, e)
 
-    async def _write(self, link: _Link, parts: list[bytes], *, control: bool = False) -> None:
+    async def _write(self, link: Link, parts: list[bytes], *, control: bool = False) -> None:
         stream = link.stream
         if stream is None:
             raise LinkError(LinkError.CLOSED, f"{link.name} is closed", link.peer)
@@ -545,7 +468,7 @@ class LinkEnd:
         if control:
             link.sent.control_bytes += len(data)
 
-    async def _grant(self, link: _Link, n: int) -> None:
+    async def _grant(self, link: Link, n: int) -> None:
         """Give `n` credits back on an inbound link (consumed or dropped messages); a dead stream is left alone."""
         if n <= 0 or link.stream is None:
             return
@@ -556,7 +479,7 @@ class LinkEnd:
 
     # -- receiving ------------------------------------------------------------------------------------------
 
-    async def attach(self, link: _Link, stream, hello_nbytes: int) -> None:
+    async def attach(self, link: Link, stream, hello_nbytes: int) -> None:
         """Serve one inbound stream (in its handler's task) until it ends or misbehaves."""
         old, link.stream, link.failed = link.stream, stream, None
         if old is not None:  # the neighbour dialed again: its old stream failed on its side, and what came on it
@@ -626,7 +549,7 @@ class LinkEnd:
                 await self._reject(link, str(e), rec.step)
                 return
 
-    async def _admit(self, link: _Link, rec: StepMessage, frames: list[bytes | None] | bytes | None) -> None:
+    async def _admit(self, link: Link, rec: StepMessage, frames: list[bytes | None] | bytes | None) -> None:
         phase = rec.phase if isinstance(rec, Act) else TRAIN
         if (self.step is not None and rec.step < self.step) or (rec.step, phase) in self._aborted:
             await self._grant(link, 1)  # a step already over or given up: dropped, its credit returned
@@ -652,7 +575,7 @@ class LinkEnd:
         link.inbox[key] = (rec, frames)
         self._wake()
 
-    async def _reject(self, link: _Link, reason: str, claimed_step: int | None) -> None:
+    async def _reject(self, link: Link, reason: str, claimed_step: int | None) -> None:
         """A neighbour broke the protocol: penalize it, drop its stream, abort the step the message belongs to."""
         cur = self.step  # the stream is gone: the step in progress fails, and the next one if the message was for it
         plausible = claimed_step is not None and (cur is None or cur <= claimed_step <= cur + 1)
@@ -666,7 +589,7 @@ class LinkEnd:
         await reset_quietly(stream)
         self._wake()
 
-    async def _lost(self, link: _Link, reason: str) -> None:
+    async def _lost(self, link: Link, reason: str) -> None:
         """The stream broke (closed, reset, timed out): the step in progress cannot use it."""
         log.info("lane %d stage %d: %s to/from %s lost: %s", self.spec.lane, self.spec.stage, link.name, link.peer,
                  reason)

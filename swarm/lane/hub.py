@@ -27,8 +27,8 @@ from shoal.swarm.net.framing import close_quietly, read_frame
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Allowance, Penalties
 from shoal.swarm.lane.aq_handover import AQStores
-from shoal.swarm.lane.end import LinkEnd, LinkServices, _Link
-from shoal.swarm.lane.spec import LEN, LaneSpec, LinkConfig, reset_quietly
+from shoal.swarm.lane.end import LinkEnd, LinkServices
+from shoal.swarm.lane.spec import LEN, LaneSpec, Link, LinkConfig, reset_quietly
 
 log = logging.getLogger(__name__)
 EARLY_FREE = 50  # dials of a provider not named by any table here refused unpunished within EARLY_WINDOW_S (a
@@ -49,7 +49,7 @@ class LinkHub:
         self.named = named
         self.allow = allow  # the run's providers: one not named (yet) is refused unpunished a few times
         self._early = Allowance(EARLY_FREE, EARLY_WINDOW_S)
-        self._inbound: dict[tuple[str, int, int, str], tuple[LinkEnd, _Link]] = {}
+        self._inbound: dict[tuple[str, int, int, str], tuple[LinkEnd, Link]] = {}
         self._ends: list[LinkEnd] = []
         self.refused = 0  # honest dials refused because their link was not open here (yet): the dialer retries
         # AQ-SGD stores by link position (they outlive the ends), served to `allow`ed peers (the run's members)

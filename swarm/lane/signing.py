@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shoal.protocol.errors import SignatureError
 from shoal.protocol.lane import tensor_signing_payload
 from shoal.protocol.signing import sign, verify_peer
+from shoal.swarm.lane.spec import Link
 
 SIG_STEPS_KEPT = 4
 
@@ -63,3 +64,30 @@ class SignatureRing:
     def of(self, step: int, micro: int) -> dict[str, bytes]:
         with self._lock:
             return {w: s for (w, st, mi), s in self._sigs.items() if (st, mi) == (step, micro)}
+
+
+class LinkSeals:
+    """One link end's part in a verified run: it signs the training tensors it sends and checks its neighbours'
+    signatures of those it receives, keeping both in its ring as evidence. Called in the caller's thread, as the
+    coding is; it reads only the links' fixed ends, and the ring takes its own lock."""
+
+    def __init__(self, key: Ed25519PrivateKey, run_id: str, lane: int):
+        self.key, self.run_id, self.lane = key, run_id, lane
+        self.ring = SignatureRing()
+
+    def _where(self, link: Link, step: int, micro: int, ids) -> dict:
+        return dict(run=self.run_id, lane=self.lane, boundary=link.boundary, direction=link.direction, step=step,
+                    micro=micro, ids=tuple(ids))
+
+    def sign(self, what: str, link: Link, step: int, micro: int, ids, decoded: torch.Tensor) -> bytes:
+        """This end's signature of `decoded` (what the receiver will decode) sent on `link`, kept as `what`."""
+        sig = sign_tensor(self.key, decoded, **self._where(link, step, micro, ids))
+        self.ring.put(what, step, micro, sig)
+        return sig
+
+    def check(self, what: str, link: Link, step: int, micro: int, ids, sig: bytes | None, x: torch.Tensor) -> bool:
+        """Whether `sig` is `link`'s neighbour's signature of `x` as received here (kept as `what` when it is)."""
+        if not sig or not tensor_signed_by(link.peer, sig, x, **self._where(link, step, micro, ids)):
+            return False
+        self.ring.put(what, step, micro, sig)
+        return True

@@ -1,4 +1,5 @@
-"""What a lane link is made of: its config and spec, what may cross it, its errors, byte counters and tensor frames."""
+"""What a lane link is made of: its config and spec, one end's state of it, what may cross it, its errors, byte
+counters and tensor frames."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import trio
 
 from shoal.kernels.codec import CastCodec, Encoded, NoCompression, tensor_from_buffer
 from shoal.kernels.quant import NonFiniteError
@@ -131,6 +133,23 @@ class LinkCounters:
     fp32_bytes: int = 0  # the same tensors at 4 bytes a value: what the uncompressed (fp32) wire would carry
     nacks: int = 0  # AQ-SGD NACK messages (part of the data messages)
     control_bytes: int = 0  # hello, credits, refusals, aborts (with length prefixes)
+
+
+class Link:
+    """One directed link as this end sees it: outbound (we send data, read credits) or inbound (the reverse)."""
+
+    def __init__(self, boundary: int, direction: str, peer: str, outbound: bool):
+        self.boundary, self.direction, self.peer, self.outbound = boundary, direction, peer, outbound
+        self.name = f"b{boundary}/{direction}"
+        self.sent, self.recv = LinkCounters(), LinkCounters()
+        self.stream = None
+        self.write_lock = trio.Lock()
+        self.credits = 0  # outbound: messages we may still send
+        self.window = 0  # outbound: the receiver's window (its first credit)
+        #: inbound: arrived, not consumed: each record with its raw tensor frames (the consumer decodes them)
+        self.inbox: dict[tuple, tuple[StepMessage, Any]] = {}
+        # broke: every step up to this one fails here (None: the next step a call is made for)
+        self.failed: tuple[int | None, LinkError] | None = None
 
 
 def check_record(sp: LaneSpec, direction: str, rec: StepMessage) -> str | None:

@@ -112,6 +112,38 @@ async def test_acts_grads_and_norms_round_trip(stages):
         assert not any(p.reasons(q) for p in pens for q in peers)
 
 
+async def test_a_verified_lanes_tensors_carry_their_senders_signatures_and_a_forged_one_is_refused():
+    """signed=True (a verified run): every training tensor is signed by its sender over what the receiver decodes;
+    each end keeps its own signatures and its neighbours' for the micro-batch as evidence, each verifiable against
+    the right peer. A stage signing with another key than its identity's has its activations refused: the step
+    fails at the receiver with a violation and the sender is penalized."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from shoal.swarm.lane.signing import tensor_signed_by
+
+    async with AsyncExitStack() as stack:
+        hosts, pens, hubs = await chain(stack, 2)
+        peers = [h.peer_id for h in hosts]
+        ends = [hub.open(spec(s, peers, signed=True)) for s, hub in enumerate(hubs)]
+        got = await lane_step(ends, 0, [[1.0], [2.0]])
+        assert not any(p.reasons(q) for p in pens for q in peers)
+        for m in range(M):
+            first, last = ends[0].signatures(0, m), ends[1].signatures(0, m)
+            assert set(first) == {"act_out", "grad_in"} and set(last) == {"act_in", "grad_out"}
+            assert first["act_out"] == last["act_in"] and first["grad_in"] == last["grad_out"]
+            where = dict(run=RUN, lane=0, boundary=0, step=0, micro=m)
+            ids, x = got[1][("act", m)]
+            assert tensor_signed_by(peers[0], last["act_in"], x, direction=FWD, ids=tuple(ids), **where)
+            assert not tensor_signed_by(peers[1], last["act_in"], x, direction=FWD, ids=tuple(ids), **where)
+            assert tensor_signed_by(peers[1], first["grad_in"], got[0][("grad", m)], direction="bwd", ids=(), **where)
+        ends[0].seals.key = Ed25519PrivateKey.generate()  # stage 0 signs as someone else
+        await ends[0].send_act(1, 0, list(range(B)), acts(1, 0))
+        with pytest.raises(LinkError) as e:
+            await ends[1].recv_act(1, 0)
+        assert e.value.cause == LinkError.VIOLATION and e.value.peer == peers[0]
+        assert "without a valid signature" in pens[1].reasons(peers[0])[-1]
+
+
 async def test_counters_equal_the_formula_both_ways():
     async with AsyncExitStack() as stack:
         hosts, _, hubs = await chain(stack, 2)
