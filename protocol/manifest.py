@@ -173,7 +173,7 @@ class DataSpec(WireRecord):
 
 
 WARMUP_BITS = (2, 4, 8, 32)  # CocktailSpec.warmup_bits: quantized (kernels/quant.py) or 32, uncompressed
-WARMUP_BITS_DEFAULT = 32
+WARMUP_BITS_DEFAULT = 2  # bench/results/cocktail_warmup.md: ~94 % of the fp32 warm-up's gain at 1/15 of its bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

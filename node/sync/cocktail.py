@@ -51,7 +51,7 @@ class CocktailSync(GroupSync):
     name = "cocktail"
 
     def __init__(self, *, cocktail: CocktailConfig = CocktailConfig(), warmup_steps: int = 0,
-                 warmup_bits: int = 32, allreduce_dtype: str = "fp32", **kw: Any):
+                 warmup_bits: int = 2, allreduce_dtype: str = "fp32", **kw: Any):
         super().__init__(**kw)
         self.cfg = cocktail
         self.warmup_steps = warmup_steps

@@ -171,7 +171,7 @@ async def test_allreduce_learns_and_replicas_stay_identical():
 
 async def test_cocktail_learns_g_stays_identical_and_bytes_match_the_formula():
     steps, warm = 14, 2
-    cfg = CocktailSpec(p=0.1, r=0.2, bits=4, warmup_steps=warm)
+    cfg = CocktailSpec(p=0.1, r=0.2, bits=4, warmup_steps=warm, warmup_bits=32)
     reps, _ = await run_group(run_manifest("cocktail", steps, cocktail=cfg), steps)
     assert_learns_and_agrees(reps, steps)
     assert len({hash(r.sync.g.numpy().tobytes()) for r in reps}) == 1
@@ -360,7 +360,7 @@ async def test_uneven_shares_weighted_by_their_size_train_as_one_replica_on_the_
     result is what one replica computing all 12 sequences would get, up to float rounding. (The robust aggregation
     is off here: its norm equalisation scales a noisier small share's gradient down, which is its job and no mean.)"""
     steps = 5
-    kw = {"cocktail": CocktailSpec(warmup_steps=steps)} if method == "cocktail" else {}
+    kw = {"cocktail": CocktailSpec(warmup_steps=steps, warmup_bits=32)} if method == "cocktail" else {}
     m = sgd_manifest(method, steps, 3, **kw)
     m = RunManifest(**{**{f: getattr(m, f) for f in ("seed", "model", "eval", "plan", "optim")},
                        "batch": BatchSpec(batch_size=4, micro_batch_size=4, seq_len=32, global_batch=12)})
