@@ -23,7 +23,6 @@ from shoal.protocol.errors import ProtocolError
 from shoal.protocol.frames import decode_frame, encode_frame, make_header
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.run.group import Group
-from shoal.swarm.state.snapshot import hash_tensor
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +64,13 @@ class Rejected(ProtocolError):
 def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     """Cut [0, n) into `parts` near-equal contiguous chunks; member i of the group owns chunk i."""
     return even_split(n, parts)
+
+
+def allreduce_sent(v: torch.Tensor, codec: Codec, members: int) -> torch.Tensor:
+    """What the chunk owners receive of `v` from this replica in `GroupSync.allreduce_mean` over a group of
+    `members`: each owner's chunk encoded on its own, decoded (for error feedback on a lossy codec)."""
+    return torch.cat([codec.decode(codec.encode(v[lo:hi].contiguous())).float().reshape(-1)
+                      for lo, hi in chunk_bounds(v.numel(), members)])
 
 
 def encode_tensor(e: Encoded) -> bytes:

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from shoal.kernels.cocktail import CocktailCompressor, CocktailConfig
-from shoal.kernels.codec import Codec, QuantCodec
+from shoal.kernels.codec import QuantCodec
 from shoal.kernels.topk import topk_count
 from shoal.node.sync.allreduce import wire_codec
-from shoal.node.sync.base import (GroupSync, RoundReport, chunk_bounds, decode_tensor, decode_values, flat_grads,
+from shoal.node.sync.base import (GroupSync, RoundReport, allreduce_sent, chunk_bounds, decode_tensor, decode_values, flat_grads,
                                   flat_params, fresh_locals, weights_of, write_flat_grads, write_flat_params)
 from shoal.node.train.control import StepControl
 from shoal.swarm.run.group import Group
@@ -38,13 +38,6 @@ from shoal.swarm.state.snapshot import hash_tensor
 log = logging.getLogger(__name__)
 
 WARM_BUCKET = 128  # values per fp16 scale of a quantized warm-up gradient
-
-
-def sent_values(v: torch.Tensor, codec: Codec, members: int) -> torch.Tensor:
-    """What the members of a group of `members` receive of `v` from this replica in GroupSync.allreduce_mean: each
-    chunk encoded on its own (a group of one encodes the whole), decoded."""
-    bounds = chunk_bounds(v.numel(), members) if members > 1 else [(0, v.numel())]
-    return torch.cat([codec.decode(codec.encode(v[lo:hi].contiguous())).float().reshape(-1) for lo, hi in bounds])
 
 
 class CocktailSync(GroupSync):
@@ -97,7 +90,7 @@ class CocktailSync(GroupSync):
             self.warm_e = torch.zeros_like(grads, dtype=torch.float32)
         v = grads.float() + self.warm_e
         mean, covered = self.allreduce_mean(v, codec, group, step, "warm", report)
-        self.warm_e = torch.where(covered, v - sent_values(v, codec, group.size), v)
+        self.warm_e = torch.where(covered, v - allreduce_sent(v, codec, group.size), v)
         return mean
 
     def after_optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
