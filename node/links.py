@@ -81,7 +81,7 @@ class NodeLinks:
     def peers(self) -> list[str]:
         """The run's providers: who may be paired with this node."""
         t = self.table()
-        return [] if t is None else [p.peer_id for p in t.providers if p.state in (ACTIVE, BACKUP)]
+        return [] if t is None else [pid for pid, state in t.provider_states().items() if state in (ACTIVE, BACKUP)]
 
     def partners(self) -> list[str]:
         """Who this node works with now: its stage group and lane neighbours, or as a backup the group of the stage

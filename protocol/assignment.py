@@ -8,15 +8,16 @@ from typing import ClassVar
 
 from shoal.protocol.errors import FieldError
 from shoal.protocol.manifest import MAX_LANES
-from shoal.protocol.records import PEER_ID, TIME_S, HardwareProfile
+from shoal.protocol.records import PEER_ID, PEER_KEY, TIME_S, HardwareProfile
 from shoal.protocol.schema import (Bool, Bytes, Choice, Int, Nested, Optional, Seq, SignedRecord, Str, WireRecord,
                                    spec)
 
 RUN_ID = Str(80, allow_empty=False)
 MAX_STAGES = 64
 MAX_REPLICAS = MAX_LANES
-MAX_PROVIDERS = 384  # keeps a full table (~75 bytes per provider) well under the gossip and DHT record limits
+MAX_PROVIDERS = 1000  # providers admitted to one run at once: its full table stays under the gossip cap (below)
 MAX_EVICTED = 64  # evicted peers a table lists (the newest): refused admission by the broker and its successors
+MAX_GONE_LISTED = 32  # gone providers a table lists (the newest) beyond the MAX_PROVIDERS admitted ones
 
 # docs/broker.md, "Providers and their states": REGISTERED -> BENCHMARKED -> BACKUP -> ACTIVE(stage) -> DRAINING -> GONE
 REGISTERED, BENCHMARKED, BACKUP, ACTIVE, DRAINING, GONE = (
@@ -77,7 +78,7 @@ class BrokerDelegation(SignedRecord):
 class SlotEntry(WireRecord):
     stage: int = spec(Int(0, MAX_STAGES - 1))
     replica: int = spec(Int(0, MAX_REPLICAS - 1))
-    peer_id: str = spec(PEER_ID)
+    peer_id: str = spec(PEER_KEY)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,7 +92,7 @@ class LaneShare(WireRecord):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProviderEntry(WireRecord):
-    peer_id: str = spec(PEER_ID)
+    peer_id: str = spec(PEER_KEY)
     state: str = spec(Choice(PROVIDER_STATES))
 
 
@@ -115,7 +116,10 @@ class AssignmentTable(SignedRecord):
     """Who does what in a run. Signed by the broker (`peer_id`); (lease_epoch, version) only ever grows.
 
     `epochs[s]` is stage s's group epoch: it changes whenever the set of active members of that stage changes.
-    Only filled slots are listed; a stage's group is the sorted peer ids of its slots.
+    Only filled slots are listed; a stage's group is the sorted peer ids of its slots. Every provider is listed once:
+    in a slot (active), among the backups, or in `providers` with its state (see `provider_states`). Peers in those
+    lists travel as their 32-byte public keys (`PEER_KEY`): at MAX_PROVIDERS, with MAX_REPLICAS slots and every gone
+    and evicted peer listed, the sealed table stays under the gossip cap (tests/unit/test_assignment.py).
     """
 
     KIND: ClassVar[str] = "table"
@@ -127,11 +131,12 @@ class AssignmentTable(SignedRecord):
     stages: int = spec(Int(1, MAX_STAGES))
     replicas: int = spec(Int(1, MAX_REPLICAS))
     epochs: tuple[int, ...] = spec(Seq(Int(0, 2**62), MAX_STAGES))
-    standby: str | None = spec(Optional(PEER_ID), default=None)
+    standby: str | None = spec(Optional(PEER_KEY), default=None)
     slots: tuple[SlotEntry, ...] = spec(Seq(Nested(SlotEntry), MAX_REPLICAS), default=())
-    backups: tuple[str, ...] = spec(Seq(PEER_ID, MAX_PROVIDERS), default=())  # best first
+    backups: tuple[str, ...] = spec(Seq(PEER_KEY, MAX_PROVIDERS), default=())  # best first
     # backup_stages[i]: the stage backups[i] keeps warm (and would fill); empty: every backup keeps stage 0
     backup_stages: tuple[int, ...] = spec(Seq(Int(0, MAX_STAGES - 1), MAX_PROVIDERS), default=())
+    # the providers in no slot and not a backup (admitted a moment ago, draining, gone), with their states
     providers: tuple[ProviderEntry, ...] = spec(Seq(Nested(ProviderEntry), MAX_PROVIDERS), default=())
     # switch_steps[s]: the first training step at which stage s's group in this table takes effect; every
     # member changes its group at that same round boundary (empty: from step 0)
@@ -143,7 +148,7 @@ class AssignmentTable(SignedRecord):
     # members the run evicted on a majority verdict (their updates rejected by most of their group), oldest first:
     # refused admission for the rest of the run, by this broker and by a standby that takes over (docs/broker.md,
     # "Failure detection")
-    evicted: tuple[str, ...] = spec(Seq(PEER_ID, MAX_EVICTED), default=(), omit_if_default=True)
+    evicted: tuple[str, ...] = spec(Seq(PEER_KEY, MAX_EVICTED), default=(), omit_if_default=True)
     # the global batch split over the complete lanes, in force from this table's switch steps (empty: even)
     shares: tuple[LaneShare, ...] = spec(Seq(Nested(LaneShare), MAX_REPLICAS), default=(), omit_if_default=True)
 
@@ -171,13 +176,23 @@ class AssignmentTable(SignedRecord):
             raise FieldError("backup_stages", f"a stage outside the plan's {self.stages}")
         if self.standby is not None and self.standby == self.peer_id:
             raise FieldError("standby", "the broker cannot be its own standby")
-        if len({p.peer_id for p in self.providers}) != len(self.providers):
-            raise FieldError("providers", "peer listed twice")
+        if len({p.peer_id for p in self.providers}) != len(self.providers) or any(
+                p.peer_id in seen_peers for p in self.providers):
+            raise FieldError("providers", "peer listed twice, or also in a slot or among the backups")
+        if len(seen_peers) + len(self.providers) > MAX_PROVIDERS + MAX_GONE_LISTED:
+            raise FieldError("providers", f"more than {MAX_PROVIDERS} providers and {MAX_GONE_LISTED} gone ones")
         if len({x.replica for x in self.shares}) != len(self.shares) or any(
                 x.replica >= self.replicas for x in self.shares):
             raise FieldError("shares", "a lane listed twice or outside the plan")
 
     # -- queries -------------------------------------------------------------------------------------------
+    def provider_states(self) -> dict[str, str]:
+        """Every provider the table lists -> its state: slot holders active, backups backup, the rest as listed."""
+        out = {s.peer_id: ACTIVE for s in self.slots}
+        out.update((b, BACKUP) for b in self.backups)
+        out.update((p.peer_id, p.state) for p in self.providers)
+        return out
+
     def slot_of(self, peer_id: str) -> tuple[int, int] | None:
         for s in self.slots:
             if s.peer_id == peer_id:
@@ -222,6 +237,11 @@ class AssignmentTable(SignedRecord):
         return self.switch_steps[stage] if self.switch_steps else 0
 
     def provider_state(self, peer_id: str) -> str | None:
+        """`peer_id`'s state as a provider of the run (None: not listed)."""
+        if self.slot_of(peer_id) is not None:
+            return ACTIVE
+        if peer_id in self.backups:
+            return BACKUP
         for p in self.providers:
             if p.peer_id == peer_id:
                 return p.state

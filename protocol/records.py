@@ -6,10 +6,48 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shoal.protocol.errors import FieldError
-from shoal.protocol.schema import Bool, Choice, Float, Int, Nested, Optional, Seq, SignedRecord, Str, WireRecord, spec
+from functools import lru_cache
+
+from shoal.protocol.errors import FieldError, SignatureError
+from shoal.protocol.schema import (Bool, Choice, Float, Int, Nested, Optional, Seq, SignedRecord, Spec, Str, WireRecord,
+                                   spec)
+from shoal.protocol.signing import peer_id_from_public_key, public_key_from_peer_id
 
 PEER_ID = Str(64, allow_empty=False)
+
+
+@lru_cache(maxsize=1 << 14)
+def _key_of(peer_id: str) -> bytes:
+    return public_key_from_peer_id(peer_id)
+
+
+@lru_cache(maxsize=1 << 14)
+def _id_of(key: bytes) -> str:
+    return peer_id_from_public_key(key)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerKey(Spec):
+    """A peer id that travels as the 32-byte Ed25519 public key it inlines (34 bytes packed, against 54 for the
+    base58 text) and reads back as the peer id: for records that list many peers (the assignment table). Every shoal
+    identity is an Ed25519 key; any other id is refused."""
+
+    def check(self, name, v):
+        try:
+            if isinstance(v, (bytes, bytearray)):
+                return _id_of(bytes(v))
+            if isinstance(v, str):
+                _key_of(v)
+                return v
+        except SignatureError as e:
+            raise FieldError(name, str(e)) from None
+        raise FieldError(name, f"expected a peer id, got {type(v).__name__}")
+
+    def to_wire(self, v):
+        return _key_of(v)
+
+
+PEER_KEY = PeerKey()
 MULTIADDR = Str(256, allow_empty=False)
 TIME_S = Float(0.0, 1e11)  # unix seconds
 DEVICE_KINDS = frozenset({"cpu", "cuda", "mps", "xpu"})

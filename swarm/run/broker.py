@@ -10,7 +10,7 @@ from typing import Any
 import trio
 
 from shoal.protocol.assignment import (
-    ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_EVICTED, MAX_PROVIDERS, REGISTERED, AdmitRequest, AdmitResponse,
+    ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_EVICTED, MAX_GONE_LISTED, MAX_PROVIDERS, REGISTERED, AdmitRequest, AdmitResponse,
     AssignmentTable, BrokerLease, LaneShare, MissingReport, ProviderEntry, Rollback, RollbackRequest, SlotEntry,
     parse_slot, slot_name)
 from shoal.protocol.envelope import seal
@@ -29,7 +29,6 @@ from shoal.swarm.run.seating import Provider, Seating
 
 log = logging.getLogger(__name__)
 
-MAX_GONE_KEPT = 32  # gone providers listed in the table, newest first; older ones are forgotten
 NEW_BACKUP = 1 << 30  # a newly admitted backup's place: after every backup a taken-over table listed
 
 
@@ -115,10 +114,10 @@ class Broker:
         b.switch_steps = [table.switch_step(s) for s in range(table.stages)]
         b.split.current = table.lane_shares()
         backups = {pid: i for i, pid in enumerate(table.backups)}
-        for p in table.providers:
-            b.providers[p.peer_id] = b._provider(p.peer_id, p.state, stage=table.backup_stage(p.peer_id) or 0,
-                                                 score=(backups.get(p.peer_id, len(backups)),),
-                                                 gone_at=b.clock() if p.state == GONE else 0.0)
+        for pid, state in table.provider_states().items():
+            b.providers[pid] = b._provider(pid, state, stage=table.backup_stage(pid) or 0,
+                                           score=(backups.get(pid, len(backups)),),
+                                           gone_at=b.clock() if state == GONE else 0.0)
         for s in table.slots:
             b.seating.slots[(s.stage, s.replica)] = s.peer_id
             b.providers.setdefault(s.peer_id, b._provider(s.peer_id, ACTIVE)).stage = s.stage
@@ -136,7 +135,7 @@ class Broker:
             return
         providers = sorted(self.providers.values(), key=lambda p: p.order)
         gone = sorted((p for p in providers if p.state == GONE), key=lambda p: -p.gone_at)
-        for p in gone[MAX_GONE_KEPT:]:
+        for p in gone[MAX_GONE_LISTED:]:  # gone providers listed in the table, newest first; older ones forgotten
             del self.providers[p.peer_id]
         providers = [p for p in providers if p.peer_id in self.providers]
         self.version += 1
@@ -149,6 +148,7 @@ class Broker:
         seated = self.seating.slots
         self._seated_since = {pid: self._seated_since.get(pid, self.switch_steps[st]) for (st, _), pid in seated.items()}
         backups = self.seating.backups()
+        listed = set(seated.values()) | {p.peer_id for p in backups}
         split = self.split.for_lanes(self.seating.complete_lanes(), self.lane_speeds())
         self.table = AssignmentTable(
             peer_id=self.ctx.me, run_id=self.ctx.run_id, lease_epoch=self.lease_epoch, version=self.version,
@@ -157,7 +157,8 @@ class Broker:
             slots=tuple(SlotEntry(stage=s, replica=r, peer_id=pid)
                         for (s, r), pid in sorted(self.seating.slots.items())),
             backups=tuple(p.peer_id for p in backups), backup_stages=tuple(p.stage for p in backups),
-            providers=tuple(ProviderEntry(peer_id=p.peer_id, state=p.state) for p in providers),
+            providers=tuple(ProviderEntry(peer_id=p.peer_id, state=p.state) for p in providers
+                            if p.peer_id not in listed),
             switch_steps=tuple(self.switch_steps), delegation=self.delegation_env, rollback=self.rollback,
             evicted=tuple(self.evicted),
             shares=tuple(LaneShare(replica=r, samples=n) for r, n in sorted(split.items())))
@@ -204,13 +205,18 @@ class Broker:
         broker authorises it (and the next candidates, so a successor can name a standby too) by a delegation."""
         auth, me = self.authority, self.ctx.me
         owner = auth.signed and me == auth.owner
-        candidates = [p.peer_id for p in sorted(self.providers.values(), key=lambda p: p.order)
-                      if p.peer_id != me and p.state in (ACTIVE, BACKUP) and not p.suspect
-                      and (owner or auth.may_broker(p.peer_id, self.delegation_env))]
-        if self.standby not in candidates:
-            self.standby = candidates[0] if candidates else None
+
+        def fits(p: Provider | None) -> bool:
+            return p is not None and p.peer_id != me and p.state in (ACTIVE, BACKUP) and not p.suspect \
+                and (owner or auth.may_broker(p.peer_id, self.delegation_env))
+
+        # lazily, in admission order: a decision checks the standby it keeps, not every provider (bench_table.py)
+        candidates = (p.peer_id for p in sorted(self.providers.values(), key=lambda p: p.order) if fits(p))
+        if self.standby is None or not fits(self.providers.get(self.standby)):
+            self.standby = next(candidates, None)
         if owner and self.standby is not None:
-            wanted = tuple([self.standby] + [c for c in candidates if c != self.standby][:DELEGATES - 1])
+            wanted = tuple([self.standby] + list(itertools.islice((c for c in candidates if c != self.standby),
+                                                                  DELEGATES - 1)))
             d = auth.delegation(self.delegation_env)
             if d is None or d.brokers != wanted:
                 self.delegation_env = auth.issue(self.ctx.sh.key, wanted, self.ctx.wall())

@@ -182,8 +182,13 @@ class Seating:
         peers = [pid for pid in (table.group_members(stage) if table else ())]
         peers += [pid for (st, r), pid in self.slots.items() if r == lane and abs(st - stage) == 1]
         by_id = {b.peer_id: b for b in ready}
+        unknown = Reach()
+        # whether a backup fits depends only on the members' distinct reachabilities (a handful), not on each member:
+        # one check per kind keeps a promotion linear in the backups at crowd size (bench/bench_table.py)
+        kinds = {reach.get(q, unknown) for q in peers}
         fitting = [pid for pid in rank_for_dialed_roles([b.peer_id for b in ready], reach)
-                   if all(direct_possible(reach.get(pid, Reach()), reach.get(q, Reach())) for q in peers if q != pid)]
+                   if all(direct_possible(reach.get(pid, unknown), r)
+                          for r in (kinds if pid not in peers else {reach.get(q, unknown) for q in peers if q != pid}))]
         chosen = self.placer.choose_backup(key, fitting, self.slots)  # the first unless another is cheaper
         return by_id[chosen] if chosen is not None else None
 

@@ -17,16 +17,15 @@ from shoal.swarm.net.dht_records import ShoalRecordValidator, lease_key, table_k
 from shoal.swarm.net.identity import peer_id_of
 from tests.helpers.swarm import HW
 
-K1, K2, K3 = (Ed25519PrivateKey.generate() for _ in range(3))
-P1, P2, P3 = (peer_id_of(k) for k in (K1, K2, K3))
+K1, K2, K3, K4 = (Ed25519PrivateKey.generate() for _ in range(4))
+P1, P2, P3, P4 = (peer_id_of(k) for k in (K1, K2, K3, K4))
 
 
 def table(**over) -> AssignmentTable:
     kw = dict(peer_id=P1, run_id="r" * 64, lease_epoch=0, version=3, time=time.time(), stages=1, replicas=2,
               epochs=(2,), standby=P2, slots=(SlotEntry(stage=0, replica=0, peer_id=P1),
                                               SlotEntry(stage=0, replica=1, peer_id=P2)),
-              backups=(P3,), providers=tuple(ProviderEntry(peer_id=p, state=s)
-                                             for p, s in ((P1, "active"), (P2, "active"), (P3, "backup"))))
+              backups=(P3,), providers=(ProviderEntry(peer_id=P4, state="draining"),))
     kw.update(over)
     return AssignmentTable(**kw)
 
@@ -36,7 +35,9 @@ def test_table_round_trips_signed_and_answers_queries():
     signed = open_envelope(seal(t, K1), RECORD_TYPES)
     assert signed.record == t
     assert t.members(0) == tuple(sorted([P1, P2])) and t.slot_of(P2) == (0, 1) and t.slot_of(P3) is None
-    assert t.provider_state(P3) == "backup"
+    assert t.provider_state(P3) == "backup" and t.provider_state(P1) == "active"
+    assert t.provider_state(P4) == "draining" and t.provider_state(peer_id_of(Ed25519PrivateKey.generate())) is None
+    assert t.provider_states() == {P1: "active", P2: "active", P3: "backup", P4: "draining"}
     assert table(version=4).newer_than(t) and table(lease_epoch=1, version=1).newer_than(t)
     assert not t.newer_than(table(version=4))
     with pytest.raises(SignatureError):
@@ -49,7 +50,10 @@ def test_table_round_trips_signed_and_answers_queries():
     dict(slots=(SlotEntry(stage=0, replica=5, peer_id=P1),)),  # outside the plan
     dict(backups=(P2,)),  # in a slot and a backup
     dict(standby=P1),  # the broker as its own standby
-    dict(providers=(ProviderEntry(peer_id=P1, state="active"),) * 2),
+    dict(providers=(ProviderEntry(peer_id=P4, state="draining"),) * 2),
+    dict(providers=(ProviderEntry(peer_id=P3, state="backup"),)),  # a backup listed twice
+    dict(providers=(ProviderEntry(peer_id=P1, state="active"),)),  # a slot holder listed twice
+    dict(backups=("not-a-peer-id",), backup_stages=(0,)),  # a peer id that inlines no Ed25519 key
     dict(version=-1),
     dict(run_id=""),
 ])
@@ -168,3 +172,36 @@ def test_a_node_moved_to_another_stage_keeps_its_old_stages_group_until_the_swit
     assert s.group_at(10, stage=1) is None  # from the switch step the node holds no stage-1 slot
     new = s.group_at(10)
     assert new is not None and new.stage == 0 and new.members == (P2,) and new.epoch == 2
+
+
+def test_a_table_at_every_limit_fits_the_gossip_cap_and_lists_each_provider_once():
+    """MAX_PROVIDERS providers (MAX_REPLICAS of them in slots, the rest backups), MAX_GONE_LISTED gone ones, the
+    MAX_EVICTED newest evictions, a lane share each and the owner's delegation: the sealed table is one gossip
+    message. Peers travel as their 32-byte keys: a backup costs 35 bytes (its key and its stage)."""
+    from shoal.protocol.assignment import (MAX_EVICTED, MAX_GONE_LISTED, MAX_PROVIDERS, MAX_REPLICAS,
+                                           BrokerDelegation, LaneShare)
+    from shoal.protocol.wire import pack
+    from shoal.swarm.net.gossip import MAX_GOSSIP_BYTES
+
+    keys = [Ed25519PrivateKey.generate() for _ in range(MAX_PROVIDERS + MAX_GONE_LISTED + MAX_EVICTED)]
+    ids = [peer_id_of(k) for k in keys]
+    seated, pool = ids[:MAX_REPLICAS], ids[MAX_REPLICAS:MAX_PROVIDERS]
+    gone, evicted = ids[MAX_PROVIDERS:MAX_PROVIDERS + MAX_GONE_LISTED], ids[MAX_PROVIDERS + MAX_GONE_LISTED:]
+    delegation = seal(BrokerDelegation(peer_id=P2, run_id="r" * 64, brokers=tuple(seated[1:9]), time=time.time()), K2)
+    t = table(peer_id=seated[0], replicas=MAX_REPLICAS, standby=seated[1],
+              slots=tuple(SlotEntry(stage=0, replica=i, peer_id=p) for i, p in enumerate(seated)),
+              backups=tuple(pool), backup_stages=(0,) * len(pool),
+              providers=tuple(ProviderEntry(peer_id=p, state="gone") for p in gone), evicted=tuple(evicted),
+              delegation=delegation, shares=tuple(LaneShare(replica=i, samples=1 << 20) for i in range(MAX_REPLICAS)))
+    env = seal(t, keys[0])
+    assert len(env) < MAX_GOSSIP_BYTES, len(env)
+    print(f"a table at every limit: {len(env):,} bytes sealed (gossip cap {MAX_GOSSIP_BYTES:,})")
+    assert open_envelope(env, RECORD_TYPES).record == t
+    assert len(t.provider_states()) == MAX_PROVIDERS + MAX_GONE_LISTED
+    more = table(backups=tuple(pool[:100]), backup_stages=(0,) * 100)
+    assert (len(pack(more.to_wire())) - len(pack(table(backups=(), backup_stages=()).to_wire()))) / 100 < 36
+    with pytest.raises(FieldError):  # one more provider than the limit
+        table(peer_id=seated[0], replicas=MAX_REPLICAS, standby=seated[1],
+              slots=tuple(SlotEntry(stage=0, replica=i, peer_id=p) for i, p in enumerate(seated)),
+              backups=tuple(pool) + (P3,), backup_stages=(0,) * (len(pool) + 1),
+              providers=tuple(ProviderEntry(peer_id=p, state="gone") for p in gone + [P4]))
