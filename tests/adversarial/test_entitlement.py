@@ -107,7 +107,7 @@ def test_a_members_absurd_step_is_clamped_to_a_bounded_lead_and_strangers_do_not
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from shoal.node.run.entitled import Entitlement
-    from shoal.protocol.assignment import ACTIVE, AssignmentTable, ProviderEntry, SlotEntry
+    from shoal.protocol.assignment import AssignmentTable, SlotEntry
     from shoal.protocol.records import StatusRecord
     from shoal.swarm.net.identity import peer_id_of
 
@@ -115,8 +115,7 @@ def test_a_members_absurd_step_is_clamped_to_a_bounded_lead_and_strangers_do_not
     members, stranger = ids[:3], ids[3]
     t = AssignmentTable(peer_id=members[0], run_id="r" * 64, lease_epoch=0, version=1, time=time.time(), stages=1,
                         replicas=3, epochs=(1,), slots=tuple(SlotEntry(stage=0, replica=i, peer_id=p)
-                                                             for i, p in enumerate(members)),
-                        providers=tuple(ProviderEntry(peer_id=p, state=ACTIVE) for p in members))
+                                                             for i, p in enumerate(members)))
     e = Entitlement(lambda: t, time.monotonic)
 
     def st(peer: str, step: int, tps: float = 1000.0) -> tuple[str, StatusRecord]:

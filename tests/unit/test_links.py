@@ -201,13 +201,11 @@ def node_links(me: str, clock):
 
 
 def table(ids: list[str]):
-    from shoal.protocol.assignment import ACTIVE, BACKUP, AssignmentTable, ProviderEntry, SlotEntry
+    from shoal.protocol.assignment import AssignmentTable, SlotEntry
 
     slots = tuple(SlotEntry(stage=s, replica=r, peer_id=ids[2 * r + s]) for r in range(2) for s in range(2))
     return AssignmentTable(peer_id=ids[0], run_id="r" * 64, lease_epoch=0, version=1, time=1.0, stages=2,
-                           replicas=2, epochs=(1, 1), slots=slots, backups=(ids[4],), backup_stages=(1,),
-                           providers=tuple(ProviderEntry(peer_id=p, state=ACTIVE if i < 4 else BACKUP)
-                                           for i, p in enumerate(ids)))
+                           replicas=2, epochs=(1, 1), slots=slots, backups=(ids[4],), backup_stages=(1,))
 
 
 def test_a_node_works_with_its_lane_neighbours_and_its_group_and_reports_on_change():

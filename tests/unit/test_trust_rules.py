@@ -9,7 +9,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.protocol.admission import new_secret, weak_secret
-from shoal.protocol.assignment import ACTIVE, BACKUP, AssignmentTable, ProviderEntry, SlotEntry
+from shoal.protocol.assignment import AssignmentTable, SlotEntry
 from shoal.protocol.envelope import seal
 from shoal.protocol.records import StatusRecord
 from shoal.swarm.net.addresses import source_key
@@ -57,9 +57,7 @@ def table(*, version: int, epoch: int, switch: int, members: list[str], backups:
     return AssignmentTable(peer_id=IDS[0], run_id=RUN, lease_epoch=0, version=version, time=time.time(), stages=1,
                            replicas=len(members), epochs=(epoch,), switch_steps=(switch,),
                            slots=tuple(SlotEntry(stage=0, replica=i, peer_id=p) for i, p in enumerate(members)),
-                           backups=tuple(backups),
-                           providers=tuple([ProviderEntry(peer_id=p, state=ACTIVE) for p in members] +
-                                           [ProviderEntry(peer_id=p, state=BACKUP) for p in backups]))
+                           backups=tuple(backups))
 
 
 def test_the_collective_takes_members_of_the_epoch_in_force_or_announced_only():
