@@ -29,8 +29,8 @@ from shoal.kernels.cocktail import CocktailCompressor, CocktailConfig
 from shoal.kernels.codec import QuantCodec
 from shoal.kernels.topk import topk_count
 from shoal.node.sync.allreduce import wire_codec
-from shoal.node.sync.base import (GroupSync, RoundReport, allreduce_sent, chunk_bounds, decode_tensor, decode_values, flat_grads,
-                                  flat_params, fresh_locals, weights_of, write_flat_grads, write_flat_params)
+from shoal.node.sync.base import (GroupSync, RoundReport, allreduce_sent, chunk_bounds, decode_tensor, decode_values,
+                                  flat_grads, flat_params, fresh_locals, weights_of, write_flat_grads, write_flat_params)
 from shoal.node.train.control import StepControl
 from shoal.swarm.run.group import Group
 from shoal.swarm.state.snapshot import hash_tensor

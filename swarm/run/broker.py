@@ -10,9 +10,9 @@ from typing import Any
 import trio
 
 from shoal.protocol.assignment import (
-    ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_EVICTED, MAX_GONE_LISTED, MAX_PROVIDERS, REGISTERED, AdmitRequest, AdmitResponse,
-    AssignmentTable, BrokerLease, LaneShare, MissingReport, ProviderEntry, Rollback, RollbackRequest, SlotEntry,
-    parse_slot, slot_name)
+    ACTIVE, BACKUP, BENCHMARKED, DRAINING, GONE, MAX_EVICTED, MAX_GONE_LISTED, MAX_PROVIDERS, REGISTERED, AdmitRequest,
+    AdmitResponse, AssignmentTable, BrokerLease, LaneShare, MissingReport, ProviderEntry, Rollback, RollbackRequest,
+    SlotEntry, parse_slot, slot_name)
 from shoal.protocol.envelope import seal
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.membership import LEFT

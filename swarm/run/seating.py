@@ -185,10 +185,10 @@ class Seating:
         unknown = Reach()
         # whether a backup fits depends only on the members' distinct reachabilities (a handful), not on each member:
         # one check per kind keeps a promotion linear in the backups at crowd size (bench/bench_table.py)
-        kinds = {reach.get(q, unknown) for q in peers}
+        kinds, others = {reach.get(q, unknown) for q in peers}, set(peers)
         fitting = [pid for pid in rank_for_dialed_roles([b.peer_id for b in ready], reach)
                    if all(direct_possible(reach.get(pid, unknown), r)
-                          for r in (kinds if pid not in peers else {reach.get(q, unknown) for q in peers if q != pid}))]
+                          for r in (kinds if pid not in others else {reach.get(q, unknown) for q in others - {pid}}))]
         chosen = self.placer.choose_backup(key, fitting, self.slots)  # the first unless another is cheaper
         return by_id[chosen] if chosen is not None else None
 
