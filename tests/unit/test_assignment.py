@@ -65,6 +65,13 @@ def test_table_rejects_inconsistent_fields(bad):
 def test_wire_bodies_are_strict():
     with pytest.raises(FieldError):
         ProviderEntry.from_wire({"peer_id": P1, "state": "emperor"})
+    # a listed peer travels as its 32-byte key and reads back as its id; any other length or type is refused
+    wire = SlotEntry(stage=0, replica=0, peer_id=P1).to_wire()
+    assert isinstance(wire["peer_id"], bytes) and len(wire["peer_id"]) == 32
+    assert SlotEntry.from_wire(wire).peer_id == P1
+    for bad in (wire["peer_id"][:31], wire["peer_id"] + b"\0", 5, None):
+        with pytest.raises(FieldError):
+            SlotEntry.from_wire({**wire, "peer_id": bad})
     with pytest.raises(FieldError):
         AdmitRequest.from_wire({"run_id": "r", "hardware": HW.to_wire(), "proof": 5})
     with pytest.raises(FieldError):
