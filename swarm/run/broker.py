@@ -202,17 +202,20 @@ class Broker:
 
     def _pick_standby(self) -> None:
         """The standby: the longest-admitted live provider the run's owner authorises as broker. The owner's own
-        broker authorises it (and the next candidates, so a successor can name a standby too) by a delegation."""
+        broker authorises it (and the next candidates, so a successor can name a standby too) by a delegation.
+        A suspect provider is not made standby, but the standby stays one while suspect, until it is gone: named
+        anew on every missed beat, it flapped under load, and a broker dying between two versions of its table left
+        nodes naming different standbys, two of which took over at one lease epoch (test_authority, loaded)."""
         auth, me = self.authority, self.ctx.me
         owner = auth.signed and me == auth.owner
 
-        def fits(p: Provider | None) -> bool:
-            return p is not None and p.peer_id != me and p.state in (ACTIVE, BACKUP) and not p.suspect \
+        def fits(p: Provider | None, *, named: bool = False) -> bool:
+            return p is not None and p.peer_id != me and p.state in (ACTIVE, BACKUP) and (named or not p.suspect) \
                 and (owner or auth.may_broker(p.peer_id, self.delegation_env))
 
         # lazily, in admission order: a decision checks the standby it keeps, not every provider (bench_table.py)
         candidates = (p.peer_id for p in sorted(self.providers.values(), key=lambda p: p.order) if fits(p))
-        if self.standby is None or not fits(self.providers.get(self.standby)):
+        if self.standby is None or not fits(self.providers.get(self.standby), named=True):
             self.standby = next(candidates, None)
         if owner and self.standby is not None:
             wanted = tuple([self.standby] + list(itertools.islice((c for c in candidates if c != self.standby),

@@ -88,6 +88,35 @@ async def test_a_silent_member_is_suspect_after_three_beats_and_failed_after_fai
     assert b.seating.promotions[-1][1:] == ("s0r0", a, backup)
 
 
+async def test_the_standby_stays_while_suspect_and_is_replaced_once_gone_and_a_suspect_is_never_named():
+    """Re-naming the standby on every missed beat made it flap under load, and a broker that died between two
+    versions of its table left nodes naming different standbys (two takeovers at one lease epoch)."""
+    clock = FakeClock()
+    b = Broker(context(clock, replicas=3), CFG)
+    a, c, d = await admitted(b, 3)
+    assert b.table.standby == a
+
+    def beat(dt: float, silent: tuple[str, ...]) -> None:
+        clock.advance(dt)
+        b.renew_lease()
+        for p in (a, c, d):
+            if p not in silent:
+                b.touch(p)
+        b.check_liveness()
+
+    beat(3.01, (a, c))  # the standby and the next candidate miss three beats
+    assert b.providers[a].suspect and b.table.standby == a  # kept while suspect
+    beat(1.0, (c,))  # the standby is back; c still silent
+    assert not b.providers[a].suspect and b.providers[c].suspect and b.table.standby == a
+    beat(1.0, ())
+    beat(10.01, (a,))  # the standby is gone (fail_after_s of silence), c is back: c is named
+    assert b.providers[a].state == GONE and b.table.standby == c
+    beat(3.01, (c,))
+    assert b.table.standby == c  # suspect, kept
+    beat(7.01, (c,))  # gone: d, never suspect, is named
+    assert b.providers[c].state == GONE and b.table.standby == d
+
+
 async def test_a_straggler_moves_to_the_pool_on_its_third_miss_within_the_window_and_is_held_there():
     clock = FakeClock()
     b = Broker(context(clock), CFG)
