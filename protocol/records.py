@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
-
 from functools import lru_cache
+from typing import Any, ClassVar
 
 from shoal.protocol.errors import FieldError, SignatureError
 from shoal.protocol.schema import (Bool, Choice, Float, Int, Nested, Optional, Seq, SignedRecord, Spec, Str, WireRecord,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import trio
@@ -213,8 +213,10 @@ class Broker:
             return p is not None and p.peer_id != me and p.state in (ACTIVE, BACKUP) and (named or not p.suspect) \
                 and (owner or auth.may_broker(p.peer_id, self.delegation_env))
 
-        # lazily, in admission order: a decision checks the standby it keeps, not every provider (bench_table.py)
-        candidates = (p.peer_id for p in sorted(self.providers.values(), key=lambda p: p.order) if fits(p))
+        def in_order() -> Iterator[str]:  # lazily, in admission order: keeping the standby sorts nothing
+            yield from (p.peer_id for p in sorted(self.providers.values(), key=lambda p: p.order) if fits(p))
+
+        candidates = in_order()
         if self.standby is None or not fits(self.providers.get(self.standby), named=True):
             self.standby = next(candidates, None)
         if owner and self.standby is not None:
