@@ -70,6 +70,8 @@ def micro_loss(loss: torch.Tensor, share: int, size: int) -> torch.Tensor:
     """A micro-batch's mean loss (`size` sequences) as its part of a lane's `share` of the step: divided by the
     micro-batch count when the share is whole micro-batches of that size (as a full batch has it, bit for bit),
     else weighted by size / share. The trainer and a re-execution of the micro-batch (verified stages) both use it."""
+    if share == size:  # the whole share in one micro-batch: divided by 1 (no kernel spent on it)
+        return loss
     return loss / (share // size) if share % size == 0 else loss * (size / share)
 
 
