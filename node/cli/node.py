@@ -118,9 +118,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="... and move at most one lane towards a better plan this often; a node moved stays put "
                         "for 10 minutes (default: %(default)g; the broker's setting)")
     t.add_argument("--split-every", type=float, default=SplitDefaults().every_s, metavar="SECONDS",
-                   help="the global batch's split across replicas is re-measured this often: a faster or slower "
-                        "replica gets a bigger or smaller share after at most this long (default: %(default)g; the "
-                        "broker's setting)")
+                   help="the global batch's split across replicas follows a speed difference that has held this "
+                        "long: a lastingly faster or slower replica gets a bigger or smaller share, one whose speed "
+                        "only wanders does not (default: %(default)g; the broker's setting)")
     t.add_argument("--backup-refresh", type=float, default=defaults.BACKUP_REFRESH_S, metavar="SECONDS",
                    help="a backup refreshes its warm copy of the run's state this often, so a promotion pulls only "
                         "the group's synchronized state (default: %(default)g; raise it for big models)")

@@ -23,7 +23,7 @@ from shoal.protocol.records import StatusRecord
 from shoal.protocol.split import apportion, clamp_speeds, shares
 from shoal.swarm.net.identity import peer_id_of
 from shoal.swarm.net.membership import Membership
-from shoal.swarm.run.batchsplit import SplitConfig
+from shoal.swarm.run.batchsplit import SplitConfig, step_time
 from shoal.swarm.run.broker import Broker, BrokerConfig
 from shoal.swarm.run.context import RunContext
 from tests.helpers.swarm import HW
@@ -161,6 +161,9 @@ async def test_the_same_lanes_are_re_split_only_for_a_real_gain_and_not_too_ofte
     assert r.b.table.lane_shares() == {0: 20, 1: 20} and r.b.split.resplits == 0  # 4 % faster: not worth it
     r.speed(b, 200.0)
     r.step, epochs = 40, r.b.epochs[:]
+    for _ in range(5):  # a gain must hold for every_s (5 s here, from the pass that first saw it) to be followed
+        r.check()
+        assert r.b.split.resplits == 0 and r.b.table.lane_shares() == {0: 20, 1: 20}
     r.check()
     assert r.b.split.resplits == 1 and sorted(r.b.table.lane_shares().values()) == [13, 27]
     assert r.b.table.version > version and r.b.table.switch_step(0) == 43  # from a step every member can reach
@@ -168,6 +171,32 @@ async def test_the_same_lanes_are_re_split_only_for_a_real_gain_and_not_too_ofte
     r.speed(b, 300.0)
     r.check()
     assert r.b.split.resplits == 1  # under every_s since the last split: kept
+
+
+async def test_equal_lanes_whose_speeds_wander_in_turn_keep_their_split():
+    """Three equal machines on a shared host: each lane is 40 % faster than the others in turn, for 4 s at a time.
+    Every instant's speeds predict a step over 10 % shorter by a new split (what re-split such a swarm every
+    every_s before); over any 5 s every lane was both fast and slow, so the split stays."""
+    r = Run(elastic(replicas=3, hi=3, batch=48), SplitConfig(every_s=5.0, gain=0.1))
+    lanes = await r.join(3)
+    wanted = []
+    for t in range(60):
+        fast = lanes[(t // 4) % 3]
+        speeds = {p: 140.0 if p == fast else 100.0 for p in lanes}
+        for p, v in speeds.items():
+            r.speed(p, v)
+        now = {r.b.table.slot_of(p)[1]: v for p, v in speeds.items()}
+        ideal = shares(48, r.b.split.granule, now, r.b.split.config.spread)
+        wanted.append(step_time(r.b.split.current, now) > step_time(ideal, now) * 1.1)
+        r.check()
+    assert r.b.split.resplits == 0 and r.b.table.lane_shares() == {0: 16, 1: 16, 2: 16}
+    assert all(wanted)  # though each instant's speeds predicted a gain over the threshold
+    slow = lanes[0]  # one lane slows down for good: followed once it has held for every_s
+    for _ in range(8):
+        for p in lanes:
+            r.speed(p, 50.0 if p == slow else 100.0)
+        r.check()
+    assert r.b.split.resplits == 1 and r.b.table.lane_shares()[r.b.table.slot_of(slow)[1]] < 16
 
 
 @given(st.integers(1, 200), st.lists(st.floats(0.01, 1e4), min_size=1, max_size=12))
