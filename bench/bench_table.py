@@ -29,11 +29,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shoal.protocol import manifest as mf
 from shoal.protocol.assignment import MAX_PROVIDERS, MAX_REPLICAS, AdmitRequest
 from shoal.protocol.records import HardwareProfile
+from shoal.protocol.wire import pack
 from shoal.swarm.net.gossip import MAX_GOSSIP_BYTES
 from shoal.swarm.net.identity import peer_id_of
 from shoal.swarm.net.membership import Membership
 from shoal.swarm.run.broker import Broker, BrokerConfig
 from shoal.swarm.run.context import RunContext
+from shoal.swarm.run.tablerpc import table_digest
 
 HW = HardwareProfile(device_kind="cpu", device_name="bench", memory_bytes=8 << 30, matmul_tflops=0.1,
                      free_disk_bytes=1 << 36)
@@ -71,6 +73,10 @@ async def one(n: int, fails: int, lanes: int) -> dict:
         t[0] += 0.01
         b.renew_lease()
     full, lanes_seated, backups = len(b.table_env), len(b.table.slots), len(b.table.backups)
+    # a member's poll (run.table), packed as it travels: without `have`, and naming the table it holds
+    ask = {"run_id": ctx.run_id}
+    poll = {"first": len(pack(await b.handle("run.table", peers[0], ask))),
+            "unchanged": len(pack(await b.handle("run.table", peers[0], {**ask, "have": table_digest(b.table_env)})))}
     fail_ms = []
     seated = [s.peer_id for s in b.table.slots if s.peer_id != me.peer_id]
     for pid in seated[:fails]:  # each failure promotes the first backup into the slot
@@ -80,7 +86,7 @@ async def one(n: int, fails: int, lanes: int) -> dict:
         b.renew_lease()
     return {"n": n, "lanes": lanes_seated, "backups": backups,
             "table_bytes": full, "bytes_per_provider": full / n, "gossip_cap": MAX_GOSSIP_BYTES,
-            "table_bytes_after_fails": len(b.table_env),
+            "table_bytes_after_fails": len(b.table_env), "poll_answer_bytes": poll,
             "admit_ms": {"p50": statistics.median(admit_ms), "p99": pct(admit_ms, 0.99), "max": max(admit_ms)},
             "fail_ms": {"p50": statistics.median(fail_ms), "p99": pct(fail_ms, 0.99), "max": max(fail_ms)}
             if fail_ms else None}
@@ -130,6 +136,14 @@ def main() -> int:
             lines.append(f"{head} {r['lanes']} | {r['backups']} | {r['table_bytes']:,} | "
                          f"{r['bytes_per_provider']:.1f} | {a['p50']:.2f} / {a['p99']:.2f} / {a['max']:.2f} | "
                          f"{f['p50']:.2f} / {f['p99']:.2f} / {f['max']:.2f} |")
+    polls = [(i + 1, r) for i, run in enumerate(doc["runs"]) for r in run["rows"] if "poll_answer_bytes" in r]
+    if polls:
+        lines += ["", "A member's table poll (run.table, every poll_s from every member; the answer as it travels, "
+                  "with the lease): the first, and one naming the table the member holds by its digest.", "",
+                  "| run | tree | providers | first poll answer, bytes | unchanged table's poll answer, bytes |",
+                  "|---:|---|---:|---:|---:|",
+                  *[f"| {i} | {r['label']} | {r['n']} | {r['poll_answer_bytes']['first']:,} | "
+                    f"{r['poll_answer_bytes']['unchanged']:,} |" for i, r in polls]]
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -14,7 +14,8 @@ from shoal.protocol.envelope import Signed
 from shoal.protocol.manifest import RunManifest
 from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.run.authority import RunAuthority
-from shoal.swarm.run.client import RunClientConfig, fetch_table
+from shoal.swarm.run.client import RunClientConfig
+from shoal.swarm.run.tablerpc import fetch_table
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ from shoal.swarm.run.gate import AdmissionGate
 from shoal.swarm.run.placer import Placer, Seats
 from shoal.swarm.run.reports import Reports
 from shoal.swarm.run.seating import Provider, Seating
+from shoal.swarm.run.tablerpc import table_answer
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +358,7 @@ class Broker:
     async def _rpc_table(self, caller: str, body: Any) -> Any:
         """The table, and the lease while we hold it (only a live lease is evidence that this broker renews)."""
         self.touch(caller)
-        return {"table": self.table_env, "lease": self.lease_env if self.holds_lease() else None}
+        return {"table": table_answer(self.table_env, body), "lease": self.lease_env if self.holds_lease() else None}
 
     async def _rpc_leave(self, caller: str, body: Any) -> Any:
         """A graceful leave: the caller drains (finishes its step, serves its state) while a backup takes its slot."""

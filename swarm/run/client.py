@@ -20,10 +20,9 @@ from shoal.swarm.run.authority import RunAuthority
 from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig, NotBroker
 from shoal.swarm.run.context import RunContext
 from shoal.swarm.net.dht_records import lease_key, table_key
-from shoal.swarm.net.host import SwarmHost
-from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.rpc import RpcError, call
 from shoal.swarm.run.group import Group
+from shoal.swarm.run.tablerpc import table_answer, table_digest
 from shoal.swarm.run.timeline import group_of
 
 log = logging.getLogger(__name__)
@@ -46,28 +45,6 @@ class RunClientConfig:
             raise ValueError("positive intervals and at least one admission attempt are required")
         if self.max_clock_offset_s < 0:
             raise ValueError("max_clock_offset_s must not be negative")
-
-
-async def fetch_table(sh: SwarmHost, peer_id: str, run_id: str, *, timeout_s: float = 5.0,
-                      authority: RunAuthority | None = None, penalties: Penalties | None = None) -> Signed:
-    """Ask any peer for the latest table it knows of `run_id` (how a joining node finds the broker); with
-    `authority`, only a table whose broker the run's owner authorised (a peer serving another is penalized: an
-    honest peer serves only tables it accepted)."""
-    ans = await call(sh, peer_id, "run.table", {"run_id": run_id}, timeout_s=timeout_s)
-    if not isinstance(ans, dict) or not isinstance(ans.get("table"), bytes):
-        raise RpcError(f"{peer_id[:16]}… knows no table for this run")
-    try:
-        signed = open_envelope(ans["table"], RUN_RECORD_TYPES)
-    except ProtocolError as e:
-        raise RpcError(f"{peer_id[:16]}… sent a bad table: {e}") from e
-    if not isinstance(signed.record, AssignmentTable) or signed.record.run_id != run_id:
-        raise RpcError(f"{peer_id[:16]}… sent a table of another run")
-    why = authority.refuses(signed.record) if authority is not None else None
-    if why is not None:
-        if penalties is not None:
-            penalties.penalize(peer_id, f"served a run table {why}")
-        raise RpcError(f"{peer_id[:16]}… sent a table {why}")
-    return signed
 
 
 class RunClient:
@@ -340,8 +317,10 @@ class RunClient:
     # -- following -----------------------------------------------------------------------------------------
     async def _poll(self, peer_id: str) -> bool:
         try:
-            ans = await call(self.ctx.sh, peer_id, "run.table", {"run_id": self.ctx.run_id},
-                             timeout_s=self.config.rpc_timeout_s)
+            body: dict[str, Any] = {"run_id": self.ctx.run_id}
+            if self.table_env:  # the answer carries the table only when it is not the one we hold
+                body["have"] = table_digest(self.table_env)
+            ans = await call(self.ctx.sh, peer_id, "run.table", body, timeout_s=self.config.rpc_timeout_s)
         except RpcError as e:
             log.debug("table poll of %s failed: %s", peer_id, e)
             return False
@@ -487,7 +466,7 @@ class RunClient:
         broker = self.local_broker
         if broker is not None and not broker.deposed:  # (is_broker())
             return await broker.handle("run.table", caller, body)
-        return {"table": self.table_env or None}
+        return {"table": table_answer(self.table_env, body)}
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.ctx.register("run.ping", self._rpc_ping)

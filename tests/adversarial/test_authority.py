@@ -10,7 +10,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shoal.swarm.net.dht_records import lease_key
 from shoal.swarm.net.rpc import RpcError
 from shoal.swarm.run.authority import RunAuthority
-from shoal.swarm.run.client import RunClient, fetch_table
+from shoal.swarm.run.client import RunClient
+from shoal.swarm.run.tablerpc import fetch_table
 from tests.adversarial.attacker import BCFG, CCFG, Attacker, signed_manifest, start, table_of
 from tests.helpers.swarm import HW, wait_for
 

@@ -14,8 +14,9 @@ from shoal.protocol.manifest import JoinPolicy, ParallelPlan, RunManifest, SyncS
 from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig
 from shoal.swarm.run.context import RunContext
 from shoal.swarm.net.identity import peer_id_of
-from shoal.swarm.net.rpc import RpcServer
-from shoal.swarm.run.client import RunClient, RunClientConfig, fetch_table
+from shoal.swarm.net.rpc import RpcError, RpcServer, call
+from shoal.swarm.run.client import RunClient, RunClientConfig
+from shoal.swarm.run.tablerpc import fetch_table, table_digest
 from tests.helpers.swarm import HW, running_node, wait_for
 
 pytestmark = pytest.mark.slow
@@ -106,6 +107,15 @@ async def test_admission_fills_slots_then_the_backup_pool():
         with trio.fail_after(5):
             raw = await c.node.sh.dht.get_value(lease_key(bid))
         assert raw is not None
+        # a poll names the table the member holds by its digest: the answer then carries the lease, not the table
+        ask = {"run_id": m.run_id}
+        full = await call(c.node.sh, bid, "run.table", ask)
+        same = await call(c.node.sh, bid, "run.table", {**ask, "have": table_digest(full["table"])})
+        assert isinstance(full["table"], bytes) and same["table"] is None and same["lease"] is not None
+        other = await call(a.node.sh, c.node.peer_id, "run.table", {**ask, "have": bytes(16)})  # any member: the same
+        assert other["table"] == c.client.table_env
+        with pytest.raises(RpcError, match="16 bytes"):
+            await call(c.node.sh, bid, "run.table", {**ask, "have": b"short"})
         n.cancel_scope.cancel()
 
 

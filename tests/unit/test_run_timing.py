@@ -21,11 +21,13 @@ from shoal.protocol.manifest import ModelSpec, ParallelPlan, RunManifest, SyncSp
 from shoal.swarm.net.identity import peer_id_of
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.pulse import Pulse, PulseConfig
-from shoal.swarm.net.rpc import RpcError
+from shoal.protocol.wire import pack
+from shoal.swarm.net.rpc import BadRequest, RpcError
 from shoal.swarm.run.broker import Broker, BrokerConfig, NotBroker
 from shoal.swarm.run.context import RunContext
 from shoal.swarm.run.client import RunClient, RunClientConfig
 from shoal.swarm.run.group import Group
+from shoal.swarm.run.tablerpc import table_digest
 from tests.helpers.swarm import HW
 
 CFG = BrokerConfig(heartbeat_s=1.0, suspect_after_beats=3, fail_after_s=10.0, lease_renew_s=1.0,
@@ -314,6 +316,26 @@ async def test_a_broker_frozen_past_its_lease_stands_down_before_it_acts():
     with pytest.raises(NotBroker):
         await b.admit(signer().peer_id, AdmitRequest(run_id=b.ctx.run_id, hardware=HW))
     assert (await b.handle("run.table", c, None))["lease"] is None  # an answer is not a renewal
+
+
+async def test_a_poll_naming_the_table_it_holds_gets_the_lease_alone_and_a_changed_table_in_full():
+    clock = FakeClock()
+    b = Broker(context(clock), CFG)
+    a, c, backup = await admitted(b, 3)
+    b.renew_lease()
+    ask = {"run_id": b.ctx.run_id}
+    full = await b.handle("run.table", c, ask)
+    assert full["table"] == b.table_env and full["lease"] is not None
+    held = table_digest(b.table_env)
+    same = await b.handle("run.table", c, {**ask, "have": held})
+    assert same == {"table": None, "lease": full["lease"]}
+    assert len(pack(same)) < 400 < len(pack(full))
+    b.mark_failed(a, "silent")  # a new version: a poll naming the old one gets it
+    newer = await b.handle("run.table", c, {**ask, "have": held})
+    assert newer["table"] == b.table_env and newer["table"] != full["table"]
+    for bad in (b"x" * 15, b"x" * 17, "00" * 16, 7):
+        with pytest.raises(BadRequest):
+            await b.handle("run.table", c, {**ask, "have": bad})
 
 
 async def test_a_broker_frozen_within_its_lease_fails_nobody_for_its_own_silence():
