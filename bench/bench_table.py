@@ -35,7 +35,7 @@ from shoal.swarm.net.identity import peer_id_of
 from shoal.swarm.net.membership import Membership
 from shoal.swarm.run.broker import Broker, BrokerConfig
 from shoal.swarm.run.context import RunContext
-from shoal.swarm.run.tablerpc import table_digest
+from shoal.protocol.tabledelta import make_delta, table_digest
 
 HW = HardwareProfile(device_kind="cpu", device_name="bench", memory_bytes=8 << 30, matmul_tflops=0.1,
                      free_disk_bytes=1 << 36)
@@ -79,14 +79,20 @@ async def one(n: int, fails: int, lanes: int) -> dict:
             "unchanged": len(pack(await b.handle("run.table", peers[0], {**ask, "have": table_digest(b.table_env)})))}
     fail_ms = []
     seated = [s.peer_id for s in b.table.slots if s.peer_id != me.peer_id]
+    delta_bytes = []  # each change as the broker gossips it: a delta from the table before (protocol/tabledelta.py)
     for pid in seated[:fails]:  # each failure promotes the first backup into the slot
+        before = b.table_env
         t0 = time.perf_counter()
         b.mark_failed(pid, "bench")
         fail_ms.append((time.perf_counter() - t0) * 1e3)
         b.renew_lease()
+        d = make_delta(before, b.table_env, me.key)
+        delta_bytes.append(len(d) if d is not None else len(b.table_env))
     return {"n": n, "lanes": lanes_seated, "backups": backups,
             "table_bytes": full, "bytes_per_provider": full / n, "gossip_cap": MAX_GOSSIP_BYTES,
             "table_bytes_after_fails": len(b.table_env), "poll_answer_bytes": poll,
+            "promotion_gossip_bytes": {"p50": statistics.median(delta_bytes), "max": max(delta_bytes)}
+            if delta_bytes else None,
             "admit_ms": {"p50": statistics.median(admit_ms), "p99": pct(admit_ms, 0.99), "max": max(admit_ms)},
             "fail_ms": {"p50": statistics.median(fail_ms), "p99": pct(fail_ms, 0.99), "max": max(fail_ms)}
             if fail_ms else None}
@@ -140,10 +146,15 @@ def main() -> int:
     if polls:
         lines += ["", "A member's table poll (run.table, every poll_s from every member; the answer as it travels, "
                   "with the lease): the first, and one naming the table the member holds by its digest.", "",
-                  "| run | tree | providers | first poll answer, bytes | unchanged table's poll answer, bytes |",
-                  "|---:|---|---:|---:|---:|",
+                  "A failure with its promotion as the broker gossips it: a delta from the table before "
+                  "(protocol/tabledelta.py), or the whole table where a delta would not be much shorter.", "",
+                  "| run | tree | providers | first poll answer, bytes | unchanged table's poll answer, bytes "
+                  "| promotion gossiped, bytes p50 / max |",
+                  "|---:|---|---:|---:|---:|---|",
                   *[f"| {i} | {r['label']} | {r['n']} | {r['poll_answer_bytes']['first']:,} | "
-                    f"{r['poll_answer_bytes']['unchanged']:,} |" for i, r in polls]]
+                    f"{r['poll_answer_bytes']['unchanged']:,} | " + (
+                        f"{r['promotion_gossip_bytes']['p50']:,.0f} / {r['promotion_gossip_bytes']['max']:,} |"
+                        if r.get("promotion_gossip_bytes") else "n/a |") for i, r in polls]]
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -8,7 +8,8 @@ from shoal.protocol.assignment import RUN_RECORD_TYPES
 from shoal.protocol.links import LINK_RECORD_TYPES
 from shoal.protocol.records import NODE_RECORD_TYPES
 from shoal.protocol.schema import SignedRecord
+from shoal.protocol.tabledelta import TableDelta
 
 RECORD_TYPES: dict[str, type[SignedRecord]] = {
-    **NODE_RECORD_TYPES, **RUN_RECORD_TYPES, **LINK_RECORD_TYPES, **ADVERT_RECORD_TYPES,
+    **NODE_RECORD_TYPES, **RUN_RECORD_TYPES, **LINK_RECORD_TYPES, **ADVERT_RECORD_TYPES, TableDelta.KIND: TableDelta,
 }

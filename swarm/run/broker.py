@@ -14,6 +14,7 @@ from shoal.protocol.assignment import (
     AdmitResponse, AssignmentTable, BrokerLease, LaneShare, MissingReport, ProviderEntry, Rollback, RollbackRequest,
     SlotEntry, parse_slot, slot_name)
 from shoal.protocol.envelope import seal
+from shoal.protocol.tabledelta import make_delta
 from shoal.swarm.net.dht_records import lease_key, table_key
 from shoal.swarm.net.membership import LEFT
 from shoal.swarm.net.rpc import parse_body
@@ -527,10 +528,13 @@ class Broker:
                            step=max(steps, default=0))
 
     async def _publish_loop(self) -> None:
+        sent = b""  # the table last gossiped: a change goes out as a delta from it when that is much shorter
         while self.holds_lease():
             self._dirty = trio.Event()
             env = self.table_env
-            await self.ctx.publish(env)
+            delta = make_delta(sent, env, self.ctx.sh.key) if sent and env != sent else None
+            await self.ctx.publish(delta if delta is not None else env)  # unchanged: the whole table, re-gossiped
+            sent = env
             ad = self.advert()
             if ad is not None:
                 await self.ctx.publish(ad)

@@ -16,6 +16,7 @@ from shoal.protocol.assignment import (
 from shoal.protocol.envelope import Signed, open_envelope
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.records import HardwareProfile
+from shoal.protocol.tabledelta import TableDelta, rebuild
 from shoal.swarm.run.authority import RunAuthority
 from shoal.swarm.run.broker import AdmissionError, Broker, BrokerConfig, NotBroker
 from shoal.swarm.run.context import RunContext
@@ -73,6 +74,7 @@ class RunClient:
         self.broker_alive_at = self.clock()  # the last evidence that the table's broker renews its lease
         self._lease_issued = 0.0  # issue time of the newest lease of the table's broker seen (its wall clock)
         self._standbys: set[str] = set()  # the standbys named by accepted tables of the current lease epoch
+        self.deltas = [0, 0]  # newer tables' deltas applied, and not (made from a table we missed, or refused)
         self.authority = RunAuthority(ctx.manifest)
         self.on_change: list[Callable[[AssignmentTable], None]] = []
         self.takeovers: list[float] = []  # unix times this node became the broker
@@ -219,6 +221,9 @@ class RunClient:
         if isinstance(rec, AssignmentTable):
             self._accept(rec, signed.raw, source or rec.peer_id)
             return True
+        if isinstance(rec, TableDelta):
+            self._on_delta(rec, source or rec.peer_id)
+            return True
         if isinstance(rec, BrokerLease):
             t = self.table
             # evidence is a renewal: a lease issued later than any we saw (a re-served old lease proves nothing),
@@ -231,6 +236,24 @@ class RunClient:
                 self.broker_alive_at = self.clock()
             return True
         return False
+
+    def _on_delta(self, d: TableDelta, source: str) -> None:
+        """A change of the table gossiped as a delta: rebuilt from the table we hold when it was made from that one,
+        then taken as the whole table would be (its broker's signature checked). Otherwise the next poll brings the
+        whole table (it names ours by digest, and ours is not the broker's)."""
+        t = self.table
+        if t is None or d.run_id != self.ctx.run_id or d.peer_id != t.peer_id or d.version <= t.version:
+            return  # not our run's broker's, or a table we hold already
+        if d.base_version != t.version:
+            self.deltas[1] += 1
+            return
+        try:
+            env = rebuild(self.table_env, d)
+        except ProtocolError as e:
+            log.info("table delta %d -> %d from %s not applied: %s", d.base_version, d.version, source, e)
+            self.deltas[1] += 1
+            return
+        self.deltas[0 if self.accept_envelope(env, source) else 1] += 1
 
     # -- requests to the broker ---------------------------------------------------------------------------
     async def _ask(self, method: str, body: Any) -> Any:

@@ -5,34 +5,24 @@ in the question and not at all in the answer (docs/broker.md, "The table's size"
 
 from __future__ import annotations
 
-import functools
-import hashlib
 from typing import Any
 
 from shoal.protocol.assignment import RUN_RECORD_TYPES, AssignmentTable
 from shoal.protocol.envelope import Signed, open_envelope
 from shoal.protocol.errors import ProtocolError
+from shoal.protocol.tabledelta import DIGEST_LEN, table_digest
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.rpc import BadRequest, RpcError, call
 from shoal.swarm.run.authority import RunAuthority
-
-TABLE_DIGEST_LEN = 16
-
-
-@functools.lru_cache(maxsize=8)
-def table_digest(env: bytes) -> bytes:
-    """How a poller names the table it holds (run.table's `have`): the first 16 bytes of its envelope's sha256."""
-    return hashlib.sha256(env).digest()[:TABLE_DIGEST_LEN]
-
 
 def table_answer(env: bytes, body: Any) -> bytes | None:
     """The table envelope a run.table answer carries: none when the caller's `have` names this very envelope, so that
     a poll of an unchanged table costs the lease, not the table (38 KB at 1,000 providers, from every member every
     poll_s). A `have` that is not 16 bytes is a bad request."""
     have = body.get("have") if isinstance(body, dict) else None
-    if have is not None and (not isinstance(have, bytes) or len(have) != TABLE_DIGEST_LEN):
-        raise BadRequest(f"run.table: 'have' must be {TABLE_DIGEST_LEN} bytes")
+    if have is not None and (not isinstance(have, bytes) or len(have) != DIGEST_LEN):
+        raise BadRequest(f"run.table: 'have' must be {DIGEST_LEN} bytes")
     if not env or (have is not None and have == table_digest(env)):
         return None
     return env

@@ -16,7 +16,8 @@ from shoal.swarm.run.context import RunContext
 from shoal.swarm.net.identity import peer_id_of
 from shoal.swarm.net.rpc import RpcError, RpcServer, call
 from shoal.swarm.run.client import RunClient, RunClientConfig
-from shoal.swarm.run.tablerpc import fetch_table, table_digest
+from shoal.protocol.tabledelta import table_digest
+from shoal.swarm.run.tablerpc import fetch_table
 from tests.helpers.swarm import HW, running_node, wait_for
 
 pytestmark = pytest.mark.slow
@@ -96,6 +97,8 @@ async def test_admission_fills_slots_then_the_backup_pool():
         assert t.epochs == (2,)  # one bump per member that joined stage 0
         for mem in (a, b, c):  # everyone converges on the same signed table
             await wait_for(lambda mem=mem: mem.client.table.version == b.broker.table.version, 5, "convergence")
+            assert mem.client.table_env == b.broker.table_env  # whole or rebuilt from a delta: the same bytes
+        print("table deltas applied / not, per member:", [mem.client.deltas for mem in (a, b, c)])
         g = a.client.group()
         assert g.members == tuple(sorted([bid, a.node.peer_id])) and g.epoch == 2 and g.me == a.node.peer_id
         # a joining node can find the broker through any member

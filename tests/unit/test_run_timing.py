@@ -27,7 +27,7 @@ from shoal.swarm.run.broker import Broker, BrokerConfig, NotBroker
 from shoal.swarm.run.context import RunContext
 from shoal.swarm.run.client import RunClient, RunClientConfig
 from shoal.swarm.run.group import Group
-from shoal.swarm.run.tablerpc import table_digest
+from shoal.protocol.tabledelta import table_digest
 from tests.helpers.swarm import HW
 
 CFG = BrokerConfig(heartbeat_s=1.0, suspect_after_beats=3, fail_after_s=10.0, lease_renew_s=1.0,
