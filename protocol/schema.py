@@ -142,6 +142,17 @@ class Nested(Spec):
         return v.to_wire()
 
 
+_FIELDS: dict[type, tuple[dataclasses.Field, ...]] = {}
+
+
+def _fields(cls: type) -> tuple[dataclasses.Field, ...]:
+    """A record class's fields (dataclasses.fields builds the tuple anew on every call: ~3 us, per record decoded)."""
+    got = _FIELDS.get(cls)
+    if got is None:
+        got = _FIELDS[cls] = dataclasses.fields(cls)
+    return got
+
+
 def spec(s: Spec, *, omit_if_default: bool = False, **kw) -> Any:
     """A dataclass field carrying its wire spec: `name: int = spec(Int(0, 10), default=0)`. `omit_if_default`: a
     field added later is left out of the encoding at its default, so records hashed before it keep their hash."""
@@ -159,7 +170,7 @@ class WireRecord:
     MAX_FIELDS: ClassVar[int] = 64
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
+        for f in _fields(type(self)):
             v = getattr(self, f.name)
             checked = f.metadata["spec"].check(f.name, v)
             if checked is not v:
@@ -167,7 +178,7 @@ class WireRecord:
 
     def to_wire(self) -> dict:
         out = {}
-        for f in dataclasses.fields(self):
+        for f in _fields(type(self)):
             v = getattr(self, f.name)
             if f.metadata["omit_if_default"] and v == f.default:
                 continue
@@ -179,7 +190,7 @@ class WireRecord:
         if not isinstance(m, dict):
             raise DecodeError(f"{cls.__name__}: expected a map, got {type(m).__name__}")
         kwargs = {}
-        for f in dataclasses.fields(cls):
+        for f in _fields(cls):
             if f.name in m:
                 kwargs[f.name] = f.metadata["spec"].check(f.name, m[f.name])
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:

@@ -10,6 +10,7 @@ from the pool is a few hundred bytes where the whole table at 1,000 providers is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from dataclasses import dataclass
@@ -126,13 +127,20 @@ def make_delta(base_env: bytes, new_env: bytes, key: Ed25519PrivateKey) -> bytes
 
 
 def rebuild(base_env: bytes, delta: TableDelta) -> bytes:
-    """The new table's envelope from the one held (`base_env`, which `delta.base_digest` must name): its signature
-    is the broker's, checked by whoever opens it. DecodeError/FieldError when the delta does not fit."""
+    """The new table's envelope from the one held (`base_env`, which `delta.base_digest` must name): its fields in the
+    table's order, its signature the broker's, checked (with every field) by whoever opens it, as for a table that
+    came whole. DecodeError when the delta does not fit."""
     if table_digest(base_env) != delta.base_digest:
         raise DecodeError("table delta: made from another table than the one held")
-    base = unpack(_envelope(base_env)["body"])
-    new = AssignmentTable.from_wire(apply(base, unpack(delta.changes, max_bytes=MAX_CHANGES_BYTES)))
-    if (new.peer_id, new.run_id, new.lease_epoch, new.version) != (delta.peer_id, delta.run_id, delta.lease_epoch,
-                                                                   delta.version):
+    new = apply(unpack(_envelope(base_env)["body"]), unpack(delta.changes, max_bytes=MAX_CHANGES_BYTES))
+    if not set(new) <= _FIELD_SET:
+        raise DecodeError("table delta: a field the table does not have")
+    if (new.get("peer_id"), new.get("run_id"), new.get("lease_epoch"), new.get("version")) != (
+            delta.peer_id, delta.run_id, delta.lease_epoch, delta.version):
         raise DecodeError("table delta: the rebuilt table is not the one the delta names")
-    return pack({"v": PROTOCOL_VERSION, "kind": AssignmentTable.KIND, "body": pack(new.to_wire()), "sig": delta.sig})
+    body = pack({k: new[k] for k in _FIELDS if k in new})
+    return pack({"v": PROTOCOL_VERSION, "kind": AssignmentTable.KIND, "body": body, "sig": delta.sig})
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(AssignmentTable))  # the wire form's order (schema.to_wire)
+_FIELD_SET = frozenset(_FIELDS)
