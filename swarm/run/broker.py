@@ -529,6 +529,7 @@ class Broker:
 
     async def _publish_loop(self) -> None:
         sent = b""  # the table last gossiped: a change goes out as a delta from it when that is much shorter
+        put, put_at = b"", -float("inf")  # the table last written to the DHT, and when
         while self.holds_lease():
             self._dirty = trio.Event()
             env = self.table_env
@@ -538,7 +539,9 @@ class Broker:
             ad = self.advert()
             if ad is not None:
                 await self.ctx.publish(ad)
-            await self._put_dht(table_key(self.ctx.me), env)
+            if env != put and self.clock() - put_at >= self.config.dht_table_s:
+                put, put_at = env, self.clock()
+                await self._put_dht(table_key(self.ctx.me), env)
             with trio.move_on_after(self.config.republish_s):
                 await self._dirty.wait()
 

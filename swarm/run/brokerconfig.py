@@ -26,6 +26,9 @@ class BrokerConfig:
     straggler_lag_steps: int = 2
     corroborate_s: float = 1.0
     dht_timeout_s: float = 5.0
+    # the table's DHT copy (a fallback for finding the broker and its standby) is rewritten at most this often: each
+    # put stores the whole table on ~20 peers, ~770 KB/s from the broker at 1,000 providers if done on every change
+    dht_table_s: float = 30.0
     # a pipeline lane with a slot empty this long and no backup of that stage to fill it is dissolved: its
     # members return to the backup pool (each keeping its stage warm)
     dissolve_after_s: float = 60.0
@@ -39,6 +42,8 @@ class BrokerConfig:
             raise ValueError("need 0 < lease_renew_s < lease_timeout_s")
         if self.suspect_after_beats < 1 or min(self.republish_s, self.ping_timeout_s, self.dht_timeout_s) <= 0:
             raise ValueError("suspect_after_beats >= 1 and positive intervals are required")
+        if self.dht_table_s < 0:
+            raise ValueError("dht_table_s must not be negative")
         if self.dissolve_after_s <= 0:
             raise ValueError("dissolve_after_s must be positive")
         if self.straggler_misses < 1 or self.straggler_window_s <= 0 or self.demote_hold_s < 0:

@@ -5,6 +5,7 @@ and a member that missed or got deltas out of order recovers by its poll."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
@@ -94,16 +95,21 @@ async def test_a_member_that_missed_a_delta_or_got_them_out_of_order_ignores_the
     assert client.table.version == b.table.version
 
 
-async def test_the_broker_gossips_a_change_as_a_delta_and_the_unchanged_table_whole():
+async def test_the_broker_gossips_a_change_as_a_delta_the_unchanged_table_whole_and_puts_it_in_the_dht_seldom():
     import trio
 
     clock = FakeClock()
     sent: list[bytes] = []
+    put: list[tuple[str, bytes]] = []
     ctx = context(clock)
 
     async def publish(env: bytes) -> None:
         sent.append(env)
 
+    async def put_value(key: str, value: bytes) -> None:
+        put.append((key, value))
+
+    ctx.sh.dht = SimpleNamespace(put_value=put_value)
     ctx = dataclasses.replace(ctx, publish=publish)
     b = Broker(ctx, dataclasses.replace(CFG, republish_s=0.05))
     async with trio.open_nursery() as n:
@@ -117,6 +123,7 @@ async def test_the_broker_gossips_a_change_as_a_delta_and_the_unchanged_table_wh
     i = kinds.index("table_delta")
     assert kinds[i + 1] == "table"  # and re-gossiped whole once nothing changed
     assert rebuild(sent[i - 1], opened(sent[i])) == sent[i + 1]
+    assert [v for _, v in put] == [sent[0]]  # the DHT copy: the first table, then not again within dht_table_s
 
 
 def seal_peer() -> str:
