@@ -30,6 +30,8 @@ DIGEST_LEN = 16  # how a table is named: the first 16 bytes of its envelope's SH
 MAX_CHANGES_BYTES = 32 * 1024
 SIG_LEN = 64
 SET, DROP, SPLICE = "=", "-", "~"
+_FIELDS = tuple(f.name for f in dataclasses.fields(AssignmentTable))  # the wire form's order (schema.to_wire)
+_FIELD_SET = frozenset(_FIELDS)
 
 
 @functools.lru_cache(maxsize=8)
@@ -140,7 +142,3 @@ def rebuild(base_env: bytes, delta: TableDelta) -> bytes:
         raise DecodeError("table delta: the rebuilt table is not the one the delta names")
     body = pack({k: new[k] for k in _FIELDS if k in new})
     return pack({"v": PROTOCOL_VERSION, "kind": AssignmentTable.KIND, "body": body, "sig": delta.sig})
-
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(AssignmentTable))  # the wire form's order (schema.to_wire)
-_FIELD_SET = frozenset(_FIELDS)

@@ -56,10 +56,7 @@ class BatchSplit:
         now = self.clock()
         start = now - self.config.every_s
         out: dict[int, list[float]] = {}
-        for r in list(self._seen):
-            if r not in self.current:
-                del self._seen[r]
-        for r in self.current:
+        for r in self.current:  # (the series are dropped whenever `current` changes: none of another lane is left)
             v = speeds.get(r)
             if v is None:
                 self._seen.pop(r, None)

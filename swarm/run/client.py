@@ -74,7 +74,8 @@ class RunClient:
         self.broker_alive_at = self.clock()  # the last evidence that the table's broker renews its lease
         self._lease_issued = 0.0  # issue time of the newest lease of the table's broker seen (its wall clock)
         self._standbys: set[str] = set()  # the standbys named by accepted tables of the current lease epoch
-        self.deltas = [0, 0]  # newer tables' deltas applied, and not (made from a table we missed, or refused)
+        self.deltas_applied = 0  # newer tables gossiped as deltas: rebuilt and taken
+        self.deltas_missed = 0  # ... and not (made from a table we do not hold, or refused): the poll brings them
         self.authority = RunAuthority(ctx.manifest)
         self.on_change: list[Callable[[AssignmentTable], None]] = []
         self.takeovers: list[float] = []  # unix times this node became the broker
@@ -244,16 +245,16 @@ class RunClient:
         t = self.table
         if t is None or d.run_id != self.ctx.run_id or d.peer_id != t.peer_id or d.version <= t.version:
             return  # not our run's broker's, or a table we hold already
-        if d.base_version != t.version:
-            self.deltas[1] += 1
-            return
-        try:
-            env = rebuild(self.table_env, d)
-        except ProtocolError as e:
-            log.info("table delta %d -> %d from %s not applied: %s", d.base_version, d.version, source, e)
-            self.deltas[1] += 1
-            return
-        self.deltas[0 if self.accept_envelope(env, source) else 1] += 1
+        applied = False
+        if d.base_version == t.version:  # else made from a table we missed
+            try:
+                applied = self.accept_envelope(rebuild(self.table_env, d), source)
+            except ProtocolError as e:
+                log.info("table delta %d -> %d from %s not applied: %s", d.base_version, d.version, source, e)
+        if applied:
+            self.deltas_applied += 1
+        else:
+            self.deltas_missed += 1
 
     # -- requests to the broker ---------------------------------------------------------------------------
     async def _ask(self, method: str, body: Any) -> Any:

@@ -16,6 +16,7 @@ from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.rpc import BadRequest, RpcError, call
 from shoal.swarm.run.authority import RunAuthority
 
+
 def table_answer(env: bytes, body: Any) -> bytes | None:
     """The table envelope a run.table answer carries: none when the caller's `have` names this very envelope, so that
     a poll of an unchanged table costs the lease, not the table (38 KB at 1,000 providers, from every member every

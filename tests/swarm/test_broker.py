@@ -98,7 +98,7 @@ async def test_admission_fills_slots_then_the_backup_pool():
         for mem in (a, b, c):  # everyone converges on the same signed table
             await wait_for(lambda mem=mem: mem.client.table.version == b.broker.table.version, 5, "convergence")
             assert mem.client.table_env == b.broker.table_env  # whole or rebuilt from a delta: the same bytes
-        print("table deltas applied / not, per member:", [mem.client.deltas for mem in (a, b, c)])
+        print("table deltas applied / not, per member:", [(mem.client.deltas_applied, mem.client.deltas_missed) for mem in (a, b, c)])
         g = a.client.group()
         assert g.members == tuple(sorted([bid, a.node.peer_id])) and g.epoch == 2 and g.me == a.node.peer_id
         # a joining node can find the broker through any member

@@ -17,7 +17,7 @@ from shoal.protocol.tabledelta import TableDelta, make_delta, rebuild, table_dig
 from shoal.protocol.wire import pack, unpack
 from shoal.swarm.run.broker import Broker
 from tests.helpers.swarm import HW
-from tests.unit.test_run_timing import CFG, FakeClock, admitted, context, standby_client
+from tests.unit.test_run_timing import CFG, FakeClock, admitted, context, signer, standby_client
 
 
 def opened(env: bytes) -> TableDelta:
@@ -115,7 +115,7 @@ async def test_the_broker_gossips_a_change_as_a_delta_the_unchanged_table_whole_
     async with trio.open_nursery() as n:
         n.start_soon(b._publish_loop)
         await trio.sleep(0.02)
-        assert (await b.admit(seal_peer(), AdmitRequest(run_id=b.ctx.run_id, hardware=HW))).admitted
+        assert (await b.admit(signer().peer_id, AdmitRequest(run_id=b.ctx.run_id, hardware=HW))).admitted
         await trio.sleep(0.2)
         n.cancel_scope.cancel()
     kinds = [unpack(e)["kind"] for e in sent]
@@ -124,9 +124,3 @@ async def test_the_broker_gossips_a_change_as_a_delta_the_unchanged_table_whole_
     assert kinds[i + 1] == "table"  # and re-gossiped whole once nothing changed
     assert rebuild(sent[i - 1], opened(sent[i])) == sent[i + 1]
     assert [v for _, v in put] == [sent[0]]  # the DHT copy: the first table, then not again within dht_table_s
-
-
-def seal_peer() -> str:
-    from tests.unit.test_run_timing import signer
-
-    return signer().peer_id
