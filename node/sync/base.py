@@ -39,8 +39,8 @@ BROADCAST_RMS_FLOOR = 1e-12  # an all-zero median admits broadcasts up to this R
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SyncConfig:
-    round_timeout_s: float = ROUND_TIMEOUT_S  # one exchange phase; a member not heard by then is skipped
-    # for the rest of the epoch
+    round_timeout_s: float = ROUND_TIMEOUT_S  # one exchange phase; a member not heard by the round's second
+    # phase is skipped for the rest of the epoch
     # the first round of an epoch waits this many round timeouts more for members entering the group: they pull
     # the group's state before they can take part (docs/architecture.md, "Entering a group")
     entry_grace_rounds: float = 2.0
@@ -157,12 +157,16 @@ class GroupSync(Synchronizer):
     """Base of the network synchronizers; rounds reach the network through a blocking `exchange`.
 
     Chunk ownership comes from the broker's group (the StepControl's) and never changes within a group epoch, so
-    every member derives the same owners without talking. What a replica decides alone only narrows whom it
-    exchanges with: a member that missed a deadline or whose update was rejected is skipped (not waited for, not
-    sent to, not used) for the rest of the epoch, and a chunk whose owner is skipped stays as it is on this
-    replica. The round records it in its `RoundReport`, the step's StepControl carries it to the runtime, and the
-    runtime tells the broker, which re-forms the group at an agreed step (where chunks change owners); replicas
-    that saw a round differently meet again through the state-hash vote.
+    every member derives the same owners without talking, and every member applies an owner's one broadcast of
+    its chunk. A member late for the first phase only loses its contribution to the owners that did not wait for
+    it; it still gets every broadcast and is waited for in the second, so a late member (a loaded machine, a slow
+    link) ends the round with the same state as everyone else. What a replica decides alone only narrows whom it
+    exchanges with: a member not heard by the second phase's deadline, or whose update was rejected, is skipped
+    (not waited for, not sent to, not used) for the rest of the epoch, and a chunk whose owner is skipped stays as
+    it is on this replica. A member gone without a trace so costs its first round two deadlines (a killed process,
+    whose sends fail at once, none). The round records it in its `RoundReport`, the step's StepControl carries it
+    to the runtime, and the runtime tells the broker, which re-forms the group at an agreed step (where chunks
+    change owners); replicas that saw a round differently meet again through the state-hash vote.
 
     Threads: at most one round is in flight, and the state it uses (`_skipped`, the synchronized tensors) belongs
     to it; the trainer thread touches that state only after joining the round.
@@ -211,12 +215,27 @@ class GroupSync(Synchronizer):
         return {m for m in g.members
                 if m == g.me or (m not in self._skipped and not self.penalties.is_banned(m))}
 
-    def _missing(self, peers: set[str], report: RoundReport) -> None:
+    def _late(self, live: set[str], got: dict[str, bytes], report: RoundReport) -> set[str]:
+        """After a round's first phase: the live members not heard in it. Their contributions are left out of
+        this owner's chunk, which keeps replicas identical (every member applies the owner's one broadcast), and
+        each still gets this owner's broadcast and is waited for in the second phase: a member that was late, not
+        gone, applies the same chunks as everyone else. Reported to the broker (it judges lag) with those missing at
+        the end (`_missing`)."""
+        late = live - got.keys() - report.offenders.keys()
+        report.missing |= late
+        return late
+
+    def _missing(self, peers: set[str], report: RoundReport, late: set[str] = frozenset()) -> None:
+        """Members not heard in a round's second phase (its last) are skipped for the rest of the epoch; those only
+        `late` in the first are reported, not skipped."""
         peers = peers - report.offenders.keys()  # skipped because we rejected their update: offenders, not silent
         if peers:
             self._skipped |= peers
             report.missing |= peers
             log.warning("members missed the round deadline, skipped for this epoch: %s", sorted(peers))
+        if late - peers:
+            log.info("members late for a round's first phase (their contributions to this owner's chunk left out, "
+                     "the round's result the same as everyone's): %s", sorted(late - peers))
 
     def _offend(self, peer: str, reason: str, report: RoundReport) -> None:
         self._skipped.add(peer)
@@ -333,11 +352,10 @@ class GroupSync(Synchronizer):
 
         parts = self.robust_parts(group, self.accept(group.me, got, dec(b - a), report), report)
         mean = codec.encode(weighted_mean(group, parts))
-        # a member not heard (or rejected) in the first phase is not waited for again: a dead member costs one
-        # deadline, not two
-        heard = set(got) & self.live(group)
-        got = self.exchange(group, group.tag(round_, f"{phase}/ag"), {m: mean for m in heard}, heard, f"{phase}/ag",
-                            round_start=t0, phase_no=2)
+        late = self._late(live, got, report)
+        targets = self.live(group)  # all but the members rejected in the first phase (`_late`)
+        got = self.exchange(group, group.tag(round_, f"{phase}/ag"), {m: mean for m in targets}, targets,
+                            f"{phase}/ag", round_start=t0, phase_no=2)
         out = torch.zeros_like(flat, dtype=torch.float32)
         chunks = {}
         for m, (lo, hi) in zip(group.members, bounds):
@@ -353,7 +371,7 @@ class GroupSync(Synchronizer):
             if m in chunks:
                 out[lo:hi] = chunks[m]
                 covered[lo:hi] = True
-        self._missing(live - got.keys(), report)
+        self._missing(live - got.keys(), report, late)
         return out, covered
 
     def cross_check(self, group: Group, own: dict[str, torch.Tensor], chunks: dict[str, torch.Tensor],

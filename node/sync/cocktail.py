@@ -144,10 +144,9 @@ class CocktailSync(GroupSync):
         parts = self.robust_parts(group, values, report)
         s_hat = comp.server_aggregate_values(list(parts.values()), self.e[lo:hi], step,
                                              weights=weights_of(group, parts))
-        # a member not heard (or rejected) in the up phase is not waited for again: a dead member costs one
-        # deadline, not two
-        heard = set(got) & self.live(group)
-        down = self.exchange(group, group.tag(step, "down"), {m: s_hat for m in heard}, heard, "down",
+        late = self._late(live, got, report)
+        targets = self.live(group)  # all but the members rejected in the up phase (GroupSync._late)
+        down = self.exchange(group, group.tag(step, "down"), {m: s_hat for m in targets}, targets, "down",
                              round_start=t0, phase_no=2, dense_numel=hi - lo)
         received, dense = {}, {}
         for c, m in enumerate(group.members):
@@ -163,7 +162,7 @@ class CocktailSync(GroupSync):
             if m in dense:
                 comps[c].worker_apply(xs[c], self.g[lo:hi], step, received[m])
                 x[lo:hi] = xs[c]
-        self._missing(live - down.keys(), report)
+        self._missing(live - down.keys(), report, late)
         return x, report
 
     def _decode(self, buf: bytes, comp: CocktailCompressor, dtype: str):
