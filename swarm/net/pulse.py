@@ -41,13 +41,14 @@ class Pulse:
         self.last_tick = clock()
         self.resumed_at = float("-inf")  # clock time at which the last freeze was noticed
         self.freezes: list[tuple[float, float]] = []  # (resumed at, seconds frozen), newest last, a few kept
+        self.stopped = False  # `run` ended: the node is gone, and nothing of it measures silence any more
 
     def check(self) -> float:
         """Note progress now; return how long the loop had stood still if that was a freeze (else 0)."""
         now = self.clock()
         gap = now - self.last_tick
         self.last_tick = now
-        if gap <= self.config.freeze_after_s:
+        if gap <= self.config.freeze_after_s or self.stopped:
             return 0.0
         self.resumed_at = now
         self.freezes = (self.freezes + [(now, gap)])[-16:]
@@ -60,7 +61,14 @@ class Pulse:
         return self.clock() - max(last_heard, self.resumed_at)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Tick until cancelled. The time before the first tick is the node's start (opening its host, checking its
+        identity: seconds), not a freeze; after the last, a thread the node left finishing its step may still read
+        the pulse, and the node's end is no freeze either."""
+        self.last_tick = self.clock()
         task_status.started()
-        while True:
-            self.check()
-            await trio.sleep(self.config.tick_s)
+        try:
+            while True:
+                self.check()
+                await trio.sleep(self.config.tick_s)
+        finally:
+            self.stopped = True

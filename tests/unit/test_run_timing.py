@@ -302,6 +302,24 @@ def test_the_pulse_tells_a_freeze_from_a_running_loop_and_restarts_silence_at_th
     assert pulse.silent_s(heard) == 1.5
 
 
+async def test_the_pulse_counts_neither_the_nodes_start_nor_its_end_as_a_freeze(autojump_clock):
+    """A node makes its pulse first and starts it seconds later, once its host is open; a thread it left finishing
+    a step may read it after the node stopped. Neither gap is a freeze (each once logged "this process stood
+    still" and restarted every silence timer)."""
+    pulse = Pulse(trio.current_time)
+    await trio.sleep(6.0)  # the node's start
+    async with trio.open_nursery() as n:
+        await n.start(pulse.run)
+        await trio.sleep(3.0)
+        assert pulse.check() == 0.0 and not pulse.freezes
+        autojump_clock.jump(10.0)  # a real freeze while it runs
+        await trio.sleep(0.5)
+        assert [round(g) for _, g in pulse.freezes] == [10]
+        n.cancel_scope.cancel()
+    await trio.sleep(20.0)  # the node is gone
+    assert pulse.check() == 0.0 and len(pulse.freezes) == 1
+
+
 async def test_a_broker_frozen_past_its_lease_stands_down_before_it_acts():
     clock = FakeClock()
     b = Broker(context(clock, pulse=Pulse(clock)), CFG)
