@@ -67,4 +67,5 @@ class NodeServices:
         (None: first fit); `step`: this node's training step (the broker weighs it with the steps the others sign)."""
         return RunContext(sh=self.sh, manifest=manifest, register=self.register, publish=self.publish,
                           membership=self.membership, penalties=self.penalties, switch_step=switch_step,
-                          step=step, clock=self.clock, pulse=self.pulse, placer=placer, own_status=self.own_status)
+                          step=step, clock=self.clock, pulse=self.pulse, placer=placer, own_status=self.own_status,
+                          watch_closes=self.sh.watch_closes)

@@ -193,6 +193,36 @@ class _ForgetClients(INotifee):
 
 
 
+class _LastClose(INotifee):
+    """`on_close(peer id)` once a peer's last connection closed (py-libp2p removes it before it notifies)."""
+
+    def __init__(self, on_close: Callable[[str], None]):
+        self.on_close = on_close
+
+    async def disconnected(self, network, conn) -> None:
+        try:
+            peer = conn.muxed_conn.peer_id
+            if not network.get_connections(peer):
+                self.on_close(peer.to_base58())
+        except Exception as e:  # noqa: BLE001 - a notifee must never raise into the network's task
+            log.debug("close notice: %s", e)
+
+    async def connected(self, network, conn) -> None:
+        pass
+
+    async def opened_stream(self, network, stream) -> None:
+        pass
+
+    async def closed_stream(self, network, stream) -> None:
+        pass
+
+    async def listen(self, network, multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network, multiaddr) -> None:
+        pass
+
+
 class SwarmHost:
     """A running libp2p host with its DHT and pubsub; create with `open_host`."""
 
@@ -218,6 +248,15 @@ class SwarmHost:
             s = str(a)
             out.append(s if "/p2p/" in s else f"{s}/p2p/{self.peer_id}")
         return expand_wildcard(out)
+
+    def watch_closes(self, on_close: Callable[[str], None]) -> Callable[[], None]:
+        """Call `on_close(peer id)` (on the event loop) whenever the last connection to a peer closes: a process
+        that dies has its connections closed at once, a frozen or partitioned one keeps them. Returns the function
+        that stops watching."""
+        notifee = _LastClose(on_close)
+        network = self.host.get_network()
+        network.register_notifee(notifee)
+        return lambda: network.remove_notifee(notifee)
 
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p in self.host.get_connected_peers()]

@@ -21,6 +21,7 @@ from shoal.swarm.net.rpc import parse_body
 from shoal.swarm.run.authority import DELEGATES, RunAuthority
 from shoal.swarm.run.batchsplit import BatchSplit
 from shoal.swarm.run.brokerconfig import BrokerConfig
+from shoal.swarm.run.closes import ClosedConnections
 from shoal.swarm.run.context import Handler, RunContext
 from shoal.swarm.run.directory import seal_advert
 from shoal.swarm.run.gate import AdmissionGate
@@ -80,6 +81,7 @@ class Broker:
         self.on_change: list[Callable[[AssignmentTable, bytes], object]] = []  # called with each new table
         self.reforms = 0  # groups re-formed (same members, next epoch) after a member missed a round but answered
         self.reports = Reports(self)  # what members report against each other, weighed (swarm/run/reports.py)
+        self.closes = ClosedConnections(self)  # providers whose processes died, from their closed connections
         self._dirty = trio.Event()
         self.authority = RunAuthority(ctx.manifest)
         self.gate = AdmissionGate(ctx, secret, config.admission)  # who may join
@@ -313,6 +315,13 @@ class Broker:
             left = e.state == LEFT and e.left_at_unix >= p.admitted_unix
             last = max(last, e.last_seen)
         return self.ctx.silent_s(last), left
+
+    def heard_since(self, peer_id: str, t: float) -> bool:
+        """Whether `peer_id` was heard from (RPC contact, or its status gossip by any path) after `t` (clock time)."""
+        p = self.providers.get(peer_id)
+        m = self.ctx.membership
+        e = m.peers.get(peer_id) if m is not None else None
+        return p is not None and max(p.last_contact, e.last_seen if e is not None else float("-inf")) > t
 
     def check_liveness(self) -> None:
         if not self.holds_lease():
@@ -612,5 +621,6 @@ class Broker:
             n.start_soon(self._publish_loop)
             n.start_soon(self._liveness_loop)
             n.start_soon(self._replan_loop)
+            n.start_soon(self.closes.run)
             log.info("broker for run %s (lease epoch %d)", self.ctx.run_id[:16], self.lease_epoch)
             task_status.started(self)

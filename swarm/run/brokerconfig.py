@@ -17,7 +17,10 @@ class BrokerConfig:
     lease_renew_s: float = 3.0
     lease_timeout_s: float = 15.0  # a lease not renewed for this long lets the standby take over
     republish_s: float = 10.0  # the table is re-gossiped this often even when nothing changed
-    ping_timeout_s: float = 2.0  # checking a member reported missing
+    ping_timeout_s: float = 2.0  # checking a member reported missing, or whose connections closed
+    # a provider whose last connection to the broker closed and is not back within this long is pinged (a process
+    # that died closes its connections at once: swarm/run/closes.py)
+    reconnect_grace_s: float = 0.5
     straggler_misses: int = 3  # a member that misses rounds (yet answers) this often within the window ...
     straggler_window_s: float = 600.0
     demote_hold_s: float = 300.0  # ... is moved to the backup pool, and not promoted again for this long
@@ -40,7 +43,8 @@ class BrokerConfig:
             raise ValueError("need 0 < heartbeat_s <= fail_after_s")
         if not 0 < self.lease_renew_s < self.lease_timeout_s:
             raise ValueError("need 0 < lease_renew_s < lease_timeout_s")
-        if self.suspect_after_beats < 1 or min(self.republish_s, self.ping_timeout_s, self.dht_timeout_s) <= 0:
+        if self.suspect_after_beats < 1 or min(self.republish_s, self.ping_timeout_s, self.dht_timeout_s,
+                                                   self.reconnect_grace_s) <= 0:
             raise ValueError("suspect_after_beats >= 1 and positive intervals are required")
         if self.dht_table_s < 0:
             raise ValueError("dht_table_s must not be negative")

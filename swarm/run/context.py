@@ -45,6 +45,9 @@ class RunContext:
     placer: Placer | None = None
     # the hosting node's newest status record of itself (its membership view holds only the others')
     own_status: Callable[[], StatusRecord | None] = lambda: None
+    # on_close(peer) whenever this node's last connection to a peer closes -> the function that stops it
+    # (SwarmHost.watch_closes); None: closed connections are not watched (the silence timeout alone)
+    watch_closes: Callable[[Callable[[str], None]], Callable[[], None]] | None = None
     _run_id: tuple[RunManifest | None, str] = field(default=(None, ""), init=False, repr=False, compare=False)
 
     def status_of(self, peer_id: str) -> StatusRecord | None:

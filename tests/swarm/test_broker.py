@@ -48,18 +48,21 @@ class Member:
         self.scope.cancel()
 
 
-def context(node, m: RunManifest) -> RunContext:
+def context(node, m: RunManifest, watch: bool = False) -> RunContext:
+    """`watch`: the broker also watches its connections close (as a node's does); without it these tests see
+    failure by silence, reports and pings alone."""
     rpc = RpcServer(node.sh, node.penalties)  # the test's server replaces the daemon's; keep its methods
     rpc.register("members", node._rpc_members)
     rpc.register("announce", node._rpc_announce)
     return RunContext(sh=node.sh, manifest=m, register=rpc.register, publish=node.publish,
-                      membership=node.membership, penalties=node.penalties)
+                      membership=node.membership, penalties=node.penalties,
+                      watch_closes=node.sh.watch_closes if watch else None)
 
 
-async def _member(m: RunManifest, join, broker: bool, broker_id, secret, admit: bool, bcfg, task_status):
+async def _member(m: RunManifest, join, broker: bool, broker_id, secret, admit: bool, bcfg, watch, task_status):
     with trio.CancelScope() as scope:
         async with running_node(join) as node:
-            ctx = context(node, m)
+            ctx = context(node, m, watch)
             async with trio.open_nursery() as n:
                 b = None
                 if broker:
@@ -76,8 +79,9 @@ async def _member(m: RunManifest, join, broker: bool, broker_id, secret, admit: 
                 await trio.sleep_forever()
 
 
-async def start(nursery, m, join=(), *, broker=False, broker_id=None, secret=None, admit=True, bcfg=BCFG) -> Member:
-    return await nursery.start(_member, m, list(join), broker, broker_id, secret, admit, bcfg)
+async def start(nursery, m, join=(), *, broker=False, broker_id=None, secret=None, admit=True, bcfg=BCFG,
+                watch=False) -> Member:
+    return await nursery.start(_member, m, list(join), broker, broker_id, secret, admit, bcfg, watch)
 
 
 async def test_admission_fills_slots_then_the_backup_pool():
@@ -192,6 +196,30 @@ async def test_missing_report_and_graceful_leave_replace_quickly():
         assert not await b.client.report_missing([d.node.peer_id], epoch=epoch, stage=0)
         assert not await a.client.report_missing([d.node.peer_id], epoch=b.broker.epochs[0], stage=0)
         assert b.broker.table.slot_of(d.node.peer_id) == (0, 1)
+        n.cancel_scope.cancel()
+
+
+async def test_a_provider_whose_process_died_is_failed_from_its_closed_connections_within_seconds():
+    """Failure by silence is out of the way (fail_after_s 60 s): a provider whose connections to the broker closed
+    and that does not answer the broker's ping is failed about a second after it died, its slot going to the
+    backup; one whose connection was only dropped (its process lives) keeps its slot."""
+    m = manifest(replicas=2)
+    async with trio.open_nursery() as n:
+        b = await start(n, m, broker=True, bcfg=REPORTS_ONLY, watch=True)
+        addrs, bid = b.node.sh.addrs, b.node.peer_id
+        a = await start(n, m, addrs, broker_id=bid)
+        c = await start(n, m, addrs, broker_id=bid)
+        await wait_for(lambda: c.client.role() == "backup", 10, "c in the backup pool")
+        await b.node.sh.disconnect(a.node.peer_id)  # alive: pinged (or back by itself), keeps its slot
+        await trio.sleep(REPORTS_ONLY.reconnect_grace_s + REPORTS_ONLY.ping_timeout_s + 0.5)
+        assert b.broker.table.slot_of(a.node.peer_id) == (0, 1) and b.broker.closes.failed == 0
+        a.kill()  # its host closes: every connection to it closes, nothing answers on its port
+        t0 = time.monotonic()
+        took = await wait_for(lambda: b.broker.table.slot_of(c.node.peer_id) == (0, 1), 10, "the backup's promotion")
+        print(f"dead provider failed from its closed connections after {took:.2f} s "
+              f"(silence would take {REPORTS_ONLY.fail_after_s:g} s)")
+        assert b.broker.table.provider_state(a.node.peer_id) == GONE and b.broker.closes.failed == 1
+        assert time.monotonic() - t0 < 3.0
         n.cancel_scope.cancel()
 
 

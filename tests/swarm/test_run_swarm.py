@@ -105,10 +105,12 @@ def test_a_killed_active_node_is_replaced_by_the_backup(tmp_path):
         backup = next(r for r in s.summary() if r.get("role") == "backup")
         s.nodes[victim["index"]].proc.send_signal(signal.SIGKILL)
         t_kill = time.monotonic()
-        wait(lambda: any(r["index"] == backup["index"] for r in active(s)), 60, "the backup to be promoted", s)
+        promoted = wait(lambda: any(r["index"] == backup["index"] for r in active(s)), 60, "the backup to be promoted",
+                        s)
         step_at_kill = newest_step(s)
         wait(lambda: training(s, 3, step_at_kill + 6), 90, "training to go on", s)
         recovered = time.monotonic() - t_kill
+        print(f"killed member: the backup promoted after {promoted:.1f} s, training on after {recovered:.1f} s")
         wait(lambda: done(s, 120, 3), 240, "the run to finish with the promoted node", s)
         rows = active(s)
         assert {r["index"] for r in rows} == {0, backup["index"]} | ({1, 2, 3} - {victim["index"], backup["index"]})
