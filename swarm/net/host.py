@@ -258,6 +258,13 @@ class SwarmHost:
         network.register_notifee(notifee)
         return lambda: network.remove_notifee(notifee)
 
+    def is_connected(self, peer_id: str) -> bool:
+        """Whether at least one connection to `peer_id` is open."""
+        try:
+            return bool(self.host.get_network().get_connections(ID.from_base58(peer_id)))
+        except ValueError:  # not a peer id
+            return False
+
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p in self.host.get_connected_peers()]
 

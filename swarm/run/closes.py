@@ -94,7 +94,7 @@ class ClosedConnections:
         try:
             await trio.sleep(self.b.config.reconnect_grace_s)
             ctx = self.b.ctx
-            if peer in ctx.sh.connected_peers() or self._burst(self.b.clock()):
+            if ctx.sh.is_connected(peer) or self._burst(self.b.clock()):
                 return
             try:
                 await call(ctx.sh, peer, "run.ping", {"run_id": ctx.run_id}, timeout_s=self.b.config.ping_timeout_s)

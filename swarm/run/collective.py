@@ -29,6 +29,8 @@ MAX_TAG_CHARS = 200
 DONE_TAGS_KEPT = 4096  # finished tags remembered, so late messages for them are dropped
 MAX_PEER_TAGS = 64  # tags one peer may have waiting in the inbox at once
 GIVEN_UP_KEPT = 16  # group epochs whose rounds this node gave up (`give_up`), the newest
+DEPARTED_GRACE_S = 0.5  # a peer whose last connection closed and is not back this long after has departed
+CLOSES_KEPT = 4096  # peers whose connections closed, remembered (the newest)
 
 
 class Collective:
@@ -40,6 +42,10 @@ class Collective:
     briefly, and late messages for them are dropped. Malformed messages penalize their sender and never reach the caller.
     Messages to a peer go one after another on one stream kept open for it; a send that fails on a kept stream
     (the peer restarted, the connection was replaced) is tried once more on a new one.
+
+    A peer that departed is not waited for: its last connection to this node closed (a process that dies has its
+    connections closed at once) and none is back `departed_grace_s` later. A frozen or partitioned peer keeps its
+    connections and is waited for until the deadline.
     """
 
     def __init__(
@@ -54,6 +60,7 @@ class Collective:
         send_timeout_s: float = 60.0,
         open_timeout_s: float = 3.0,
         max_wait_s: float = 120.0,
+        departed_grace_s: float = DEPARTED_GRACE_S,
         gate: Callable[[str, str], object | None] | None = None,
         clock: Callable[[], float] = trio.current_time,
     ):
@@ -67,6 +74,7 @@ class Collective:
         self.send_timeout_s = send_timeout_s
         self.open_timeout_s = open_timeout_s  # opening a stream takes milliseconds unless the peer is gone
         self.max_wait_s = max_wait_s  # a message waiting for its exchange longer than this is dropped
+        self.departed_grace_s = departed_grace_s
         self.clock = clock
         # (peer, tag) -> None to take a message, else a refusal (.why, .penalize): checked on the header, before
         # the payload is read (swarm/run/collective_gate.py); None: every message is taken
@@ -92,15 +100,42 @@ class Collective:
         self._given_up: deque[str] = deque(maxlen=GIVEN_UP_KEPT)  # tag prefixes whose exchanges end at once
         self._held: set[tuple[str, str]] = set()  # (tag, peer) of waiting messages the gate is to judge again
         self.closed = False
+        self._closes: OrderedDict[str, float] = OrderedDict()  # peer -> when its last connection closed (clock)
+        self.departed_skipped = 0  # peers an exchange stopped waiting for because they had departed
         sh.set_handler(COLLECTIVE_PROTOCOL, self._serve)
+        self._unwatch = sh.watch_closes(self._on_close)
 
     def close(self) -> None:
         """This node is leaving: every exchange in progress returns now with what it has (the round counts the rest
         missing, so a trainer thread waiting in it is free at once, not at the round's deadline), and later ones at
         once. Its peers notice its leave notice, not a missed deadline."""
         self.closed = True
+        self._unwatch()
         for scope in self._waiting:
             scope.cancel()
+
+    def _on_close(self, peer: str) -> None:
+        """The host's callback: the last connection to `peer` closed."""
+        self._closes[peer] = self.clock()
+        self._closes.move_to_end(peer)
+        while len(self._closes) > CLOSES_KEPT:
+            self._closes.popitem(last=False)
+        self._wake()
+
+    def _departed(self, peers: set[str]) -> tuple[set[str], float | None]:
+        """Of `peers`: those that departed (closed, not back after the grace), and the clock time at which the next
+        of the others whose connections closed will have departed (None: none pending)."""
+        gone, due = set(), None
+        now = self.clock()
+        for p in peers:
+            at = self._closes.get(p)
+            if at is None or self.sh.is_connected(p):
+                continue
+            if now - at >= self.departed_grace_s:
+                gone.add(p)
+            else:
+                due = min(due if due is not None else float("inf"), at + self.departed_grace_s)
+        return gone, due
 
     def give_up(self, prefix: str) -> None:
         """Exchanges under tags starting with `prefix` (a group epoch's rounds: Group.tag) end now with what they
@@ -325,7 +360,8 @@ class Collective:
 
         Returns as soon as every expected message has arrived and every send finished (or the deadline passed);
         missing peers are simply absent. A peer our own send failed to reach is not waited for (a killed process
-        costs a failed dial, not a deadline). A message to self is handed over without the network.
+        costs a failed dial, not a deadline), nor one that departed (its connections closed: a process killed after
+        our send reached it). A message to self is handed over without the network.
         """
         if not tag or len(tag) > MAX_TAG_CHARS:
             raise ValueError(f"tag must be 1..{MAX_TAG_CHARS} characters")
@@ -347,8 +383,15 @@ class Collective:
                     for p, b in sends.items():
                         if p != self.me:
                             nursery.start_soon(self._send, p, tag, b, sent, failed)
-                    while not others - failed <= self._inbox.get(tag, {}).keys():
-                        await self._changed.wait()
+                    while True:
+                        waiting = others - failed - self._inbox.get(tag, {}).keys()
+                        gone, due = self._departed(waiting)
+                        if waiting <= gone:
+                            self.departed_skipped += len(gone)
+                            break
+                        changed = self._changed
+                        with trio.move_on_after(max(0.0, due - self.clock()) if due is not None else float("inf")):
+                            await changed.wait()
         finally:
             self._active.discard(tag)
             self._waiting.pop(deadline, None)

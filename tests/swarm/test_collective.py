@@ -155,3 +155,36 @@ async def test_a_message_for_an_epoch_not_known_yet_is_held_and_judged_when_the_
         out = await coll.exchange("r/7/30/rs", {a: b"self"}, {a, b, c}, timeout_s=1.0)
         assert out == {a: b"self", b: b"from b"} and not coll._held
         assert pens[0].reasons(c) and not pens[0].reasons(b)
+
+
+async def test_a_peer_killed_after_our_message_reached_it_is_not_waited_for():
+    """Our message reached c, then c's process died: its connections closed and none came back within the grace, so
+    the exchange ends then, not at its deadline (a killed member costs its group half a second, not a round
+    timeout). A silent peer whose connections stay open (frozen, partitioned) is still waited for until the
+    deadline (test_early_message_is_buffered_and_missing_peer_is_absent)."""
+    async with AsyncExitStack() as stack:
+        a_host = await stack.enter_async_context(bare_host())
+        coll = Collective(a_host, Penalties())
+        stop, closed_at = trio.Event(), []
+
+        async def c_node(task_status=trio.TASK_STATUS_IGNORED):
+            async with bare_host(join=[a_host.addrs[0]]) as h:
+                if a_host.peer_id not in h.connected_peers():
+                    await h.connect(a_host.addrs[0])
+                Collective(h, Penalties())  # c takes our message (its handler is there), and never answers
+                task_status.started(h.peer_id)
+                await stop.wait()
+            closed_at.append(trio.current_time())  # the process died: its host closed every connection
+
+        async def kill_c():
+            await wait_for(lambda: coll.messages_sent == 1, 10, "our message to reach c")
+            stop.set()
+
+        async with trio.open_nursery() as n:
+            c = await n.start(c_node)
+            a = a_host.peer_id
+            n.start_soon(kill_c)
+            out = await coll.exchange("t/kill", {a: b"self", c: b"for c"}, {a, c}, timeout_s=30.0)
+            ended = trio.current_time()
+        assert out == {a: b"self"} and coll.departed_skipped == 1
+        assert ended - closed_at[0] < 2.0, ended - closed_at[0]
