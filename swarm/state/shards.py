@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import trio
 
 from shoal.protocol.assignment import AssignmentTable
-from shoal.protocol.envelope import Signed, open_envelope
+from shoal.protocol.envelope import open_envelope
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.records import ShardHeld
 from shoal.protocol.shards import MAX_SHARDS, SHARD_PROTOCOL, SHARD_RECORD_TYPES, ShardManifest, ShardRequest

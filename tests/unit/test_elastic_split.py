@@ -8,14 +8,13 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shoal.node.train.batch import GlobalOrder, StepBatch, assign, home_lanes
-from shoal.protocol.assignment import ACTIVE, BACKUP, AdmitRequest
+from shoal.protocol.assignment import AdmitRequest
 from shoal.protocol.envelope import open_envelope, seal
 from shoal.protocol.kinds import RECORD_TYPES
 from shoal.protocol.manifest import BatchSpec, ModelSpec, ParallelPlan, RunManifest, SyncSpec
