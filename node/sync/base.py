@@ -164,9 +164,10 @@ class GroupSync(Synchronizer):
     exchanges with: a member not heard by the second phase's deadline, or whose update was rejected, is skipped
     (not waited for, not sent to, not used) for the rest of the epoch, and a chunk whose owner is skipped stays as
     it is on this replica. A member gone without a trace so costs its first round two deadlines; a killed process
-    none (its connections close: the collective stops waiting for it, swarm/run/collective.py). The round records it in its `RoundReport`, the step's StepControl carries it
-    to the runtime, and the runtime tells the broker, which re-forms the group at an agreed step (where chunks
-    change owners); replicas that saw a round differently meet again through the state-hash vote.
+    none (its connections close: the collective stops waiting for it, swarm/run/collective.py). The round records
+    it in its `RoundReport`, the step's StepControl carries it to the runtime, and the runtime tells the broker,
+    which re-forms the group at an agreed step (where chunks change owners); replicas that saw a round differently
+    meet again through the state-hash vote.
 
     Threads: at most one round is in flight, and the state it uses (`_skipped`, the synchronized tensors) belongs
     to it; the trainer thread touches that state only after joining the round.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -71,6 +72,10 @@ GOSSIP_MESSAGES_PER_PEER_S = 1000.0  # gossip messages one peer may forward a se
 # and the connection, with every stream on it (lanes, RPCs), died without a word. Writes are finished here, shielded,
 # and bounded: a peer that stops reading for WHOLE_WRITE_S has its connection closed (it is broken either way).
 WHOLE_WRITE_S = 20.0
+CLOSES_KEPT = 4096  # peers whose last connection closed, remembered (the newest)
+# a peer whose last connection closed and is not back this long after has departed (a replaced connection, a
+# reconnect come back sooner): the collective stops waiting for it, the broker pings it
+RECONNECT_GRACE_S = 0.5
 
 
 class ConnectionBroken(ConnectionError):
@@ -159,7 +164,29 @@ def _servers_only(dht: KadDHT, kad: str) -> None:
     dht.host.get_network().register_notifee(_ForgetClients(dht.host, kad))
 
 
-class _ForgetClients(INotifee):
+class QuietNotifee(INotifee):
+    """A libp2p notifee that ignores every event; a subclass overrides the ones it watches."""
+
+    async def connected(self, network, conn) -> None:
+        pass
+
+    async def disconnected(self, network, conn) -> None:
+        pass
+
+    async def opened_stream(self, network, stream) -> None:
+        pass
+
+    async def closed_stream(self, network, stream) -> None:
+        pass
+
+    async def listen(self, network, multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network, multiaddr) -> None:
+        pass
+
+
+class _ForgetClients(QuietNotifee):
     """Drops a peer that does not serve the DHT from the peerstore once its last connection closes."""
 
     def __init__(self, host, kad: str):
@@ -176,51 +203,29 @@ class _ForgetClients(INotifee):
         except Exception as e:  # noqa: BLE001 - already gone
             log.debug("forgetting %s: %s", peer, e)
 
-    async def connected(self, network, conn) -> None:
-        pass
 
-    async def opened_stream(self, network, stream) -> None:
-        pass
+class _LastCloses(QuietNotifee):
+    """When each peer's last connection closed (py-libp2p removes a connection before it notifies), the newest
+    CLOSES_KEPT; the watchers are told of each such close."""
 
-    async def closed_stream(self, network, stream) -> None:
-        pass
-
-    async def listen(self, network, multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network, multiaddr) -> None:
-        pass
-
-
-
-class _LastClose(INotifee):
-    """`on_close(peer id)` once a peer's last connection closed (py-libp2p removes it before it notifies)."""
-
-    def __init__(self, on_close: Callable[[str], None]):
-        self.on_close = on_close
+    def __init__(self):
+        self.at: OrderedDict[str, float] = OrderedDict()  # peer id -> trio time of the close
+        self.watchers: list[Callable[[str], None]] = []
 
     async def disconnected(self, network, conn) -> None:
         try:
             peer = conn.muxed_conn.peer_id
-            if not network.get_connections(peer):
-                self.on_close(peer.to_base58())
+            if network.get_connections(peer):
+                return
+            pid = peer.to_base58()
+            self.at[pid] = trio.current_time()
+            self.at.move_to_end(pid)
+            while len(self.at) > CLOSES_KEPT:
+                self.at.popitem(last=False)
+            for watch in list(self.watchers):
+                watch(pid)
         except Exception as e:  # noqa: BLE001 - a notifee must never raise into the network's task
             log.debug("close notice: %s", e)
-
-    async def connected(self, network, conn) -> None:
-        pass
-
-    async def opened_stream(self, network, stream) -> None:
-        pass
-
-    async def closed_stream(self, network, stream) -> None:
-        pass
-
-    async def listen(self, network, multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network, multiaddr) -> None:
-        pass
 
 
 class SwarmHost:
@@ -238,6 +243,8 @@ class SwarmHost:
         self.control_bytes = [0, 0]
         self.nat: NatTraversal | None = None  # set by open_host when config.nat is given
         self.links = LinkMeter()  # what this node measures of its links (the traffic it carries, probes)
+        self._closes = _LastCloses()  # when each peer's last connection closed (`watch_closes`, `closed_for`)
+        host.get_network().register_notifee(self._closes)
 
     @property
     def addrs(self) -> list[str]:
@@ -253,10 +260,15 @@ class SwarmHost:
         """Call `on_close(peer id)` (on the event loop) whenever the last connection to a peer closes: a process
         that dies has its connections closed at once, a frozen or partitioned one keeps them. Returns the function
         that stops watching."""
-        notifee = _LastClose(on_close)
-        network = self.host.get_network()
-        network.register_notifee(notifee)
-        return lambda: network.remove_notifee(notifee)
+        watchers = self._closes.watchers
+        watchers.append(on_close)
+        return lambda: watchers.remove(on_close) if on_close in watchers else None
+
+    def closed_for(self, peer_id: str) -> float | None:
+        """Seconds (trio time) since the last connection to `peer_id` closed, while none is open; None when one is
+        open or no close of it was seen."""
+        at = self._closes.at.get(peer_id)
+        return None if at is None or self.is_connected(peer_id) else trio.current_time() - at
 
     def is_connected(self, peer_id: str) -> bool:
         """Whether at least one connection to `peer_id` is open."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.swarm.net.host import RECONNECT_GRACE_S
 from shoal.swarm.run.batchsplit import SplitConfig
 from shoal.swarm.run.gate import AdmissionLimits
 
@@ -20,7 +21,7 @@ class BrokerConfig:
     ping_timeout_s: float = 2.0  # checking a member reported missing, or whose connections closed
     # a provider whose last connection to the broker closed and is not back within this long is pinged (a process
     # that died closes its connections at once: swarm/run/closes.py)
-    reconnect_grace_s: float = 0.5
+    reconnect_grace_s: float = RECONNECT_GRACE_S
     straggler_misses: int = 3  # a member that misses rounds (yet answers) this often within the window ...
     straggler_window_s: float = 600.0
     demote_hold_s: float = 300.0  # ... is moved to the backup pool, and not promoted again for this long

@@ -17,7 +17,7 @@ import trio
 from shoal.protocol.errors import DecodeError, ProtocolError
 from shoal.protocol.wire import expect_map, get_field, pack, unpack
 from shoal.swarm.net.framing import PREFIX_BYTES, BufferedReader, StreamClosed, close_quietly, frame, read_length
-from shoal.swarm.net.host import SwarmHost
+from shoal.swarm.net.host import RECONNECT_GRACE_S, SwarmHost
 from shoal.swarm.net.linkmeter import DOWN, UP
 from shoal.swarm.net.penalty import Penalties
 
@@ -29,8 +29,6 @@ MAX_TAG_CHARS = 200
 DONE_TAGS_KEPT = 4096  # finished tags remembered, so late messages for them are dropped
 MAX_PEER_TAGS = 64  # tags one peer may have waiting in the inbox at once
 GIVEN_UP_KEPT = 16  # group epochs whose rounds this node gave up (`give_up`), the newest
-DEPARTED_GRACE_S = 0.5  # a peer whose last connection closed and is not back this long after has departed
-CLOSES_KEPT = 4096  # peers whose connections closed, remembered (the newest)
 
 
 class Collective:
@@ -60,7 +58,7 @@ class Collective:
         send_timeout_s: float = 60.0,
         open_timeout_s: float = 3.0,
         max_wait_s: float = 120.0,
-        departed_grace_s: float = DEPARTED_GRACE_S,
+        departed_grace_s: float = RECONNECT_GRACE_S,
         gate: Callable[[str, str], object | None] | None = None,
         clock: Callable[[], float] = trio.current_time,
     ):
@@ -100,10 +98,9 @@ class Collective:
         self._given_up: deque[str] = deque(maxlen=GIVEN_UP_KEPT)  # tag prefixes whose exchanges end at once
         self._held: set[tuple[str, str]] = set()  # (tag, peer) of waiting messages the gate is to judge again
         self.closed = False
-        self._closes: OrderedDict[str, float] = OrderedDict()  # peer -> when its last connection closed (clock)
         self.departed_skipped = 0  # peers an exchange stopped waiting for because they had departed
         sh.set_handler(COLLECTIVE_PROTOCOL, self._serve)
-        self._unwatch = sh.watch_closes(self._on_close)
+        self._unwatch = sh.watch_closes(lambda peer: self._wake())  # a waiting exchange looks again
 
     def close(self) -> None:
         """This node is leaving: every exchange in progress returns now with what it has (the round counts the rest
@@ -114,28 +111,19 @@ class Collective:
         for scope in self._waiting:
             scope.cancel()
 
-    def _on_close(self, peer: str) -> None:
-        """The host's callback: the last connection to `peer` closed."""
-        self._closes[peer] = self.clock()
-        self._closes.move_to_end(peer)
-        while len(self._closes) > CLOSES_KEPT:
-            self._closes.popitem(last=False)
-        self._wake()
-
-    def _departed(self, peers: set[str]) -> tuple[set[str], float | None]:
-        """Of `peers`: those that departed (closed, not back after the grace), and the clock time at which the next
-        of the others whose connections closed will have departed (None: none pending)."""
-        gone, due = set(), None
-        now = self.clock()
+    def _departed(self, peers: set[str]) -> tuple[set[str], float]:
+        """Of `peers`: those that departed (their last connection closed, not back after the grace), and the
+        seconds until the next of the others whose connections closed will have departed (inf: none pending)."""
+        gone, wait = set(), float("inf")
         for p in peers:
-            at = self._closes.get(p)
-            if at is None or self.sh.is_connected(p):
+            closed = self.sh.closed_for(p)
+            if closed is None:
                 continue
-            if now - at >= self.departed_grace_s:
+            if closed >= self.departed_grace_s:
                 gone.add(p)
             else:
-                due = min(due if due is not None else float("inf"), at + self.departed_grace_s)
-        return gone, due
+                wait = min(wait, self.departed_grace_s - closed)
+        return gone, wait
 
     def give_up(self, prefix: str) -> None:
         """Exchanges under tags starting with `prefix` (a group epoch's rounds: Group.tag) end now with what they
@@ -385,12 +373,12 @@ class Collective:
                             nursery.start_soon(self._send, p, tag, b, sent, failed)
                     while True:
                         waiting = others - failed - self._inbox.get(tag, {}).keys()
-                        gone, due = self._departed(waiting)
+                        gone, wait = self._departed(waiting)
                         if waiting <= gone:
                             self.departed_skipped += len(gone)
                             break
                         changed = self._changed
-                        with trio.move_on_after(max(0.0, due - self.clock()) if due is not None else float("inf")):
+                        with trio.move_on_after(wait):
                             await changed.wait()
         finally:
             self._active.discard(tag)
