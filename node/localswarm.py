@@ -175,7 +175,8 @@ class LocalSwarm:
         proto, host = self.config.listen.strip("/").split("/")[:2]
         return f"/{proto}/{host}/tcp/0"
 
-    def start_node(self, index: int, join: list[str]) -> NodeProcess:
+    def start_node(self, index: int, join: list[str], *, address_file: Path | None = None,
+                   extra: list[str] = ()) -> NodeProcess:
         wd = self.config.workdir
         status, logf, outf = wd / f"node{index}.json", wd / f"node{index}.log", wd / f"node{index}.out"
         status.unlink(missing_ok=True)
@@ -186,6 +187,9 @@ class LocalSwarm:
                "--device", self.config.device, "--status-interval", str(self.config.status_interval_s),
                "--gone-after", str(self.config.gone_after_s), "--parent", str(os.getpid()),
                *self.config.extra_node_args]
+        if address_file is not None:
+            cmd += ["--address-file", str(address_file)]
+        cmd += extra
         for a in join:
             cmd += ["--join", a]
         with self.guard.critical(), open(outf, "ab") as out:
@@ -207,6 +211,7 @@ class LocalSwarm:
         doc = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "state": self.state,
                "workdir": str(self.config.workdir), "bootstrap": self.bootstrap_addrs() if self.nodes else [],
                "nodes": [{"index": n.index, "pid": n.proc.pid, "start_time": n.start_time} for n in self.nodes]}
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, path)
@@ -230,16 +235,22 @@ class LocalSwarm:
     def start(self, progress: Callable[[str], None] = lambda text: None) -> None:
         progress("probing this machine's hardware (once for all nodes)…")
         self.warm_hardware_cache()
-        progress("starting node 0 (the bootstrap and the run's broker)…")
+        n = self.config.nodes
+        progress("starting node 0 (the bootstrap and the run's broker)"
+                 + (f" and nodes 1 to {n - 1}, which join it once it is up…" if n > 1 else "…"))
         t0 = time.monotonic()
-        first = self.start_node(0, [])
+        # the others start with it and wait for the address it writes when it is up (--join @FILE): their imports
+        # and start-up overlap its own instead of following them
+        address_file = self.config.workdir / "node0.addrs"
+        address_file.unlink(missing_ok=True)
+        first = self.start_node(0, [], address_file=address_file)
+        wait = ["--join-wait", f"{self.config.start_timeout_s:g}"]
+        for i in range(1, n):
+            self.start_node(i, [f"@{address_file}"], extra=wait)
         self.wait_ready(first)
-        join = self.bootstrap_addrs()
         self.write_swarm_file()
-        progress(f"node 0 is up after {time.monotonic() - t0:.1f} s; starting nodes 1 to {self.config.nodes - 1}…"
-                 if self.config.nodes > 1 else f"node 0 is up after {time.monotonic() - t0:.1f} s")
-        for i in range(1, self.config.nodes):
-            self.start_node(i, join)
+        progress(f"node 0 is up after {time.monotonic() - t0:.1f} s" + (f"; nodes 1 to {n - 1} are joining it…"
+                                                                       if n > 1 else ""))
 
     def peer_ids(self) -> dict[int, str]:
         out = {}

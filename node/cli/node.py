@@ -159,6 +159,8 @@ def main(args: argparse.Namespace) -> int:
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every thread's stack, for a bug report
     home = shoal_home()
+    if any(v.startswith("@") and not os.path.exists(v[1:]) for v in args.join):
+        preload(train=not args.no_train)  # the node that writes the file is still starting: import meanwhile
     join = expand_join(args.join, args.join_wait)  # typed input is checked before anything runs
     if args.data is not None:
         args.data = typed_data(args.data)
@@ -240,6 +242,15 @@ def main(args: argparse.Namespace) -> int:
                      free)
     finally:
         lock.release()
+
+
+def preload(*, train: bool) -> None:
+    """Import the modules a node needs (torch and py-libp2p: about 3.5 s of a core) before it waits for a --join
+    @FILE, so that a swarm's nodes started together with its first one are ready when its address is written."""
+    import shoal.node.daemon  # noqa: F401
+
+    if train:
+        import torch  # noqa: F401
 
 
 def identity(args: argparse.Namespace, home: Path):
