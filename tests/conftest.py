@@ -24,6 +24,13 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None, max_examples=100)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+# the machine's hardware profile (node/train/hardware.py) is measured once for the whole session, not once per test's
+# $SHOAL_HOME: every node process a test starts inherits this, and the user's own ~/.cache is left alone
+_CACHE = None
+if not os.environ.get("SHOAL_CACHE"):
+    _CACHE = tempfile.TemporaryDirectory(prefix="shoal-test-cache-")
+    os.environ["SHOAL_CACHE"] = _CACHE.name
+
 
 @pytest.fixture
 def one_torch_thread():
@@ -106,6 +113,8 @@ _FORKER = _Forker()
 
 def pytest_sessionfinish(session, exitstatus):
     _FORKER.close()
+    if _CACHE is not None:
+        _CACHE.cleanup()
 
 
 @pytest.hookimpl(tryfirst=True)

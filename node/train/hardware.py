@@ -1,7 +1,9 @@
 """The hardware profile a node announces: device, memory, a short matmul benchmark, free disk.
 
 Measured in a short-lived subprocess (`python -m shoal.node.train.hardware`) so the daemon itself does not carry
-torch until it trains, and cached per machine for a day.
+torch until it trains, and cached per machine for a day: in $SHOAL_CACHE (default `$XDG_CACHE_HOME/shoal`, that is
+`~/.cache/shoal`), which every node of the machine shares whatever its $SHOAL_HOME, so ten nodes started on one
+machine measure it once (each probe is a fresh interpreter importing torch: about 2.5 s of a core).
 """
 
 from __future__ import annotations
@@ -66,15 +68,25 @@ def measure(device: str = "auto", *, bench_s: float = 0.3) -> dict:
     }
 
 
-def hardware_profile(device: str, cache_dir: Path | None, *, timeout_s: float = 120.0) -> HardwareProfile:
-    """The profile for `device`, from the cache when it is fresh, else measured by the probe subprocess."""
-    cache = cache_dir / f"hardware-{device.replace(':', '_')}.json" if cache_dir else None
+def cache_dir() -> Path:
+    """Where this machine's measurements are kept: $SHOAL_CACHE, else $XDG_CACHE_HOME/shoal, else ~/.cache/shoal."""
+    if os.environ.get("SHOAL_CACHE"):
+        return Path(os.environ["SHOAL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "shoal"
+
+
+def hardware_profile(device: str, home: Path | None, *, folder: Path | None = None,
+                     timeout_s: float = 120.0) -> HardwareProfile:
+    """The profile for `device`, from the machine's cache (`cache_dir()` unless `folder` names one) when it is fresh,
+    else measured by the probe subprocess; free disk is that of `home` (where the node keeps its state)."""
+    cache = (folder if folder is not None else cache_dir()) / f"hardware-{device.replace(':', '_')}.json"
     data = None
-    if cache is not None and cache.exists() and time.time() - cache.stat().st_mtime < CACHE_TTL_S:
-        try:
+    try:
+        if time.time() - cache.stat().st_mtime < CACHE_TTL_S:
             data = json.loads(cache.read_text())
-        except (OSError, ValueError):
-            data = None
+    except (OSError, ValueError):  # none yet, unreadable or torn: measured
+        data = None
     if data is None:
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "shoal.node.train.hardware", "--device", device],
@@ -83,12 +95,15 @@ def hardware_profile(device: str, cache_dir: Path | None, *, timeout_s: float = 
             raise RuntimeError(f"hardware probe failed: {proc.stderr.strip()[-500:]}")
         data = json.loads(proc.stdout)
         log.info("hardware probe took %.1f s: %s", time.monotonic() - t0, data)
-        if cache is not None:
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+        try:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
             tmp.write_text(json.dumps(data))
             os.replace(tmp, cache)
-    free_disk = shutil.disk_usage(cache_dir or Path.cwd()).free
+        except OSError as e:  # a read-only home (a container's user without one): measured again next time
+            log.info("hardware profile not cached at %s: %s", cache, e.strerror or e)
+    where = home if home is not None and home.exists() else Path.cwd()
+    free_disk = shutil.disk_usage(where).free
     return HardwareProfile(free_disk_bytes=free_disk, **data)
 
 

@@ -149,16 +149,20 @@ def test_typed_input_is_checked_before_anything_runs(tmp_path):
     """A malformed --join, a --data that is not there and a device this machine lacks are refused before the node
     makes an identity or probes the hardware: one line, a hint, exit 2 (9 for the device)."""
     home = tmp_path / "home"
+
+    def run(*args: str, **env: str):  # the machine's hardware cache in the home: a probe would show there
+        return shoal(home, *args, SHOAL_CACHE=str(home / "cache"), **env)
+
     for join, needle in [("/ip4/127.0.0.1/tcp/4001", "lacks the node's peer id (…/p2p/12D3KooW…)"),
                          ("127.0.0.1:4001", "not an address of the form /ip4/IP/tcp/PORT/p2p/PEER_ID"),
                          ("/ip4/127.0.0.1/tcp/4001/p2p", "not an address of the form")]:
-        line = assert_one_line(shoal(home, "node", "--join", join), Exit.USAGE, f"--join {join}: ", needle,
+        line = assert_one_line(run("node", "--join", join), Exit.USAGE, f"--join {join}: ", needle,
                                "hint: copy the whole address a node prints")
         assert "Protocol(" not in line
-        assert_one_line(shoal(home, "peers", "--join", join), Exit.USAGE, needle)
-    assert_one_line(shoal(home, "node", "--data", str(tmp_path / "nope"), "--run", "f" * 64),
+        assert_one_line(run("peers", "--join", join), Exit.USAGE, needle)
+    assert_one_line(run("node", "--data", str(tmp_path / "nope"), "--run", "f" * 64),
                     Exit.USAGE, "--data", "no such file or folder")
-    assert_one_line(shoal(home, "node", "--device", "cuda", CUDA_VISIBLE_DEVICES=""), Exit.NO_DEVICE,
+    assert_one_line(run("node", "--device", "cuda", CUDA_VISIBLE_DEVICES=""), Exit.NO_DEVICE,
                     "--device cuda: CUDA is not available")
     made = list(home.rglob("*.key")) + list(home.rglob("hardware-*.json"))
     assert not made, made  # no identity made, no hardware probed
