@@ -1,10 +1,10 @@
 """A node's log at the default level stays quiet while it trains: the default `shoal swarm up` (four real node
-processes on 127.0.0.1: the broker and two more active replicas, and a warm backup) trains for about three minutes
-(a volunteer's log once reached 267 KB in three minutes: gossip rate-limit warnings and library noise). Each node's
-whole log, start-up, three minutes of training and shutdown included, stays under one hour's budget of 20 KB, and
-after the swarm is stopped no log holds a traceback. What the log may grow by in an hour of steady training is bounded
-by the log's own rule (node/cli/logs.py: five records of a kind, then one an hour with a count); the growth over the
-last two minutes is printed."""
+processes on 127.0.0.1: the broker and two more active replicas, and a warm backup) trains for about a minute and a
+half (a volunteer's log once reached 267 KB in three minutes: 1,325 gossip rate-limit warnings, several a second, and
+library noise). Each node's whole log, start-up, the training and shutdown included, stays under one hour's budget of
+20 KB, and after the swarm is stopped no log holds a traceback. What the log may grow by in an hour of steady training
+is bounded by the log's own rule (node/cli/logs.py: five records of a kind, then one an hour with a count), so noise
+that repeats shows within the first minute; the growth over the last minute is printed."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from tests.e2e.test_cli_errors import stop, wait_for
 pytestmark = pytest.mark.slow
 SHOAL = [sys.executable, "-m", "shoal.node.cli"]
 NODES = 4
-SETTLE_S = 30.0  # after every replica trains: joins, the backup's first warm copy, the first status exchanges
-WINDOW_S = 120.0  # the training window whose growth is printed
+SETTLE_S = 15.0  # after every replica trains: joins, the backup's first warm copy, the first status exchanges
+WINDOW_S = 60.0  # the training window whose growth is printed
 MAX_BYTES_PER_HOUR = 20_000  # the issue's budget for an hour of steady training
 
 
@@ -35,7 +35,7 @@ def step_of(path: Path) -> int | None:
     return doc.get("step") if doc.get("slot") else None  # a replica (the broker holds one too), not the backup
 
 
-def test_three_minutes_of_training_log_less_than_an_hours_budget_and_no_traceback(tmp_path):
+def test_a_minute_and_a_half_of_training_log_less_than_an_hours_budget_and_no_traceback(tmp_path):
     d = tmp_path / "swarm"
     err = tmp_path / "up.err"
     env = {**os.environ, "SHOAL_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}

@@ -9,6 +9,7 @@ import trio
 
 from shoal.node.daemon import Node
 from shoal.node.localswarm import LocalSwarm
+from tests.helpers.timeline import note
 
 Source = LocalSwarm | Sequence[Node]
 
@@ -42,6 +43,7 @@ async def wait_training(source: Source, replicas: int, step: int, timeout_s: flo
     with trio.move_on_after(timeout_s):
         while not training(source, replicas, step):
             await trio.sleep(poll_s)
+        note(f"{replicas} replicas at step {step}: {what}", trio.current_time() - t0)
         return trio.current_time() - t0
     raise AssertionError(f"timed out after {timeout_s} s waiting for {replicas} replicas at step >= {step}"
                          f"{': ' + what if what else ''}; replicas at steps {replica_steps(source)}")

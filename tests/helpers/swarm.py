@@ -12,6 +12,7 @@ from shoal.node.daemon import Node, NodeConfig
 from shoal.protocol.records import HardwareProfile
 from shoal.swarm.net.host import HostConfig, open_host
 from shoal.swarm.net.membership import MembershipConfig
+from tests.helpers.timeline import note
 
 HW = HardwareProfile(device_kind="cpu", device_name="test", memory_bytes=2**30, matmul_tflops=0.1,
                      free_disk_bytes=2**33, cpu_count=2)
@@ -32,11 +33,15 @@ async def running_node(join: list[str] = (), config: NodeConfig = FAST, penaltie
         node.penalties = penalties
     node.choose_run = choose_run
     async with trio.open_nursery() as n:
+        t0 = trio.current_time()
         await n.start(node.run)
+        note("a node's start", trio.current_time() - t0)
         try:
             yield node
         finally:
+            t_stop = trio.current_time()
             n.cancel_scope.cancel()
+    note("a node's stop", trio.current_time() - t_stop)
 
 
 @asynccontextmanager
@@ -52,5 +57,6 @@ async def wait_for(pred, timeout_s: float, what: str, poll_s: float = 0.05) -> f
     with trio.move_on_after(timeout_s):
         while not pred():
             await trio.sleep(poll_s)
+        note(what, trio.current_time() - t0)
         return trio.current_time() - t0
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

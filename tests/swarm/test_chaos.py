@@ -24,7 +24,7 @@ def applied(res: ChaosResult) -> list[str]:
 
 def test_two_replicas_survive_a_broker_freeze_a_fast_broker_restart_and_a_kill_near_the_end(tmp_path):
     """Two replicas, no backup: every fault leaves a group of one, and the split of two must resolve."""
-    res = ChaosRun(ChaosConfig(workdir=tmp_path, nodes=2, replicas=2, steps=400, seed=1, random_faults=0,
+    res = ChaosRun(ChaosConfig(workdir=tmp_path, nodes=2, replicas=2, steps=300, seed=1, random_faults=0,
                                stop_s=(6.0, 7.0))).run()
     assert res.ok, verdict(res)
     assert sorted(applied(res)) == ["broker-freeze", "broker-restart", "kill near the end"], verdict(res)
@@ -32,7 +32,7 @@ def test_two_replicas_survive_a_broker_freeze_a_fast_broker_restart_and_a_kill_n
 
 
 def test_five_nodes_three_active_two_backups_survive_seeded_chaos(tmp_path):
-    res = ChaosRun(ChaosConfig(workdir=tmp_path, nodes=5, replicas=3, steps=500, seed=2, random_faults=2,
+    res = ChaosRun(ChaosConfig(workdir=tmp_path, nodes=5, replicas=3, steps=350, seed=2, random_faults=2,
                                stop_s=(6.0, 8.0))).run()
     assert res.ok, verdict(res)
     kinds = applied(res)

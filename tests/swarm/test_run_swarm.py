@@ -17,6 +17,7 @@ from shoal.node.localswarm import LocalSwarm, LocalSwarmConfig
 from shoal.protocol import manifest as mf
 from shoal.swarm.net.identity import load_or_create_identity
 from tests.helpers.progress import newest_step, training
+from tests.helpers.timeline import note
 
 pytestmark = pytest.mark.slow
 SHOAL = [sys.executable, "-m", "shoal.node.cli"]
@@ -51,6 +52,7 @@ def wait(pred, timeout_s: float, what: str, s: LocalSwarm) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if pred():
+            note(what, time.monotonic() - t0)
             return time.monotonic() - t0
         time.sleep(0.2)
     rows = [json.dumps({k: r.get(k) for k in ("index", "role", "slot", "step", "state", "state_hash", "error")})
