@@ -497,6 +497,7 @@ class RunRuntime:
             if plan.stages > 1 else contextlib.nullcontext()  # a pipeline stage's links to its lane neighbours
         async with links as hub, trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._halt_when_cancelled)
             if hub is not None:
                 verifier = StageVerifier(
                     me=sv.peer_id, run_id=m.run_id, fraction=plan.pipeline.verify_fraction,
@@ -572,13 +573,27 @@ class RunRuntime:
                     f"slots {point.slots} checkpointed; the others enter from their stage")
         return point.step, point.seating
 
-    async def leave(self, *, tell_broker: bool = True) -> None:
-        """Leave the run: a round in progress ends now (the trainer thread is not held to its deadline), and the
-        broker hears of it (it moves a backup into the slot at once) unless `tell_broker` is false."""
+    def _halt(self) -> None:
+        """A round in progress ends now, and a wait on a lane link fails now: the trainer thread is not held to
+        their deadlines."""
         if self.collective is not None:
             self.collective.close()
         if self.links is not None:
             self.links.halt()
+
+    async def _halt_when_cancelled(self) -> None:
+        """Sleeps for as long as the run goes on. Cancelled (the node torn down without a leave: interrupted, failed,
+        or its task cancelled), it halts the run at once: a worker thread cannot be cancelled, so the run's nursery
+        would otherwise wait for the trainer thread's round or lane wait to reach its deadline (seconds per stop)."""
+        try:
+            await trio.sleep_forever()
+        finally:
+            self._halt()
+
+    async def leave(self, *, tell_broker: bool = True) -> None:
+        """Leave the run: a round in progress ends now (the trainer thread is not held to its deadline), and the
+        broker hears of it (it moves a backup into the slot at once) unless `tell_broker` is false."""
+        self._halt()
         if self.client is not None and tell_broker:
             with trio.move_on_after(self.config.leave_timeout_s):
                 try:
