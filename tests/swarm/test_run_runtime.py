@@ -4,6 +4,7 @@ step with exactly the group's state, and a member sending poisoned updates is ev
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -244,3 +245,41 @@ async def test_a_warm_backup_takes_a_dead_members_slot_with_a_short_catch_up(syn
         assert entry["step"] > 10 and entry["bytes_pulled"] < whole / 2.4, (entry, whole)
         assert len(hashes(group)) == 1
         n.cancel_scope.cancel()
+
+
+async def test_a_node_torn_down_while_its_round_waits_stops_at_once_not_at_the_deadline():
+    """Torn down without a leave (its task cancelled: a failure or an interrupt) while its trainer thread waits in a
+    round for a member that sends nothing, a node stops within seconds, not at the round's 30 s deadline: a worker
+    thread cannot be cancelled, so the run halts its round for it."""
+    cfg = node_config(manifest("allreduce", replicas=2), 500)
+    cfg = replace(cfg, run=replace(cfg.run, round_timeout_s=30.0))
+    release = threading.Event()
+    stopped = trio.Event()
+
+    async def node(join, *, task_status=trio.TASK_STATUS_IGNORED):
+        with trio.CancelScope() as scope:
+            try:
+                async with running_node(join, cfg) as n:
+                    task_status.started((n, scope))
+                    await trio.sleep_forever()
+            finally:
+                stopped.set()
+
+    async with trio.open_nursery() as nursery:
+        first, kill = await nursery.start(node, ())
+        second, _ = await nursery.start(_node, cfg, first.sh.addrs)
+        await wait_training([first, second], 2, 3, 60, "two replicas")
+        second.runtime.replica.trainer.before_step_hooks.append(lambda t: release.wait(60))  # silent from now on
+        coll = first.runtime.collective
+        await wait_for(lambda: coll._active, 20, "the first node's round to wait for the silent member")
+        await trio.sleep(1.0)
+        assert coll._active  # still waiting: the deadline is 29 s away
+        t0 = trio.current_time()
+        kill.cancel()
+        await stopped.wait()
+        took = trio.current_time() - t0
+        release.set()
+        nursery.cancel_scope.cancel()
+    print(f"a node torn down while its round waited stopped in {took:.2f} s (the round's deadline: 30 s)")
+    assert took < 5.0
+
