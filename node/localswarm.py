@@ -176,7 +176,7 @@ class LocalSwarm:
         return f"/{proto}/{host}/tcp/0"
 
     def start_node(self, index: int, join: list[str], *, address_file: Path | None = None,
-                   extra: list[str] = ()) -> NodeProcess:
+                   join_wait_s: float | None = None) -> NodeProcess:
         wd = self.config.workdir
         status, logf, outf = wd / f"node{index}.json", wd / f"node{index}.log", wd / f"node{index}.out"
         status.unlink(missing_ok=True)
@@ -189,7 +189,8 @@ class LocalSwarm:
                *self.config.extra_node_args]
         if address_file is not None:
             cmd += ["--address-file", str(address_file)]
-        cmd += extra
+        if join_wait_s is not None:
+            cmd += ["--join-wait", f"{join_wait_s:g}"]
         for a in join:
             cmd += ["--join", a]
         with self.guard.critical(), open(outf, "ab") as out:
@@ -244,16 +245,16 @@ class LocalSwarm:
         together = n <= 2 * (os.cpu_count() or 1)
         progress("starting node 0 (the bootstrap and the run's broker)"
                  + (f" and nodes 1 to {n - 1}, which join it once it is up…" if n > 1 and together else "…"))
-        address_file = self.config.workdir / "node0.addrs"
-        address_file.unlink(missing_ok=True)
+        address_file = self.config.workdir / "node0.addrs" if together else None
+        if address_file is not None:
+            address_file.unlink(missing_ok=True)
         first = self.start_node(0, [], address_file=address_file)
-        wait = ["--join-wait", f"{self.config.start_timeout_s:g}"]
-        if together:
+        if address_file is not None:
             for i in range(1, n):
-                self.start_node(i, [f"@{address_file}"], extra=wait)
+                self.start_node(i, [f"@{address_file}"], join_wait_s=self.config.start_timeout_s)
         self.wait_ready(first)
         self.write_swarm_file()
-        if not together:
+        if address_file is None:
             join = self.bootstrap_addrs()
             for i in range(1, n):
                 self.start_node(i, join)

@@ -76,11 +76,10 @@ def cache_dir() -> Path:
     return Path(base) / "shoal"
 
 
-def hardware_profile(device: str, home: Path | None, *, folder: Path | None = None,
-                     timeout_s: float = 120.0) -> HardwareProfile:
-    """The profile for `device`, from the machine's cache (`cache_dir()` unless `folder` names one) when it is fresh,
-    else measured by the probe subprocess; free disk is that of `home` (where the node keeps its state)."""
-    cache = (folder if folder is not None else cache_dir()) / f"hardware-{device.replace(':', '_')}.json"
+def hardware_profile(device: str, home: Path | None, *, timeout_s: float = 120.0) -> HardwareProfile:
+    """The profile for `device`, from the machine's cache (`cache_dir()`) when it is fresh, else measured by the
+    probe subprocess; free disk is that of `home` (where the node keeps its state)."""
+    cache = cache_dir() / f"hardware-{device.replace(':', '_')}.json"
     data = None
     try:
         if time.time() - cache.stat().st_mtime < CACHE_TTL_S:
@@ -100,7 +99,7 @@ def hardware_profile(device: str, home: Path | None, *, folder: Path | None = No
             cache.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(data))
             os.replace(tmp, cache)
-        except OSError as e:  # a read-only home (a container's user without one): measured again next time
+        except OSError as e:  # a cache folder that cannot be written (a user without a home): measured again
             log.info("hardware profile not cached at %s: %s", cache, e.strerror or e)
     where = home if home is not None and home.exists() else Path.cwd()
     free_disk = shutil.disk_usage(where).free

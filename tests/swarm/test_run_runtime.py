@@ -208,12 +208,17 @@ async def test_a_poisoning_member_is_evicted_and_the_backup_takes_its_slot(sync)
             assert all(n.runtime.replica.trainer.step_count == steps for n in group)
 
 
-async def _node(cfg, join, *, task_status=trio.TASK_STATUS_IGNORED):
-    """A node that can be killed (its scope cancelled: no leave notice, its host closes)."""
-    with trio.CancelScope() as scope:
-        async with running_node(join, cfg) as node:
-            task_status.started((node, scope))
-            await trio.sleep_forever()
+async def _node(cfg, join, stopped: trio.Event | None = None, *, task_status=trio.TASK_STATUS_IGNORED):
+    """A node that can be killed (its scope cancelled: no leave notice, its host closes); `stopped` is set once it
+    is down."""
+    try:
+        with trio.CancelScope() as scope:
+            async with running_node(join, cfg) as node:
+                task_status.started((node, scope))
+                await trio.sleep_forever()
+    finally:
+        if stopped is not None:
+            stopped.set()
 
 
 @pytest.mark.parametrize("sync", ["cocktail", "diloco"])
@@ -255,18 +260,8 @@ async def test_a_node_torn_down_while_its_round_waits_stops_at_once_not_at_the_d
     cfg = replace(cfg, run=replace(cfg.run, round_timeout_s=30.0))
     release = threading.Event()
     stopped = trio.Event()
-
-    async def node(join, *, task_status=trio.TASK_STATUS_IGNORED):
-        with trio.CancelScope() as scope:
-            try:
-                async with running_node(join, cfg) as n:
-                    task_status.started((n, scope))
-                    await trio.sleep_forever()
-            finally:
-                stopped.set()
-
     async with trio.open_nursery() as nursery:
-        first, kill = await nursery.start(node, ())
+        first, kill = await nursery.start(_node, cfg, (), stopped)
         second, _ = await nursery.start(_node, cfg, first.sh.addrs)
         await wait_training([first, second], 2, 3, 60, "two replicas")
         second.runtime.replica.trainer.before_step_hooks.append(lambda t: release.wait(60))  # silent from now on
