@@ -11,7 +11,7 @@ import trio
 
 from shoal.protocol.admission import admission_key, admission_proof
 from shoal.protocol.assignment import (
-    BACKUP, GONE, RUN_RECORD_TYPES, AdmitRequest, AdmitResponse, AssignmentTable, BrokerLease,
+    ACTIVE, BACKUP, GONE, RUN_RECORD_TYPES, AdmitRequest, AdmitResponse, AssignmentTable, BrokerLease,
     MissingReport, RollbackRequest, slot_name)
 from shoal.protocol.envelope import Signed, open_envelope
 from shoal.protocol.errors import ProtocolError
@@ -27,6 +27,8 @@ from shoal.swarm.run.tablerpc import table_answer, table_digest
 from shoal.swarm.run.timeline import group_of
 
 log = logging.getLogger(__name__)
+
+LEASE_WITNESSES = 3  # members a standby asks for the broker's lease before it takes over
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +75,7 @@ class RunClient:
         self.admitted = False
         self.broker_alive_at = self.clock()  # the last evidence that the table's broker renews its lease
         self._lease_issued = 0.0  # issue time of the newest lease of the table's broker seen (its wall clock)
+        self._lease_env: bytes | None = None  # ... that lease, signed: served with our table, so a standby can check
         self._standbys: set[str] = set()  # the standbys named by accepted tables of the current lease epoch
         self.deltas_applied = 0  # newer tables gossiped as deltas: rebuilt and taken
         self.deltas_missed = 0  # ... and not (made from a table we do not hold, or refused): the poll brings them
@@ -186,7 +189,7 @@ class RunClient:
         if self.table is None or t.lease_epoch != self.table.lease_epoch:
             self._standbys = set()
         if new_broker:
-            self._lease_issued = 0.0
+            self._lease_issued, self._lease_env = 0.0, None
         if t.standby is not None:
             self._standbys.add(t.standby)
         self.authority.note(t)
@@ -233,7 +236,7 @@ class RunClient:
             if t is not None and rec.run_id == self.ctx.run_id and rec.peer_id == t.peer_id \
                     and rec.lease_epoch >= t.lease_epoch and rec.time > self._lease_issued \
                     and rec.time <= now + slack and rec.expires_at + slack > now:
-                self._lease_issued = rec.time
+                self._lease_issued, self._lease_env = rec.time, signed.raw
                 self.broker_alive_at = self.clock()
             return True
         return False
@@ -266,7 +269,10 @@ class RunClient:
                 return await broker.handle(method, self.me, body)
             except NotBroker as e:
                 raise RpcError(str(e)) from e
-        return await call(self.ctx.sh, self.broker_id, method, body, timeout_s=self.config.rpc_timeout_s)
+        return await self._call(self.broker_id, method, body)
+
+    async def _call(self, peer_id: str, method: str, body: Any) -> Any:
+        return await call(self.ctx.sh, peer_id, method, body, timeout_s=self.config.rpc_timeout_s)
 
     async def admit(self) -> AdmitResponse:
         """Ask the broker for a place; raise AdmissionError if refused, RpcError if it could not be reached."""
@@ -344,7 +350,7 @@ class RunClient:
             body: dict[str, Any] = {"run_id": self.ctx.run_id}
             if self.table_env:  # the answer carries the table only when it is not the one we hold
                 body["have"] = table_digest(self.table_env)
-            ans = await call(self.ctx.sh, peer_id, "run.table", body, timeout_s=self.config.rpc_timeout_s)
+            ans = await self._call(peer_id, "run.table", body)
         except RpcError as e:
             log.debug("table poll of %s failed: %s", peer_id, e)
             return False
@@ -366,6 +372,43 @@ class RunClient:
         why = self.authority.refuses(t) if isinstance(t, AssignmentTable) and t.run_id == self.ctx.run_id else None
         if why is not None and self.ctx.penalties is not None:
             self.ctx.penalties.penalize(peer_id, f"served a run table {why}")
+
+    async def _lease_seen_elsewhere(self) -> bool:
+        """A last look before taking over, for evidence this standby may have missed (a starved process reads its
+        gossip late, and its own poll of the broker may time out while the others are served): a fresh lease in the
+        DHT, or a renewal newer than ours that a few of the run's members hold (each serves the newest it saw with
+        its table). Only the broker's signed lease counts, under the same rule as gossip, so a member can neither
+        forge one nor keep a dead broker alive past its lease by replaying an old one; a member that lies by
+        silence only lets the takeover go ahead, as the DHT's answer alone did before. All asked at once, so a
+        dead broker's takeover waits no longer than the DHT's timeout."""
+        t = self.table
+        if t is None:
+            return False
+        alive = False
+
+        async def dht() -> None:
+            nonlocal alive
+            if await self._dht_lease_alive(t.peer_id):
+                self.broker_alive_at = self.clock()
+                alive = True
+
+        asked = self.lease_witnesses(t)
+        async with trio.open_nursery() as n:
+            n.start_soon(dht)
+            for p in asked:
+                n.start_soon(self._poll, p)  # a newer lease in its answer is taken as gossip would be
+        if alive or not self.lease_lapsed():
+            log.warning("run %s: the lease of %s looked lapsed here, but %s shows it renewed: not taking over",
+                        self.ctx.run_id[:16], t.peer_id[:16], "the DHT" if alive else "a member's answer")
+            return True
+        return False
+
+    def lease_witnesses(self, t: AssignmentTable) -> list[str]:
+        """Up to LEASE_WITNESSES providers to ask about the broker's lease: slot holders first, then backups (the
+        table's order, so the same few are asked each time; neither us nor the broker)."""
+        states = t.provider_states()
+        order = [p for p, s in states.items() if s == ACTIVE] + [p for p, s in states.items() if s == BACKUP]
+        return [p for p in order if p not in (self.me, t.peer_id)][:LEASE_WITNESSES]
 
     async def _dht_lease_alive(self, broker: str) -> bool:
         """A last look before taking over: is there a fresh lease of `broker` in the DHT?"""
@@ -438,12 +481,9 @@ class RunClient:
         elif not self.is_broker():
             if not await self._poll(t.peer_id):
                 await self._follow_standby()  # it may have taken over
-            if self.lease_lapsed():
-                if await self._dht_lease_alive(self.broker_id):
-                    self.broker_alive_at = self.clock()
-                else:
-                    await self.take_over()
-                    return
+            if self.lease_lapsed() and not await self._lease_seen_elsewhere():
+                await self.take_over()
+                return
         if self.admitted and self.evicted():
             self.admitted = False
             log.error("run %s evicted this node: most of its group rejected its updates; the run's brokers will not "
@@ -490,7 +530,10 @@ class RunClient:
         broker = self.local_broker
         if broker is not None and not broker.deposed:  # (is_broker())
             return await broker.handle("run.table", caller, body)
-        return {"table": table_answer(self.table_env, body)}
+        ans: dict[str, Any] = {"table": table_answer(self.table_env, body)}
+        if self._lease_env is not None:  # the newest renewal we saw: a standby asks before it takes over
+            ans["lease"] = self._lease_env
+        return ans
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.ctx.register("run.ping", self._rpc_ping)

@@ -22,6 +22,9 @@ from shoal.swarm.net.identity import peer_id_of
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.net.pulse import Pulse, PulseConfig
 from shoal.protocol.wire import pack
+from shoal.protocol import PROTOCOL_VERSION
+from shoal.protocol.envelope import signing_payload
+from shoal.protocol.signing import sign
 from shoal.swarm.net.rpc import BadRequest, RpcError
 from shoal.swarm.run.broker import Broker, BrokerConfig, NotBroker
 from shoal.swarm.run.context import RunContext
@@ -463,6 +466,86 @@ async def test_a_later_table_of_the_old_broker_cannot_make_a_node_reject_the_sta
     assert client.broker_id == me.peer_id and client.table.lease_epoch == 1
     stranger = Broker.from_table(context(clock), CFG, standby_table)  # never named standby: not trusted
     assert not client.accept_envelope(stranger.table_env, stranger.ctx.me)
+
+
+class Witnessed(RunClient):
+    """A standby whose RPCs reach in-memory run clients (`peers`, by peer id: real RunClients answering with their
+    own handler); anyone else, the broker included, does not answer, and the DHT holds no fresh lease."""
+
+    peers: dict[str, RunClient] = {}
+
+    async def _call(self, peer_id, method, body):
+        if peer_id not in self.peers or method != "run.table":
+            raise RpcError(f"{peer_id[:8]} does not answer")
+        return await self.peers[peer_id]._rpc_table(self.me, body)
+
+    async def _dht_lease_alive(self, broker):
+        return False
+
+
+async def starved_standby(clock, witness_lease) -> tuple[Broker, Witnessed, list[RunClient]]:
+    """A standby whose lease evidence is `lease_timeout_s` old (it read no gossip while starved), and two members
+    that each accepted `witness_lease(broker)` (an envelope) as the newest lease they saw."""
+    b = Broker(context(clock), CFG)
+    me = signer()
+    assert (await b.admit(me.peer_id, AdmitRequest(run_id=b.ctx.run_id, hardware=HW))).admitted
+    members = []
+    for m in [signer(), signer()]:
+        assert (await b.admit(m.peer_id, AdmitRequest(run_id=b.ctx.run_id, hardware=HW))).admitted
+        members.append(RunClient(context(clock, me=m), HW, broker_id=b.ctx.me, broker_config=CFG))
+    client = Witnessed(context(clock, me=me), HW, broker_id=b.ctx.me, broker_config=CFG)
+    assert client.accept_envelope(b.table_env, b.ctx.me) and client.table.standby == me.peer_id
+    assert client.accept_envelope(lease_env(b, 1.7e9 - 4), b.ctx.me)
+    for m in members:
+        assert m.accept_envelope(b.table_env, b.ctx.me)
+        m.accept_envelope(witness_lease(b), b.ctx.me)
+    client.peers = {m.me: m for m in members}
+    assert sorted(client.lease_witnesses(client.table)) == sorted(client.peers)  # neither itself nor the broker
+    clock.advance(CFG.lease_timeout_s + 0.5)
+    assert client.lease_lapsed()
+    return b, client, members
+
+
+async def follow_once(client: RunClient) -> None:
+    async with trio.open_nursery() as n:
+        client._nursery = n
+        await client._follow_once()
+        n.cancel_scope.cancel()
+
+
+async def test_a_starved_standby_does_not_take_over_while_members_hold_a_newer_renewal_of_the_lease():
+    """Seen in a suite run with eight nodes starting at once on two cores: a standby that read its gossip late took
+    over a live broker's run, every other member refused the takeover, and the run stayed split for minutes."""
+    clock = FakeClock()
+    b, client, members = await starved_standby(clock, lambda b: lease_env(b, 1.7e9))  # renewed after ours
+    assert all(m._lease_env == lease_env(b, 1.7e9) for m in members)  # taken from gossip, served with the table
+    await follow_once(client)
+    assert not client.is_broker() and not client.lease_lapsed() and client.broker_id == b.ctx.me
+    clock.advance(CFG.lease_timeout_s + 0.5)  # ... and once that renewal is as old, with no newer one: it takes over
+    await follow_once(client)
+    assert client.is_broker() and client.table.lease_epoch == 1
+
+
+def forged_lease(b: Broker) -> bytes:
+    """A fresh lease in the broker's name, signed by someone else."""
+    lease = BrokerLease(peer_id=b.ctx.me, run_id=b.ctx.run_id, lease_epoch=0, time=1.7e9, expires_at=1.7e9 + 6)
+    body = pack(lease.to_wire())
+    return pack({"v": PROTOCOL_VERSION, "kind": "lease", "body": body,
+                 "sig": sign(signer().key, signing_payload("lease", body))})
+
+
+@pytest.mark.parametrize("serve", [
+    lambda b: lease_env(b, 1.7e9 - 4),  # the broker died: the members saw no renewal after ours either
+    lambda b: lease_env(b, 1.7e9 - 12),  # a lying member replays an old lease of the broker
+    forged_lease,  # ... or forges a fresh one
+], ids=["same-lease", "replayed-old-lease", "forged-lease"])
+async def test_a_standby_takes_over_when_no_member_holds_a_valid_newer_renewal(serve):
+    clock = FakeClock()
+    b, client, members = await starved_standby(clock, lambda b: lease_env(b, 1.7e9 - 4))
+    for m in members:
+        m._lease_env = serve(b)  # what each serves with its table (a liar serves what it would not accept itself)
+    await follow_once(client)
+    assert client.is_broker() and client.table.lease_epoch == 1 and client.takeovers
 
 
 class ScriptedStandby(RunClient):
