@@ -19,6 +19,7 @@ from shoal.node.run.replica import Replica
 from shoal.node.run.votes import Call, HashVotes
 from shoal.swarm.net.rpc import RpcError
 from shoal.swarm.run.group import Group
+from shoal.swarm.state.agreed import NobodyHolds, NoSourceLeft
 from shoal.swarm.state.transfer import StateTransferError
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,8 @@ class Consistency:
         self.replica.state = "syncing"
         members = [m for m in (group.members if group is not None else (src,)) if m != self.services.peer_id]
         try:  # planned until the pull ends: meanwhile this node publishes no claim about the step it replaces
-            await self.replica.load(await self.pulls.revision(step, members, unheld_gives_up=True,
-                                                              wanted=lambda: src in self.services.live()))
+            await self.replica.load(await self.pulls.revision(step, members, wanted=lambda: src in self.services.live(),
+                                                              gives_up_on=(NobodyHolds, NoSourceLeft)))
         except StateTransferError as e:
             log.warning("could not re-fetch step %d (%s): voting again", step, e)
             return

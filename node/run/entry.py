@@ -23,11 +23,14 @@ from shoal.node.run.snapshots import SnapshotStore
 from shoal.protocol.assignment import AssignmentTable
 from shoal.swarm.run.client import RunClient
 from shoal.swarm.run.timeline import GroupTimeline
+from shoal.swarm.state.agreed import NobodyHolds
+from shoal.swarm.state.snapshot import Snapshot
 from shoal.swarm.state.transfer import StateTransferError
 
 log = logging.getLogger(__name__)
 
 READY_POLL_S = 1.0  # a node waiting for a slot (or a backup) re-checks the table at least this often
+LOST_CONFIRM_S = 3.0  # a stage whose members all say they cannot serve its state is asked again after this long
 
 Build = Callable[[int, int], Awaitable[None]]  # (stage, replica) -> the replica's new trainer is built
 Spawn = Callable[[Callable[[], Awaitable[Any]]], None]  # start a task in the run's nursery
@@ -95,8 +98,10 @@ class Entry:
         t0 = clock()
         log.info("entering the group at step %d: pulling that revision from %s", step, [p[-8:] for p in peers])
         try:
-            snap = await self.pulls.revision(step, peers,
-                                             wanted=lambda: self.timeline.entry() == (step, stage, replica))
+            snap = await self._pull_entry(step, stage, replica, peers)
+            if snap is None:  # every member that had the stage lost its state: it is lost all the same
+                await self._bring_back(stage, replica, step)
+                return True
             await r.load(snap)
         except StateTransferError as e:  # no majority state to enter with (the replicas differ until their vote
             # settles it), a state that does not fit, or the slot changed: wait for the broker's next table and try
@@ -133,24 +138,62 @@ class Entry:
         lost = rec.lost_stages(step, stage, holds_own=r.at_step > 0 and r.slot == (stage, replica))
         if not lost:
             return False
-        r.state = "syncing"
         if stage in lost:
-            got = await rec.rebuild(stage, replica, step)
-            why = "nothing to rebuild it from" if got is None else \
-                await self.client.rollback(stage, got[0].revision, got[1])
-            if why is not None:
-                log.error("stage %d cannot come back now (%s): waiting for the next table", stage, why)
-                r.state = "ready"
-                await self.wait_for_table(self.config.round_timeout_s)
-                return True
-        else:
-            log.warning("stage(s) %s lost every replica: waiting for the run to roll back instead of entering at "
-                        "step %d", lost, step)
+            await self._bring_back(stage, replica, step)
+            return True
+        r.state = "syncing"
+        log.warning("stage(s) %s lost every replica: waiting for the run to roll back instead of entering at step %d",
+                    lost, step)
+        await self._wait_for_rollback(step, stage, replica)
+        return True
+
+    async def _pull_entry(self, step: int, stage: int, replica: int, peers: list[str]) -> Snapshot | None:
+        """The group's state at `step` from `peers` (the members the stage had before it), or None once the live ones
+        have said twice, LOST_CONFIRM_S or more apart, that none of them holds that revision or trains toward it
+        (each was restarted, or is entering itself: nobody can serve the stage, although none of them is gone).
+        Silence is no such answer: a pull nobody answers ends after `state_pull_timeout_s` (StateTransferError)."""
+        def wanted() -> bool:
+            return self.timeline.entry() == (step, stage, replica)
+
+        deadline = trio.current_time() + self.config.state_pull_timeout_s
+        said_once = False
+        while True:
+            try:
+                return await self.pulls.revision(step, peers, wanted=wanted, gives_up_on=(NobodyHolds,))
+            except NobodyHolds as e:
+                if e.asked and said_once:
+                    log.warning("stage %d: %s, said twice: its state is lost", stage, e)
+                    return None
+                said_once = said_once or e.asked > 0
+                log.info("stage %d: %s; asking again in %.0f s", stage, e, LOST_CONFIRM_S)
+            await trio.sleep(LOST_CONFIRM_S)
+            if not wanted():
+                raise StateTransferError(f"revision {step} is no longer wanted (this node's slot changed)")
+            if trio.current_time() > deadline:
+                raise StateTransferError(f"no member of stage {stage} answered for revision {step} within "
+                                         f"{self.config.state_pull_timeout_s:g} s")
+
+    async def _bring_back(self, stage: int, replica: int, step: int) -> None:
+        """This node's stage lost every replica: rebuild it (shards, else a disk checkpoint, else the run's start while
+        nobody can hold a checkpoint of it; node/run/recovery.py), ask the run to roll back there, and wait for the
+        table that says so."""
+        r = self.replica
+        r.state = "syncing"
+        got = await self.recovery.rebuild(stage, replica, step)
+        why = "nothing to rebuild it from" if got is None else await self.client.rollback(stage, *got)
+        if why is not None:  # refused for now (another member of the stage has yet to ask, say), or no way back
+            log.log(logging.ERROR if got is None else logging.WARNING,
+                    "stage %d cannot come back now (%s): waiting for the next table", stage, why)
+            r.state = "ready"
+            await self.wait_for_table(self.config.round_timeout_s)
+            return
+        await self._wait_for_rollback(step, stage, replica)
+
+    async def _wait_for_rollback(self, step: int, stage: int, replica: int) -> None:
         with trio.move_on_after(self.config.state_pull_timeout_s):
             while StageRecovery.rollback_due(self.timeline.latest, self.rolled()) is None \
                     and self.timeline.entry() == (step, stage, replica):
                 await self.client.wait_changed()
-        return True
 
     async def enter_at_end(self, limit: int, stage: int, replica: int) -> None:
         """Our slot takes effect at or past the run's last step (a slot filled near the end): the run ends before

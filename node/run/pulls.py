@@ -14,7 +14,7 @@ from shoal.node.run.snapshots import SnapshotStore
 from shoal.swarm.net.host import SwarmHost
 from shoal.swarm.net.penalty import Penalties
 from shoal.swarm.run.client import RunClient
-from shoal.swarm.state.agreed import NobodyHolds, NoSourceLeft, pull_agreed
+from shoal.swarm.state.agreed import pull_agreed
 from shoal.swarm.state.snapshot import Snapshot
 from shoal.swarm.state.transfer import StateTransferConfig, StateTransferError
 
@@ -61,15 +61,16 @@ class StatePulls:
         self.evicted = evicted  # the members the run evicted (the newest table's list): they have no say
 
     async def revision(self, revision: int, peers: list[str], *, wanted: Callable[[], bool] | None = None,
-                       unheld_gives_up: bool = False) -> Snapshot:
+                       gives_up_on: tuple[type[StateTransferError], ...] = ()) -> Snapshot:
         """The whole entry state at exactly `revision` that the group's rule agrees on among `peers` (the members
         entitled to state it; the live ones vote, the others count as gone, and members the run evicted on a majority
         verdict have no say), from a random one of those holding it, checked before it is returned
         (swarm/state/agreed.py). Waits while no majority has reached the revision.
         `wanted`: asked before every retry; once False the pull is given up (the slot it was for has changed).
-        `unheld_gives_up`: give up at once when none of the live peers holds the revision or trains toward it, or
-        when every one holding the agreed state failed to serve it (a re-fetch: the node goes on from its own state,
-        and the next vote picks a new revision, instead of standing still while its group-mates wait on it).
+        `gives_up_on`: the failures that end the pull at once, raised as they are: NobodyHolds (none of the live
+        peers holds the revision or trains toward it) and NoSourceLeft (every one holding the agreed state failed to
+        serve it) for a re-fetch, which goes on from its own state while the next vote picks a new revision instead
+        of standing still while its group-mates wait on it; NobodyHolds for an entry, whose stage is then lost.
         A source that serves another state than the hash it claimed is not pulled from again in this pull (retrying it
         would only fetch its lie again, and penalize it into a ban the group then feels as its silence)."""
         deadline = trio.current_time() + self.config.state_pull_timeout_s
@@ -88,7 +89,7 @@ class StatePulls:
             except StateTransferError as e:
                 last = e
                 log.debug("revision %d: %s", revision, e)
-                if unheld_gives_up and isinstance(e, (NobodyHolds, NoSourceLeft)):
+                if isinstance(e, gives_up_on):
                     raise
             await trio.sleep(PULL_RETRY_S)
         raise StateTransferError(f"no majority of the members served revision {revision} within "

@@ -125,11 +125,12 @@ class StageRecovery:
         rest = [s.peer_id for s in t.slots] + list(t.backups) if t is not None else []
         return list(dict.fromkeys(p for p in said + rest if p != self.me))[:MAX_ASKED]
 
-    async def rebuild(self, stage: int, replica: int, entry: int) -> tuple[Snapshot, str] | None:
-        """The state of `stage` (which lost every replica) to roll the run back to, and where it came from: its
-        newest revision before `entry` that k good shards rebuild (every other stage keeps its own snapshot of the
-        revisions shards were placed for), else the newest step at which every stage has a disk checkpoint in this
-        node's checkpoint folder (this slot's own first). None when neither is to be had."""
+    async def rebuild(self, stage: int, replica: int, entry: int) -> tuple[int, str] | None:
+        """The revision of `stage` (which lost every replica) to roll the run back to, and where its state comes
+        from: the newest revision before `entry` that k good shards rebuild (every other stage keeps its own snapshot
+        of the revisions shards were placed for), else the newest step at which every stage has a disk checkpoint in
+        this node's checkpoint folder (this slot's own first), else the run's start while no node can hold a disk
+        checkpoint of the stage (`start_allowed`). None when none of these is to be had."""
         t0 = trio.current_time()
         try:
             got = await self.shards.rebuild(stage, self._shard_peers(stage), revision_ok=lambda r: r < entry)
@@ -145,8 +146,15 @@ class StageRecovery:
                         "%.2f s, %d rejected), hash %s… as placed", stage, got.snapshot.revision, len(got.used),
                         got.bytes_pulled / 1e6, got.seconds, len(got.rejected), got.snapshot.hash[:12])
             self.rebuilt = (stage, got.snapshot, "shards")
-            return got.snapshot, "shards"
+            return got.snapshot.revision, "shards"
         disk = await trio.to_thread.run_sync(self._newest_on_disk, stage, replica)
+        if disk is None and self.start_allowed(entry):
+            self.notice = f"stage {stage} lost before its first checkpoint, no shards: the run goes back to its start"
+            log.warning("stage %d lost every replica at step %d, before any node could checkpoint it, and no shards "
+                        "rebuild it (%s): the run goes back to its start", stage, entry, why)
+            self.rebuilds.append({"stage": stage, "revision": 0, "source": "start", "at": time.time(),
+                                  "seconds": round(trio.current_time() - t0, 3)})
+            return 0, "start"
         if disk is None:
             self.notice = f"stage {stage} lost: too few shards and no disk checkpoint of every stage here"
             log.error("stage %d is lost: %s; no disk checkpoint of every stage in %s either (%s)", stage, why,
@@ -160,7 +168,15 @@ class StageRecovery:
                               "at": time.time(),
                               "seconds": round(trio.current_time() - t0, 3)})
         self.rebuilt = (stage, snap, "disk")
-        return snap, "disk"
+        return meta.step, "disk"
+
+    def start_allowed(self, entry: int) -> bool:
+        """Whether a stage lost at `entry` with nothing to rebuild it from may send the run back to its start: only
+        while no node can hold a disk checkpoint of it (the first is written at step `checkpoint.every_steps`; with
+        checkpoints at the end only, none before). Past that, a node of the stage restarted with `--resume` brings
+        it back, and the run waits for one rather than lose its progress."""
+        every = self.manifest.checkpoint.every_steps
+        return every == 0 or entry <= every
 
     def _newest_on_disk(self, stage: int, replica: int) -> tuple[Snapshot, CheckpointMeta] | None:
         """Worker thread: `stage`'s checkpoint at the newest step every stage has one for, under the checkpoint
@@ -190,9 +206,12 @@ class StageRecovery:
     async def state_at(self, order: Rollback, stage: int, replica: int) -> Snapshot | None:
         """This slot's own state at the rollback's revision: the state this node rebuilt (the lost stage), its own
         snapshot (after shards), or its own disk checkpoint (after the disk fallback). None when it holds none: it
-        then enters at that revision with its stage group's state, as a joiner does."""
+        then enters at that revision with its stage group's state, as a joiner does. None after a rollback to the
+        run's start: every slot builds its initial state again, from the manifest."""
         snap = None
-        if self.rebuilt is not None and self.rebuilt[0] == stage and self.rebuilt[1].revision == order.revision:
+        if order.source == "start":
+            pass
+        elif self.rebuilt is not None and self.rebuilt[0] == stage and self.rebuilt[1].revision == order.revision:
             snap = self.rebuilt[1]
         elif order.source == "shards":
             snap = self.shards.own.get(order.revision)

@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 
 START_POLL_S = 0.5  # a new run's first members re-check whether the group is full this often
 RECENT_SAMPLES = 64  # steps whose share this node keeps for its status file
+PROGRESS_EVERY_S = 1.0  # how often the furthest step the run reached is noted (RunRuntime._reached)
 
 
 class ResumeError(RuntimeError):
@@ -105,6 +106,10 @@ class RunRuntime:
         self.files: RunFiles | None = None  # the files the run names by hash (weights, tokenizer)
         self.recovery: StageRecovery | None = None  # checkpoints, shards, rollbacks (node/run/recovery.py)
         self._rolled = 0  # the count of the newest rollback this node applied
+        # the furthest step the run is known to have reached: where a change takes effect never goes back before it
+        # (every member that had trained there may have restarted without its state), but for a rollback
+        self._reached = 0
+        self._progress_at = -math.inf
         self.error: str | None = None
         self.finished = trio.Event()
         self._start_deadline = 0.0
@@ -175,14 +180,12 @@ class RunRuntime:
         return self.timeline.group_at(step, t.stage if t is not None else None)
 
     def switch_step(self, stage: int) -> int:
-        """Where a group change can take effect: the furthest step anyone reports, plus ~switch_lead_s of steps
-        (every stage of a run steps together, so the same bound serves each)."""
+        """Where a group change can take effect: the furthest step anyone reports (or this node saw reported before:
+        members that restarted report less), plus ~switch_lead_s of steps (every stage of a run steps together, so
+        the same bound serves each)."""
         m = self._manifest()
-        r = self.replica
-        own_rate = r.throughput.tokens_per_s(r.last.tokens_per_s) \
-            if r.throughput is not None and r.last is not None else 0.0
-        steps = self.entitled.progress(r.at_step, m.run_id, self.services.statuses(), own_rate)  # members, clamped
-        top = max(s for s, _ in steps)
+        steps = self._progress()
+        top = self._reached
         if top == 0 and not self._begun(m.run_id):
             return 0  # nothing trained yet, nor under way: the change can apply from the start
         t = self.timeline.table_at(top, stage)
@@ -195,6 +198,17 @@ class RunRuntime:
         own = th.steps_per_s() if th is not None else 0.0
         rate = max(tps / per_step, own) if tps > 0 or own > 0 else 1.0
         return top + max(self.config.switch_lead_min_steps, math.ceil(self.config.switch_lead_s * rate))
+
+    def _progress(self) -> list[tuple[int, float]]:
+        """(step, tokens/s) of this node and of the run's members, clamped (node/run/entitled.py), noting the
+        furthest step among them in `_reached`."""
+        r = self.replica
+        own_rate = r.throughput.tokens_per_s(r.last.tokens_per_s) \
+            if r.throughput is not None and r.last is not None else 0.0
+        steps = self.entitled.progress(r.at_step, self._manifest().run_id, self.services.statuses(), own_rate)
+        self._reached = max(self._reached, max(s for s, _ in steps))
+        self._progress_at = self.clock()
+        return steps
 
     def _begun(self, run_id: str) -> bool:
         """Whether this node, or a member by its status, is training the run: step 0 may be under way (its status
@@ -351,6 +365,7 @@ class RunRuntime:
         r, entry, rec = self.replica, self.entry, self.recovery
         assert entry is not None and rec is not None
         self._rolled, rev = order.count, order.revision
+        self._reached = rev
         log.warning("rolling back to revision %d (%s): stage %d had lost every replica", rev, order.source,
                     order.stage)
         self.snapshots.forget_after(rev)
@@ -381,6 +396,8 @@ class RunRuntime:
         assert entry is not None
         limit = self.config.max_steps if self.config.max_steps is not None else m.optim.total_steps
         while True:
+            if self.clock() - self._progress_at >= PROGRESS_EVERY_S:
+                self._progress()  # where the run got to, while its members can still say so
             order = StageRecovery.rollback_due(self.timeline.latest, self._rolled)
             if order is not None:
                 await self._roll_back(order)

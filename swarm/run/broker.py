@@ -89,6 +89,7 @@ class Broker:
         self.rollback: Rollback | None = None  # the run's last rollback (docs/snapshots.md)
         self.evicted: dict[str, None] = {}  # peers evicted on a majority verdict, oldest first (docs/broker.md)
         self._seated_since: dict[str, int] = {}  # slot holder -> the step from which it holds its slot's state
+        self._start_asks: dict[int, set[str]] = {}  # stage -> members that asked to send the run back to its start
         self._pin_switch = False  # the next rebuild keeps switch_steps as set (a rollback sets them back)
         if resume is not None:
             self.switch_steps = [resume[0]] * self.stages
@@ -270,10 +271,13 @@ class Broker:
     def _reenter(self, p: Provider) -> None:
         """A provider that asks for admission holds no state yet (it just started, or restarted with its identity).
         In a slot whose group took effect at a step the run has passed, it could never catch up: re-form its group
-        so that it enters at a step still ahead, with the group's state."""
-        if p.state == ACTIVE and self.ctx.switch_step is not None \
-                and self.ctx.switch_step(p.stage) > self.switch_steps[p.stage]:
+        so that it enters at a step still ahead, with the group's state. It holds the stage's state from that entry
+        on, not from when it was first seated (what a rollback of its stage is checked against)."""
+        if p.state != ACTIVE:
+            return
+        if self.ctx.switch_step is not None and self.ctx.switch_step(p.stage) > self.switch_steps[p.stage]:
             self.reform(p.stage, f"{p.peer_id[:16]}… (re)started in its slot and enters again")
+        self._seated_since[p.peer_id] = self.switch_steps[p.stage]
 
     def _answer(self, p: Provider) -> AdmitResponse:
         slot = self.seating.slot_of(p.peer_id)
@@ -388,6 +392,8 @@ class Broker:
         req = parse_body(RollbackRequest, body)
         if not self.holds_lease():
             raise NotBroker("this node's broker does not hold the run's lease")
+        if req.source == "start" and self.table is not None and caller in self.table.members(req.stage):
+            self._start_asks.setdefault(req.stage, set()).add(caller)
         why = self.rollback_refusal(caller, req)
         if why is not None:
             log.info("rollback to revision %d asked by %s refused: %s", req.revision, caller[-8:], why)
@@ -401,7 +407,8 @@ class Broker:
     def rollback_refusal(self, caller: str, req: RollbackRequest) -> str | None:
         """Why `caller` may not send the run back to `req.revision` (None: it may). Only a holder of a slot of the lost
         stage may ask, and only while every holder of that stage came after the revision (none of them trained the
-        stage's state through it: it must come from shards or disk), for a revision the run has reached."""
+        stage's state through it: it must come from shards or disk), for a revision the run has reached. Back to the
+        run's start (all its progress) only when most of the stage's members asked."""
         if req.run_id != self.ctx.run_id or req.stage >= self.stages:
             return "another run, or a stage outside the plan"
         members = self.table.members(req.stage) if self.table is not None else ()
@@ -415,6 +422,13 @@ class Broker:
             return f"revision {req.revision} is past every step the run has reached"
         if any(self._seated_since.get(p, 0) <= req.revision for p in members):
             return f"stage {req.stage} still has a member that holds its state at revision {req.revision}"
+        if req.source == "start":  # all the progress goes: not on one member's word
+            if req.revision != 0:
+                return "a rollback to the run's start goes to revision 0"
+            asked, need = len(self._start_asks.get(req.stage, set()) & set(members)), len(members) // 2 + 1
+            if asked < need:
+                return (f"{asked} of the {len(members)} members of stage {req.stage} found it lost; going back to "
+                        f"the run's start takes {need}")
         return None
 
     def roll_back(self, stage: int, revision: int, source: str) -> Rollback:
@@ -426,6 +440,7 @@ class Broker:
         self._group_changed(*range(self.stages))
         self._pin_switch = True
         self._seated_since = {pid: revision for pid in self._seated_since}
+        self._start_asks.clear()
         log.warning("stage %d was lost: the run rolls back to revision %d (from %s; rollback %d)", stage, revision,
                     source, r.count)
         self._rebuild()

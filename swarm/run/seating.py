@@ -77,8 +77,12 @@ class Seating:
         return sorted((p for p in self.providers.values() if p.state == BACKUP), key=lambda p: (p.score, p.order))
 
     def promotable(self, stage: int) -> list[Provider]:
+        """The backups that may take a slot of `stage` now: those keeping it warm, not suspect, not held back after a
+        demotion, and with the memory it needs (a backup that fits no stage, such as a small machine hosting the
+        broker, keeps one warm and is never seated)."""
         now = self.ctx.clock()
-        return [b for b in self.backups() if b.stage == stage and not b.suspect and b.hold_until <= now]
+        return [b for b in self.backups() if b.stage == stage and not b.suspect and b.hold_until <= now
+                and self._fits(b.hardware, stage)]
 
     def _fits(self, hw: HardwareProfile | None, stage: int) -> bool:
         return hw is None or hw.memory_bytes <= 0 or self.ctx.manifest.stage_memory_bytes(stage) <= hw.memory_bytes

@@ -31,7 +31,11 @@ HASH_REPLY_BYTES = 1024
 
 class NobodyHolds(StateTransferError):
     """None of the members asked holds the revision or is training toward it (every one answered NeverHeld): waiting
-    for their answers cannot help while that lasts."""
+    for their answers cannot help while that lasts. `asked`: how many answered so (0: nobody was asked)."""
+
+    def __init__(self, message: str, asked: int):
+        super().__init__(message)
+        self.asked = asked
 
 
 class NoSourceLeft(StateTransferError):
@@ -90,7 +94,8 @@ async def majority_hash(sh: SwarmHost, peers: list[str], *, revision: int, voter
         for p in peers:
             n.start_soon(ask, p)
     if len(never) == len(peers):
-        raise NobodyHolds(f"none of the {len(peers)} members asked holds revision {revision} or trains toward it")
+        raise NobodyHolds(f"none of the {len(peers)} members asked holds revision {revision} or trains toward it",
+                          len(peers))
     top = agreed(answers, max((voters or len(peers)) - len(never), len(answers)))
     if top is None:
         raise StateTransferError(f"no majority of {voters or len(peers)} members holds one state at revision "

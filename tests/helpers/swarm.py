@@ -21,11 +21,11 @@ FAST = NodeConfig(status_interval_s=0.5, membership=MembershipConfig(suspect_aft
 
 @asynccontextmanager
 async def running_node(join: list[str] = (), config: NodeConfig = FAST, penalties=None, key=None, choose_run=None,
-                       made: list[Node] | None = None):
+                       made: list[Node] | None = None, hardware: HardwareProfile = HW):
     """A node running for as long as the block does; `key`: its identity (default: a fresh one); `choose_run`: what
     the person at its terminal would answer when the swarm has several open runs; `made`: the node is appended
-    to it (to inspect a node whose start failed)."""
-    node = Node(replace(config, host=replace(config.host, join=tuple(join))), HW,
+    to it (to inspect a node whose start failed); `hardware`: the profile it reports."""
+    node = Node(replace(config, host=replace(config.host, join=tuple(join))), hardware,
                 **({"key": key} if key is not None else {}))
     if made is not None:
         made.append(node)

@@ -21,7 +21,7 @@ from shoal.swarm.run.broker import BrokerConfig
 from shoal.swarm.run.client import RunClientConfig
 from tests.helpers.faults import poison
 from tests.helpers.progress import wait_training
-from tests.helpers.swarm import FAST, running_node, wait_for
+from tests.helpers.swarm import FAST, HW, running_node, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.own_process, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -208,12 +208,13 @@ async def test_a_poisoning_member_is_evicted_and_the_backup_takes_its_slot(sync)
             assert all(n.runtime.replica.trainer.step_count == steps for n in group)
 
 
-async def _node(cfg, join, stopped: trio.Event | None = None, *, task_status=trio.TASK_STATUS_IGNORED):
+async def _node(cfg, join, stopped: trio.Event | None = None, key=None, hardware=HW, *,
+                task_status=trio.TASK_STATUS_IGNORED):
     """A node that can be killed (its scope cancelled: no leave notice, its host closes); `stopped` is set once it
-    is down."""
+    is down; `key`: its identity (to restart it as the same peer); `hardware`: the profile it reports."""
     try:
         with trio.CancelScope() as scope:
-            async with running_node(join, cfg) as node:
+            async with running_node(join, cfg, key=key, hardware=hardware) as node:
                 task_status.started((node, scope))
                 await trio.sleep_forever()
     finally:
@@ -278,3 +279,43 @@ async def test_a_node_torn_down_while_its_round_waits_stops_at_once_not_at_the_d
     print(f"a node torn down while its round waited stopped in {took:.2f} s (the round's deadline: 30 s)")
     assert took < 5.0
 
+
+
+async def test_a_stage_whose_members_all_restarted_without_state_goes_back_to_the_start_and_trains_on():
+    """Seen in a churn run: every member of a group lost its state (a leave and a kill, each restarted with its
+    identity) while none counted as gone (each was admitted again), so the entering members asked each other for a
+    revision none held, and the run stood still. Here both members are killed and restarted at once, within the
+    broker's failure timeout: each keeps its slot and enters its re-formed group, finds from the other's answers
+    (asked twice) that nobody holds the stage, and, with no shards and before any node could write a checkpoint,
+    both ask to go back to the run's start; the broker takes that only from most of the stage. The run trains to its
+    end from there, both replicas equal."""
+    steps = 30
+    m = manifest("allreduce", replicas=2)
+    cfg = node_config(m, steps, backup_refresh_s=600.0)  # the broker's node keeps no warm copy near the entry
+    slow = replace(cfg.run.broker, fail_after_s=120.0, reconnect_grace_s=120.0)  # a restart keeps its slot
+    cfg = replace(cfg, run=replace(cfg.run, broker=slow))
+    keys = [Ed25519PrivateKey.generate() for _ in range(2)]
+    async with trio.open_nursery() as n:
+        small = replace(HW, memory_bytes=m.stage_memory_bytes(0) - 1)  # the broker's host: too small to train
+        hub, _ = await n.start(_node, cfg, (), None, None, small)
+        addrs = hub.sh.addrs
+        first = [await n.start(_node, cfg, addrs, None, k) for k in keys]
+        members = [x for x, _ in first]
+        await wait_training(members, 2, 0, 60, "trainers")
+        for x in members:
+            x.runtime.replica.trainer.before_step_hooks.append(lambda t: time.sleep(0.1))
+        await wait_training(members, 2, 6, 60, "two replicas")
+        ids = [x.peer_id for x in members]
+        assert set(hub.runtime.client.table.members(0)) == set(ids)
+        stopped = [x.runtime.replica.at_step for x in members]
+        for _, kill in first:
+            kill.cancel()
+        again = [(await n.start(_node, cfg, addrs, None, k))[0] for k in keys]
+        await wait_for(lambda: finished(again), 150, "the run to train to its end from its start")
+        t = hub.runtime.client.table
+        assert t.rollback is not None and (t.rollback.source, t.rollback.revision) == ("start", 0), t.rollback
+        assert set(t.members(0)) == set(ids)  # nobody was failed: the same two, restarted
+        assert all(any(r["source"] == "start" for r in x.runtime.recovery.rebuilds) for x in again)
+        assert all(x.runtime.replica.at_step == steps for x in again) and len(hashes(again)) == 1
+        print(f"both members restarted at steps {stopped}: the run went back to its start and trained to {steps}")
+        n.cancel_scope.cancel()
