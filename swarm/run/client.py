@@ -13,7 +13,7 @@ from shoal.protocol.admission import admission_key, admission_proof
 from shoal.protocol.assignment import (
     ACTIVE, BACKUP, GONE, RUN_RECORD_TYPES, AdmitRequest, AdmitResponse, AssignmentTable, BrokerLease,
     MissingReport, RollbackRequest, slot_name)
-from shoal.protocol.envelope import Signed, open_envelope
+from shoal.protocol.envelope import Signed, open_envelope, seal
 from shoal.protocol.errors import ProtocolError
 from shoal.protocol.records import HardwareProfile
 from shoal.protocol.tabledelta import TableDelta, rebuild
@@ -76,6 +76,7 @@ class RunClient:
         self.broker_alive_at = self.clock()  # the last evidence that the table's broker renews its lease
         self._lease_issued = 0.0  # issue time of the newest lease of the table's broker seen (its wall clock)
         self._lease_env: bytes | None = None  # ... that lease, signed: served with our table, so a standby can check
+        self._released = False  # ... and it is a release: its broker's own word that it holds the lease no more
         self._standbys: set[str] = set()  # the standbys named by accepted tables of the current lease epoch
         self.deltas_applied = 0  # newer tables gossiped as deltas: rebuilt and taken
         self.deltas_missed = 0  # ... and not (made from a table we do not hold, or refused): the poll brings them
@@ -135,10 +136,15 @@ class RunClient:
 
     def lease_lapsed(self) -> bool:
         """This node is the standby and has had no evidence of the broker's lease for longer than its timeout
-        (silence across this process's own freeze does not count: a standby that was frozen waits afresh)."""
+        (silence across this process's own freeze does not count: a standby that was frozen waits afresh), or the
+        broker released it (restarted, it holds the lease no more: `release_lease`)."""
         t = self.table
-        return (t is not None and t.peer_id != self.me and t.standby == self.me
-                and self.ctx.silent_s(self.broker_alive_at) > self.broker_config.lease_timeout_s)
+        return t is not None and t.peer_id != self.me and t.standby == self.me and self._broker_lease_over()
+
+    def _broker_lease_over(self) -> bool:
+        """The table's broker released its lease, or renewed it last longer than its timeout ago (as this node
+        sees it)."""
+        return self._released or self.ctx.silent_s(self.broker_alive_at) > self.broker_config.lease_timeout_s
 
     def orphaned(self) -> bool:
         """The newest table names this node as the broker, yet no broker of ours holds the lease: this process
@@ -175,7 +181,7 @@ class RunClient:
         # broker); our own takeover, and one while we are the broker named without a lease, need no wait
         if t.lease_epoch != cur.lease_epoch + 1 or t.peer_id not in self._standbys:
             return False
-        lapsed = self.ctx.silent_s(self.broker_alive_at) > self.broker_config.lease_timeout_s
+        lapsed = self._broker_lease_over()
         if not (lapsed or (t.peer_id == self.me and self.is_broker()) or self.orphaned()):
             log.info("ignored %s's takeover of run %s: the lease of %s has not lapsed here", t.peer_id[:16],
                      t.run_id[:16], cur.peer_id[:16])
@@ -189,7 +195,7 @@ class RunClient:
         if self.table is None or t.lease_epoch != self.table.lease_epoch:
             self._standbys = set()
         if new_broker:
-            self._lease_issued, self._lease_env = 0.0, None
+            self._lease_issued, self._lease_env, self._released = 0.0, None, False
         if t.standby is not None:
             self._standbys.add(t.standby)
         self.authority.note(t)
@@ -231,13 +237,18 @@ class RunClient:
         if isinstance(rec, BrokerLease):
             t = self.table
             # evidence is a renewal: a lease issued later than any we saw (a re-served old lease proves nothing),
-            # unexpired and not from the future by our clock, give or take the bounded clock offset
+            # unexpired and not from the future by our clock, give or take the bounded clock offset; one that
+            # expires as it is issued is a release (the broker's own word, signed as every lease: release_lease)
             now, slack = self.ctx.wall(), self.config.max_clock_offset_s
             if t is not None and rec.run_id == self.ctx.run_id and rec.peer_id == t.peer_id \
-                    and rec.lease_epoch >= t.lease_epoch and rec.time > self._lease_issued \
-                    and rec.time <= now + slack and rec.expires_at + slack > now:
-                self._lease_issued, self._lease_env = rec.time, signed.raw
-                self.broker_alive_at = self.clock()
+                    and rec.lease_epoch >= t.lease_epoch and rec.time > self._lease_issued and rec.time <= now + slack:
+                if rec.expires_at <= rec.time:
+                    self._lease_issued, self._lease_env, self._released = rec.time, signed.raw, True
+                    log.info("run %s: %s released its lease (epoch %d)", self.ctx.run_id[:16], rec.peer_id[:16],
+                             rec.lease_epoch)
+                elif rec.expires_at + slack > now:
+                    self._lease_issued, self._lease_env, self._released = rec.time, signed.raw, False
+                    self.broker_alive_at = self.clock()
             return True
         return False
 
@@ -421,7 +432,8 @@ class RunClient:
                 if raw:
                     lease = open_envelope(raw, RUN_RECORD_TYPES).record
                     return (isinstance(lease, BrokerLease) and lease.peer_id == broker
-                            and lease.lease_epoch >= t.lease_epoch and lease.expires_at > self.ctx.wall())
+                            and lease.lease_epoch >= t.lease_epoch and lease.expires_at > self.ctx.wall()
+                            and lease.time > self._lease_issued)  # not one older than a renewal or release seen
         except Exception as e:  # noqa: BLE001
             log.debug("dht lease lookup failed: %s", e)
         return False
@@ -450,6 +462,18 @@ class RunClient:
         self.takeovers.append(self.ctx.wall())
         log.warning("took over run %s from %s (lease epoch %d)", self.ctx.run_id[:16], old, b.lease_epoch)
 
+    async def release_lease(self, t: AssignmentTable) -> None:
+        """Say that the lease of `t`'s epoch, which this node's broker held (in a previous life of the process, or
+        before it stood down), is void: a lease signed by us that expires as it is issued. The standby then takes
+        over at once rather than when the lease would have run out; it gets the release by gossip, or with our
+        table when it polls us (a standby polls the broker), and so do the other members, which accept its
+        takeover on the same evidence."""
+        now = self.ctx.wall()
+        env = seal(BrokerLease(peer_id=self.me, run_id=self.ctx.run_id, lease_epoch=t.lease_epoch, time=now,
+                               expires_at=now), self.ctx.sh.key)
+        self.accept_envelope(env, self.me)  # ours to serve from now on
+        await self.ctx.publish(env)
+
     async def _settle_lease(self) -> None:
         """This node is named the broker without holding the lease (`orphaned`): never ask ourselves for anything;
         wait for the lease to settle. A standby's takeover shows up as its table (polled here), and is followed; if
@@ -463,6 +487,8 @@ class RunClient:
         log.warning("run %s: the table names this node as broker (lease epoch %d) but it holds no lease: waiting up "
                     "to %.0f s for %s to take over", self.ctx.run_id[:16], t.lease_epoch, self.takeover_s(),
                     t.standby or "a standby")
+        if t.standby is not None:
+            await self.release_lease(t)
         while self.orphaned() and t.standby is not None and self.clock() < deadline:
             await self._follow_standby()
             if self.orphaned():

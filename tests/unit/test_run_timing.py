@@ -53,11 +53,13 @@ def signer():
     return SimpleNamespace(key=key, peer_id=peer_id_of(key))
 
 
-def context(clock, replicas: int = 2, *, me=None, pulse=None, wall=lambda: 1.7e9) -> RunContext:
+def context(clock, replicas: int = 2, *, me=None, pulse=None, wall=lambda: 1.7e9, sent=None) -> RunContext:
+    """`sent`: a list that collects what the context publishes (default: dropped)."""
     m = RunManifest.default(plan=ParallelPlan(replicas=replicas, sync=SyncSpec(method="allreduce")))
 
     async def publish(env: bytes) -> None:
-        pass
+        if sent is not None:
+            sent.append(env)
 
     return RunContext(sh=me or signer(), manifest=m, register=lambda name, handler: None, publish=publish,
                       clock=clock, wall=wall, pulse=pulse)
@@ -526,9 +528,10 @@ async def test_a_starved_standby_does_not_take_over_while_members_hold_a_newer_r
     assert client.is_broker() and client.table.lease_epoch == 1
 
 
-def forged_lease(b: Broker) -> bytes:
-    """A fresh lease in the broker's name, signed by someone else."""
-    lease = BrokerLease(peer_id=b.ctx.me, run_id=b.ctx.run_id, lease_epoch=0, time=1.7e9, expires_at=1.7e9 + 6)
+def forged_lease(b: Broker, lasts_s: float = 6) -> bytes:
+    """A fresh lease in the broker's name, signed by someone else (lasting 0 s: a release)."""
+    lease = BrokerLease(peer_id=b.ctx.me, run_id=b.ctx.run_id, lease_epoch=0, time=1.7e9,
+                        expires_at=1.7e9 + lasts_s)
     body = pack(lease.to_wire())
     return pack({"v": PROTOCOL_VERSION, "kind": "lease", "body": body,
                  "sig": sign(signer().key, signing_payload("lease", body))})
@@ -548,6 +551,46 @@ async def test_a_standby_takes_over_when_no_member_holds_a_valid_newer_renewal(s
     assert client.is_broker() and client.table.lease_epoch == 1 and client.takeovers
 
 
+def release_env(b: Broker, issued: float) -> bytes:
+    return seal(BrokerLease(peer_id=b.ctx.me, run_id=b.ctx.run_id, lease_epoch=b.lease_epoch, time=issued,
+                            expires_at=issued), b.ctx.sh.key)
+
+
+async def test_a_released_lease_lets_the_standby_take_over_at_once_and_the_members_accept_it():
+    clock = FakeClock()
+    b, client, me = await standby_client(clock)
+    member = RunClient(context(clock), HW, broker_id=b.ctx.me, broker_config=CFG)
+    assert member.accept_envelope(b.table_env, b.ctx.me)
+    for c in (client, member):
+        c.accept_envelope(lease_env(b, 1.7e9 - 2), b.ctx.me)
+    takeover = Broker.from_table(context(clock, me=me), CFG, b.table)
+    assert not client.lease_lapsed() and not member.accept_envelope(takeover.table_env, me.peer_id)
+    for c in (client, member):
+        c.accept_envelope(forged_lease(b, lasts_s=0), b.ctx.me)  # a release in the broker's name, not its own
+        c.accept_envelope(release_env(b, 1.7e9 - 3), b.ctx.me)  # older than the renewal seen: proves nothing
+    assert not client.lease_lapsed() and not member.accept_envelope(takeover.table_env, me.peer_id)
+    for c in (client, member):
+        c.accept_envelope(release_env(b, 1.7e9 - 1), b.ctx.me)
+    assert client.lease_lapsed()  # at once: no wait for the lease to run out
+    assert member.accept_envelope(takeover.table_env, me.peer_id) and member.broker_id == me.peer_id
+    client.accept_envelope(lease_env(b, 1.7e9), b.ctx.me)  # a renewal after the release: the broker lives after all
+    assert not client.lease_lapsed()
+
+
+async def test_a_restarted_broker_releases_its_lease_by_gossip_and_with_its_table(autojump_clock):
+    sent: list[bytes] = []
+    client, old, others = await orphan(sent=sent)
+    async with trio.open_nursery() as n:
+        client._nursery = n
+        n.start_soon(client._settle_lease)  # no takeover shows up: it waits
+        await trio.sleep(1.0)
+        leases = [open_envelope(e, RUN_RECORD_TYPES).record for e in sent]
+        assert [(x.peer_id, x.lease_epoch, x.expires_at == x.time) for x in leases] == [(client.me, 0, True)]
+        served = await client._rpc_table(old.table.standby, {"run_id": client.ctx.run_id})
+        assert served["lease"] == sent[0]  # a standby polling the broker gets it too
+        n.cancel_scope.cancel()
+
+
 class ScriptedStandby(RunClient):
     """A run client whose look at the standby is scripted (the network part, tested on real nodes elsewhere):
     the standby's takeover table shows up `takeover_after_s` virtual seconds after the start, or never."""
@@ -561,7 +604,7 @@ class ScriptedStandby(RunClient):
             self.accept_envelope(self.takeover_env, self.table.standby)
 
 
-async def orphan(standby: bool = True) -> tuple[ScriptedStandby, Broker, list[SimpleNamespace]]:
+async def orphan(standby: bool = True, sent=None) -> tuple[ScriptedStandby, Broker, list[SimpleNamespace]]:
     """A node restarted with the broker's identity: the table it fetched names it broker, and it holds no lease.
     Also: its previous life's broker, and the other providers (signers: the standby can sign its takeover)."""
     me = signer()
@@ -570,7 +613,7 @@ async def orphan(standby: bool = True) -> tuple[ScriptedStandby, Broker, list[Si
     for o in [me, *others]:  # the broker's node holds a slot too
         assert (await old.admit(o.peer_id, AdmitRequest(run_id=old.ctx.run_id, hardware=HW))).admitted
     assert (old.table.standby is not None) == standby
-    client = ScriptedStandby(context(trio.current_time, me=me), HW, broker_id=me.peer_id, broker_config=CFG,
+    client = ScriptedStandby(context(trio.current_time, me=me, sent=sent), HW, broker_id=me.peer_id, broker_config=CFG,
                              config=RunClientConfig(poll_s=3.0, rpc_timeout_s=5.0, retry_s=1.0))
     assert client.accept_envelope(old.table_env, me.peer_id) and client.orphaned()
     client.started = trio.current_time()
