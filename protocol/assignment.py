@@ -96,14 +96,16 @@ class ProviderEntry(WireRecord):
     state: str = spec(Choice(PROVIDER_STATES))
 
 
-ROLLBACK_SOURCES = ("shards", "disk", "start")  # start: revision 0, which every node builds from the manifest
+# warm: a backup's warm copy (one-stage runs); start: revision 0, which every node builds from the manifest
+ROLLBACK_SOURCES = ("shards", "disk", "warm", "start")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Rollback(WireRecord):
     """The run goes back to `revision` (the `count`-th time): a stage lost every replica and its replacement rebuilt
-    its state at that revision from erasure-coded shards, or from a disk checkpoint; every slot loads its own state
-    at `revision` and trains on from there. A stage lost before any node could hold a checkpoint of it, with no
+    its state at that revision from erasure-coded shards, from the warm copy it kept as a backup (a one-stage run),
+    or from a disk checkpoint; every slot loads its own state at `revision` (or pulls it from the stage's members)
+    and trains on from there. A stage lost before any node could hold a checkpoint of it, with no
     shards, sends the run back to its start (revision 0, `start`): every slot builds its initial state again
     (docs/snapshots.md)."""
 

@@ -85,7 +85,9 @@ class Entry:
         staying = set(now.members(stage)) if now is not None else set()
         # the members that stay in the group serve the revision first (one that was counted failed may hold another)
         peers = sorted((m for m in (prev.members if prev else ()) if m != me), key=lambda m: m not in staying)
-        if not peers:
+        latest = self.timeline.latest
+        if not peers or (latest is not None and latest.rollback is not None and latest.rollback.revision == step):
+            # (a rollback's revision: the stage's members now hold it, the one that rebuilt it at least)
             peers = [m for m in (now.members(stage) if now else ()) if m != me]
         if not peers and 0 < r.at_step < step and r.slot == (stage, replica):
             # the stage's only member (one lane) whose lane is re-formed further on: nobody trained the stage
@@ -150,8 +152,9 @@ class Entry:
     async def _pull_entry(self, step: int, stage: int, replica: int, peers: list[str]) -> Snapshot | None:
         """The group's state at `step` from `peers` (the members the stage had before it), or None once the live ones
         have said twice, LOST_CONFIRM_S or more apart, that none of them holds that revision or trains toward it
-        (each was restarted, or is entering itself: nobody can serve the stage, although none of them is gone).
-        Silence is no such answer: a pull nobody answers ends after `state_pull_timeout_s` (StateTransferError)."""
+        (each was restarted, or is entering itself: nobody can serve the stage, although none of them is gone), or
+        once every one of them is gone by the newest table. Silence is no such answer: a pull nobody answers ends
+        after `state_pull_timeout_s` (StateTransferError)."""
         def wanted() -> bool:
             return self.timeline.entry() == (step, stage, replica)
 
@@ -169,6 +172,10 @@ class Entry:
             await trio.sleep(LOST_CONFIRM_S)
             if not wanted():
                 raise StateTransferError(f"revision {step} is no longer wanted (this node's slot changed)")
+            r = self.replica
+            if stage in self.recovery.lost_stages(step, stage, holds_own=r.at_step > 0 and r.slot == (stage, replica)):
+                log.warning("stage %d: every member it had before step %d is gone now", stage, step)
+                return None  # (the members that went silent were found failed meanwhile)
             if trio.current_time() > deadline:
                 raise StateTransferError(f"no member of stage {stage} answered for revision {step} within "
                                          f"{self.config.state_pull_timeout_s:g} s")
@@ -179,7 +186,7 @@ class Entry:
         table that says so."""
         r = self.replica
         r.state = "syncing"
-        got = await self.recovery.rebuild(stage, replica, step)
+        got = await self.recovery.rebuild(stage, replica, step, warm=self.snapshots.warm)
         why = "nothing to rebuild it from" if got is None else await self.client.rollback(stage, *got)
         if why is not None:  # refused for now (another member of the stage has yet to ask, say), or no way back
             log.log(logging.ERROR if got is None else logging.WARNING,

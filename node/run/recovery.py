@@ -125,19 +125,29 @@ class StageRecovery:
         rest = [s.peer_id for s in t.slots] + list(t.backups) if t is not None else []
         return list(dict.fromkeys(p for p in said + rest if p != self.me))[:MAX_ASKED]
 
-    async def rebuild(self, stage: int, replica: int, entry: int) -> tuple[int, str] | None:
+    async def rebuild(self, stage: int, replica: int, entry: int,
+                      warm: Snapshot | None = None) -> tuple[int, str] | None:
         """The revision of `stage` (which lost every replica) to roll the run back to, and where its state comes
         from: the newest revision before `entry` that k good shards rebuild (every other stage keeps its own snapshot
-        of the revisions shards were placed for), else the newest step at which every stage has a disk checkpoint in
-        this node's checkpoint folder (this slot's own first), else the run's start while no node can hold a disk
-        checkpoint of the stage (`start_allowed`). None when none of these is to be had."""
+        of the revisions shards were placed for) or, in a one-stage run, this node's warm copy of the stage (kept as a
+        backup: the state its group agreed on, checked when pulled) when that is newer; else the newest step at which
+        every stage has a disk checkpoint in this node's checkpoint folder (this slot's own first), else the run's
+        start while no node can hold a disk checkpoint of the stage (`start_allowed`). None when none of these is to
+        be had."""
         t0 = trio.current_time()
+        if warm is not None and not (self.manifest.plan.stages == 1 and warm.revision < entry
+                                     and isinstance(warm.skeleton, dict) and warm.skeleton.get("stage", 0) == stage):
+            warm = None  # another stage would need its own state at that revision too, which none keeps
         try:
             got = await self.shards.rebuild(stage, self._shard_peers(stage), revision_ok=lambda r: r < entry)
         except NotRecoverable as e:
             log.warning("stage %d lost every replica, and its shards cannot rebuild it: %s", stage, e)
             why = str(e)
+            if warm is not None:
+                return self._from_warm(stage, warm, t0)
         else:
+            if warm is not None and warm.revision > got.snapshot.revision:
+                return self._from_warm(stage, warm, t0)
             self.rebuilds.append({"stage": stage, "revision": got.snapshot.revision, "source": "shards",
                                   "hash": got.snapshot.hash[:16], "at": time.time(),
                                   "holders": len(got.used), "rejected": len(got.rejected),
@@ -169,6 +179,15 @@ class StageRecovery:
                               "seconds": round(trio.current_time() - t0, 3)})
         self.rebuilt = (stage, snap, "disk")
         return meta.step, "disk"
+
+    def _from_warm(self, stage: int, warm: Snapshot, t0: float) -> tuple[int, str]:
+        self.notice = f"stage {stage} lost: rolling back to the warm copy of revision {warm.revision} kept here"
+        log.warning("stage %d lost every replica: going back to the warm copy of revision %d this node kept as a "
+                    "backup (hash %s…)", stage, warm.revision, warm.hash[:12])
+        self.rebuilds.append({"stage": stage, "revision": warm.revision, "source": "warm", "hash": warm.hash[:16],
+                              "at": time.time(), "seconds": round(trio.current_time() - t0, 3)})
+        self.rebuilt = (stage, warm, "warm")
+        return warm.revision, "warm"
 
     def start_allowed(self, entry: int) -> bool:
         """Whether a stage lost at `entry` with nothing to rebuild it from may send the run back to its start: only
@@ -206,16 +225,16 @@ class StageRecovery:
     async def state_at(self, order: Rollback, stage: int, replica: int) -> Snapshot | None:
         """This slot's own state at the rollback's revision: the state this node rebuilt (the lost stage), its own
         snapshot (after shards), or its own disk checkpoint (after the disk fallback). None when it holds none: it
-        then enters at that revision with its stage group's state, as a joiner does. None after a rollback to the
-        run's start: every slot builds its initial state again, from the manifest."""
+        then enters at that revision with its stage group's state, as a joiner does (after a warm copy, from the
+        node that kept it). None after a rollback to the run's start: every slot builds its initial state again,
+        from the manifest."""
         snap = None
-        if order.source == "start":
-            pass
-        elif self.rebuilt is not None and self.rebuilt[0] == stage and self.rebuilt[1].revision == order.revision:
+        if self.rebuilt is not None and self.rebuilt[0] == stage and self.rebuilt[1].revision == order.revision \
+                and order.source != "start":
             snap = self.rebuilt[1]
         elif order.source == "shards":
             snap = self.shards.own.get(order.revision)
-        elif self.checkpoint_root is not None:
+        elif order.source == "disk" and self.checkpoint_root is not None:
             try:
                 snap, _ = await trio.to_thread.run_sync(read_checkpoint, self.checkpoint_root, self.manifest.run_id,
                                                         stage, replica, order.revision)

@@ -281,6 +281,16 @@ async def test_a_node_torn_down_while_its_round_waits_stops_at_once_not_at_the_d
 
 
 
+async def _small_hub(nursery, cfg):
+    """The node that starts the run and hosts its broker, on a machine too small to train it: a backup that is never
+    promoted (it keeps no warm copy near the tests' faults either: backup_refresh_s is long for it)."""
+    m = cfg.run.manifest
+    small = replace(HW, memory_bytes=m.stage_memory_bytes(0) - 1)
+    hub, _ = await nursery.start(_node, replace(cfg, run=replace(cfg.run, backup_refresh_s=600.0)), (), None, None,
+                                 small)
+    return hub
+
+
 async def test_a_stage_whose_members_all_restarted_without_state_goes_back_to_the_start_and_trains_on():
     """Seen in a churn run: every member of a group lost its state (a leave and a kill, each restarted with its
     identity) while none counted as gone (each was admitted again), so the entering members asked each other for a
@@ -296,8 +306,7 @@ async def test_a_stage_whose_members_all_restarted_without_state_goes_back_to_th
     cfg = replace(cfg, run=replace(cfg.run, broker=slow))
     keys = [Ed25519PrivateKey.generate() for _ in range(2)]
     async with trio.open_nursery() as n:
-        small = replace(HW, memory_bytes=m.stage_memory_bytes(0) - 1)  # the broker's host: too small to train
-        hub, _ = await n.start(_node, cfg, (), None, None, small)
+        hub = await _small_hub(n, cfg)
         addrs = hub.sh.addrs
         first = [await n.start(_node, cfg, addrs, None, k) for k in keys]
         members = [x for x, _ in first]
@@ -318,4 +327,47 @@ async def test_a_stage_whose_members_all_restarted_without_state_goes_back_to_th
         assert all(any(r["source"] == "start" for r in x.runtime.recovery.rebuilds) for x in again)
         assert all(x.runtime.replica.at_step == steps for x in again) and len(hashes(again)) == 1
         print(f"both members restarted at steps {stopped}: the run went back to its start and trained to {steps}")
+        n.cancel_scope.cancel()
+
+
+async def test_a_stage_whose_members_all_died_goes_back_to_the_promoted_backups_warm_copy():
+    """Both members of a one-stage run die at once; no shards (too few peers outside the stage) and no disk
+    checkpoint. The backup promoted into the stage holds a warm copy (the state the group agreed on, some steps
+    back): the run rolls back to it, not to its start, and the backup trains on alone to the end. (The backup takes
+    one warm copy, when the test says: a copy refreshed just ahead of the group could be of a revision past the
+    step the broker places the entry at, which no rollback can go forward to.)"""
+    steps = 150  # the backup, unpaced, trains most of them alone
+    m = manifest("allreduce", replicas=2)
+    cfg = node_config(m, steps, backup_refresh_s=600.0)
+    async with trio.open_nursery() as n:
+        hub = await _small_hub(n, cfg)
+        addrs = hub.sh.addrs
+        first = [await n.start(_node, cfg, addrs) for _ in range(2)]
+        members = [x for x, _ in first]
+        backup, _ = await n.start(_node, cfg, addrs)
+        await wait_training(members, 2, 0, 60, "trainers")
+        for x in members:
+            x.runtime.replica.trainer.before_step_hooks.append(lambda t: time.sleep(0.3))
+        await wait_training(members, 2, 3, 60, "training under way")
+        rt = backup.runtime
+        for _ in range(5):  # (a refresh that finds no copy now is tried again, as the backup's loop would)
+            target = min(x.runtime.replica.at_step for x in members) + 2
+            await rt.pulls._refresh_warm(rt.client, 0, [x.peer_id for x in members], target,
+                                         rt.consistency.ask_snapshot)
+            if rt.warm is not None:
+                break
+        assert rt.warm is not None, "no warm copy"
+        await wait_for(lambda: min(x.runtime.replica.at_step for x in members) >= rt.warm.revision + 6, 60,
+                       "the members well past the warm copy")  # (the newest copy: the backup's own loop refreshes too)
+        stopped = [x.runtime.replica.at_step for x in members]
+        for _, kill in first:
+            kill.cancel()
+        await wait_for(lambda: finished([backup]), 150, "the backup to train to the end")
+        t = hub.runtime.client.table
+        assert t.rollback is not None and t.rollback.source == "warm", t.rollback
+        got = rt.recovery.rebuilds[-1]
+        assert got["source"] == "warm" and got["revision"] == t.rollback.revision == rt.warm.revision > 0
+        assert rt.replica.at_step == steps
+        print(f"members died at steps {stopped}: the run went back to the warm copy of revision "
+              f"{t.rollback.revision} ({got['seconds']:.1f} s to find it) and the backup trained on to {steps}")
         n.cancel_scope.cancel()
