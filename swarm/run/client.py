@@ -194,6 +194,7 @@ class RunClient:
         new_broker = self.table is not None and t.peer_id != self.table.peer_id
         if self.table is None or t.lease_epoch != self.table.lease_epoch:
             self._standbys = set()
+            self._released = False  # a release ends one lease epoch (a broker that took its lease back holds the next)
         if new_broker:
             self._lease_issued, self._lease_env, self._released = 0.0, None, False
         if t.standby is not None:

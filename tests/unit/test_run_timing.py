@@ -577,6 +577,19 @@ async def test_a_released_lease_lets_the_standby_take_over_at_once_and_the_membe
     assert not client.lease_lapsed()
 
 
+async def test_a_release_ends_its_lease_epoch_only():
+    """A broker that released its lease and, nobody taking over, took it back under the next epoch holds that one:
+    the release is no reason for the next standby to take over, nor for a member to accept its takeover."""
+    clock = FakeClock()
+    b, client, me = await standby_client(clock)
+    client.accept_envelope(release_env(b, 1.7e9 - 1), b.ctx.me)
+    assert client.lease_lapsed()
+    b.lease_epoch += 1  # it took its lease back (the same peer, the next epoch); `me` is still its standby
+    b._rebuild()
+    assert client.accept_envelope(b.table_env, b.ctx.me) and client.table.lease_epoch == 1
+    assert client.table.standby == me.peer_id and not client.lease_lapsed()
+
+
 async def test_a_restarted_broker_releases_its_lease_by_gossip_and_with_its_table(autojump_clock):
     sent: list[bytes] = []
     client, old, others = await orphan(sent=sent)
