@@ -408,12 +408,8 @@ class RunRuntime:
                 r.state = "done"
                 self.finished.set()
                 await trio.sleep_forever()
-            starts = self.timeline.entry()
-            if step == 0 and (starts is None or starts[0] == 0) and not self._group_full() \
-                    and self.clock() < self._start_deadline:
-                # a new run: wait for the group to fill, so every replica starts at step 0 (not a node that enters
-                # a run under way: a backup promoted in its first minute waited here for the deadline)
-                r.state = "ready"
+            if step == 0 and not self._group_full() and self.clock() < self._start_deadline:
+                r.state = "ready"  # a new run: wait for the group to fill, so every replica starts at step 0
                 await entry.wait_for_table(START_POLL_S)
                 continue
             if entry.lane_broken_at is not None:

@@ -314,6 +314,9 @@ async def test_a_stage_whose_members_all_restarted_without_state_goes_back_to_th
         for x in members:
             x.runtime.replica.trainer.before_step_hooks.append(lambda t: time.sleep(0.1))
         await wait_training(members, 2, 6, 60, "two replicas")
+        # the broker's node has heard from the members how far the run got (statuses every 0.5 s: under load a kill
+        # in the first second of training came before any, and the restarted pair simply began the run again)
+        await wait_for(lambda: hub.runtime.switch_step(0) > 6, 30, "the broker's node to see the run under way")
         ids = [x.peer_id for x in members]
         assert set(hub.runtime.client.table.members(0)) == set(ids)
         stopped = [x.runtime.replica.at_step for x in members]
