@@ -137,7 +137,7 @@ class Entry:
         latest = self.timeline.latest
         if latest is not None and latest.rollback is not None and latest.rollback.revision == step:
             return False  # entering a rollback's revision: the stage's members serve it
-        lost = rec.lost_stages(step, stage, holds_own=r.at_step > 0 and r.slot == (stage, replica))
+        lost = rec.lost_stages(step, stage, holds_own=self._holds_own(stage, replica))
         if not lost:
             return False
         if stage in lost:
@@ -148,6 +148,10 @@ class Entry:
                     lost, step)
         await self._wait_for_rollback(step, stage, replica)
         return True
+
+    def _holds_own(self, stage: int, replica: int) -> bool:
+        """This node trained in that slot up to here (it holds the stage's state itself)."""
+        return self.replica.at_step > 0 and self.replica.slot == (stage, replica)
 
     async def _pull_entry(self, step: int, stage: int, replica: int, peers: list[str]) -> Snapshot | None:
         """The group's state at `step` from `peers` (the members the stage had before it), or None once the live ones
@@ -172,8 +176,7 @@ class Entry:
             await trio.sleep(LOST_CONFIRM_S)
             if not wanted():
                 raise StateTransferError(f"revision {step} is no longer wanted (this node's slot changed)")
-            r = self.replica
-            if stage in self.recovery.lost_stages(step, stage, holds_own=r.at_step > 0 and r.slot == (stage, replica)):
+            if stage in self.recovery.lost_stages(step, stage, holds_own=self._holds_own(stage, replica)):
                 log.warning("stage %d: every member it had before step %d is gone now", stage, step)
                 return None  # (the members that went silent were found failed meanwhile)
             if trio.current_time() > deadline:

@@ -148,10 +148,8 @@ class StageRecovery:
         else:
             if warm is not None and warm.revision > got.snapshot.revision:
                 return self._from_warm(stage, warm, t0)
-            self.rebuilds.append({"stage": stage, "revision": got.snapshot.revision, "source": "shards",
-                                  "hash": got.snapshot.hash[:16], "at": time.time(),
-                                  "holders": len(got.used), "rejected": len(got.rejected),
-                                  "bytes": got.bytes_pulled, "seconds": round(got.seconds, 3)})
+            self._note(stage, got.snapshot.revision, "shards", got.seconds, got.snapshot, holders=len(got.used),
+                       rejected=len(got.rejected), bytes=got.bytes_pulled)
             log.warning("stage %d lost every replica: rebuilt its state at revision %d from %d shards (%.1f MB in "
                         "%.2f s, %d rejected), hash %s… as placed", stage, got.snapshot.revision, len(got.used),
                         got.bytes_pulled / 1e6, got.seconds, len(got.rejected), got.snapshot.hash[:12])
@@ -162,8 +160,7 @@ class StageRecovery:
             self.notice = f"stage {stage} lost before its first checkpoint, no shards: the run goes back to its start"
             log.warning("stage %d lost every replica at step %d, before any node could checkpoint it, and no shards "
                         "rebuild it (%s): the run goes back to its start", stage, entry, why)
-            self.rebuilds.append({"stage": stage, "revision": 0, "source": "start", "at": time.time(),
-                                  "seconds": round(trio.current_time() - t0, 3)})
+            self._note(stage, 0, "start", trio.current_time() - t0)
             return 0, "start"
         if disk is None:
             self.notice = f"stage {stage} lost: too few shards and no disk checkpoint of every stage here"
@@ -174,18 +171,22 @@ class StageRecovery:
         self.notice = f"stage {stage} lost, too few shards: rolling back to disk checkpoint {meta.step}"
         log.warning("stage %d lost every replica and has too few shards: falling back to the disk checkpoint of "
                     "step %d (%s, hash %s…)", stage, meta.step, slot_name(meta.stage, meta.replica), snap.hash[:12])
-        self.rebuilds.append({"stage": stage, "revision": meta.step, "source": "disk", "hash": snap.hash[:16],
-                              "at": time.time(),
-                              "seconds": round(trio.current_time() - t0, 3)})
+        self._note(stage, meta.step, "disk", trio.current_time() - t0, snap)
         self.rebuilt = (stage, snap, "disk")
         return meta.step, "disk"
+
+    def _note(self, stage: int, revision: int, source: str, seconds: float, snap: Snapshot | None = None,
+              **more: int) -> None:
+        """Record a rebuild for the status file and the benchmark."""
+        self.rebuilds.append({"stage": stage, "revision": revision, "source": source,
+                              **({"hash": snap.hash[:16]} if snap is not None else {}), "at": time.time(), **more,
+                              "seconds": round(seconds, 3)})
 
     def _from_warm(self, stage: int, warm: Snapshot, t0: float) -> tuple[int, str]:
         self.notice = f"stage {stage} lost: rolling back to the warm copy of revision {warm.revision} kept here"
         log.warning("stage %d lost every replica: going back to the warm copy of revision %d this node kept as a "
                     "backup (hash %s…)", stage, warm.revision, warm.hash[:12])
-        self.rebuilds.append({"stage": stage, "revision": warm.revision, "source": "warm", "hash": warm.hash[:16],
-                              "at": time.time(), "seconds": round(trio.current_time() - t0, 3)})
+        self._note(stage, warm.revision, "warm", trio.current_time() - t0, warm)
         self.rebuilt = (stage, warm, "warm")
         return warm.revision, "warm"
 
