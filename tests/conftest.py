@@ -16,6 +16,7 @@ import pytest
 
 from hypothesis import HealthCheck, settings
 
+from tests.helpers import compose_prebuild
 from tests.helpers.processes import children
 
 settings.register_profile(
@@ -45,8 +46,10 @@ def one_torch_thread():
 
 @pytest.fixture(autouse=True, scope="session")
 def reap_children():
-    """Kill (by PID) any child process a test left running, so one failure cannot leak nodes into the next."""
+    """Kill (by PID) any child process a test left running, so one failure cannot leak nodes into the next (the
+    compose image's background build is stopped its own way first: it stops its Docker engine)."""
     yield
+    compose_prebuild.stop()
     for pid in children(os.getpid()):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -111,7 +114,23 @@ class _Forker:
 _FORKER = _Forker()
 
 
+_COMPOSE_IN_SESSION: bool | None = None
+
+
+def pytest_runtest_setup(item):
+    """At the first test of tests/e2e, start building the compose test's image in the background when that test is
+    in the session (tests/helpers/compose_prebuild.py): the CLI tests before it overlap its network waits."""
+    global _COMPOSE_IN_SESSION
+    if not item.nodeid.startswith("tests/e2e/"):
+        return
+    if _COMPOSE_IN_SESSION is None:
+        _COMPOSE_IN_SESSION = any(i.get_closest_marker("compose_image") for i in item.session.items)
+    if _COMPOSE_IN_SESSION:
+        compose_prebuild.start()
+
+
 def pytest_sessionfinish(session, exitstatus):
+    compose_prebuild.stop()
     _FORKER.close()
     if _CACHE is not None:
         _CACHE.cleanup()

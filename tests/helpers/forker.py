@@ -46,6 +46,7 @@ def main() -> None:
     import libp2p  # noqa: F401
     import pytest  # noqa: F401
     import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401 - torch.optim imports it at an optimizer's first use: 1.7 s of a core a child
     import trio  # noqa: F401
 
     import shoal.node.daemon  # noqa: F401
