@@ -88,10 +88,10 @@ class Replica:
         state, revision N + 1, is at step N). A state that does not fit this trainer is refused before any of it is
         loaded; one that fails while loading leaves a trainer of unknown state, which is dropped (rebuilt before the
         next entry). Either way StateTransferError: never an error that stops the node."""
-        state = snap.state()
         trainer, sync = self.trainer, self.sync
 
         def load() -> None:
+            state = snap.state(copy=True)  # the snapshot may be served afterwards: training must not change it
             trainer.check_entry(state, snap.revision if step is None else step)  # CheckpointError: nothing loaded
             try:
                 trainer.load_state_dict(state)

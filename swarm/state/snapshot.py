@@ -144,8 +144,12 @@ class Snapshot:
         return Snapshot(tensors=self.tensors, skeleton=self.skeleton, revision=self.revision,
                         hash=state_hash(self.tensors, self.skeleton))
 
-    def state(self) -> Any:
-        return unflatten_state(self.tensors, self.skeleton)
+    def state(self, *, copy: bool = False) -> Any:
+        """The state; with `copy`, on tensors of its own, for a state something will go on changing (a loaded
+        optimizer keeps the tensors it is given, a synchronizer too): the snapshot stays as its hash names it, for
+        it may be served by that hash afterwards."""
+        tensors = {k: v.clone() for k, v in self.tensors.items()} if copy else self.tensors
+        return unflatten_state(tensors, self.skeleton)
 
     def only(self, prefixes: tuple[str, ...]) -> Snapshot:
         """The tensors whose names start with one of `prefixes`, with the whole skeleton (a partial snapshot)."""
