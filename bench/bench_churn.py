@@ -8,7 +8,8 @@ Run (each run is its own file, so a long benchmark goes in pieces; --report writ
   python bench/bench_churn.py --runs 5 --stages 2 --replicas 2 --nodes 6 --name churn_pipeline
   python bench/bench_churn.py --report [--name churn]
 Writes bench/results/churn/<name>/seed<N>.json and bench/results/<name>.md. Per fault kind: *training again* (from
-the fault until every surviving replica is 3 steps further), *recovered* (until every slot is held by a live node
+the fault until every surviving replica is 3 steps further; a survivor hit by a later fault before that no longer
+counts, and a fault whose survivors were all hit has no time: it came back as a backup, or to another slot), *recovered* (until every slot is held by a live node
 training past the fault's step, with one broker; slots hit by later, still open faults excepted) and *back* (from
 the node's return until it is in the run again); per run: every step done, distinct final hashes per stage, brokers
 at the end, steps lost (a live replica's step count going backwards), exit codes.
@@ -60,8 +61,9 @@ def markdown(name: str, docs: list[dict]) -> str:
           "(overlapping: the next fault does not wait for recovery). Member SIGSTOP "
           f"{a['freeze'][0]:g}-{a['freeze'][1]:g} s; broker SIGSTOP its lease + 2-4 s; killed/leaving members restart "
           "after 0.2-1 s, the killed broker within 1.5 s. Steps paced to at least "
-          f"{a['min_step']:g} s. Times in seconds from the fault. The machine is shared: absolute times depend on "
-          "its load; compare within one table.\n",
+          f"{a['min_step']:g} s. Times in seconds from the fault. *Training again*: until every survivor is "
+          "3 steps further (a survivor hit by a later fault before that no longer counts; with none left, no time). "
+          "The machine is shared: absolute times depend on its load; compare within one table.\n",
           "## Per fault kind (median / worst over all runs)\n",
           "| fault | training again | recovered | back in the run |", "|---|---|---|---|"]
     faults = [f for r in runs for f in r["faults"] if f["applied_s"] is not None]

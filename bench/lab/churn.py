@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 FAULTS = ("kill", "broker-kill", "broker-freeze", "leave", "kill", "freeze")
 POLL_S = 0.1
 PROGRESS_STEPS = 3  # "training again": every survivor this many steps past where it was at the fault
+SURVIVORS_HIT = "every survivor was hit by a later fault before it trained on"
 TRAINING = ("training", "done")
 
 
@@ -150,6 +151,8 @@ class ChurnRun:
         self.rows: list[dict] = []
         self._steps: dict[int, tuple[int, int]] = {}  # node -> (pid, last step seen)
         self._survivors: dict[int, set[int]] = {}  # fault -> the active nodes other than its target when applied
+        # and not hit by a later fault before the first fault's survivors trained on
+        self._unmeasured: dict[int, bool] = {}  # fault -> its training-again time is still open
         self.steps_lost = 0
 
     # -- reading the swarm -----------------------------------------------------------------------------------
@@ -215,6 +218,9 @@ class ChurnRun:
         row = next(r for r in self.rows if r["index"] == i)
         node = self.swarm.nodes[i]
         f.node, f.slot, f.top_step = i, row.get("slot"), self.top_step()
+        for g_id, survivors in self._survivors.items():  # hit now, it no longer survives an earlier fault: it
+            if i in survivors and self._unmeasured.get(g_id):  # may come back as a backup and never train again
+                survivors.discard(i)
         f.at_fault = {}  # filled from each survivor's first status written after the fault (statuses lag)
         # survivors: the other active nodes, outside the target's lane (a pipeline lane cannot train without it)
         lane = f.slot.partition("r")[2] if f.slot else None
@@ -260,8 +266,12 @@ class ChurnRun:
             if f.applied_s is None:
                 continue
             since = round(now - f.applied_s, 2)
+            self._unmeasured[id(f)] = f.training_again_s is None
             if self.finished():
-                f.training_again_s = f.training_again_s if f.training_again_s is not None else since
+                if f.training_again_s is None and self._survivors.get(id(f)):
+                    f.training_again_s = since
+                elif f.training_again_s is None and SURVIVORS_HIT not in f.note:
+                    f.note = (f.note + "; " if f.note else "") + SURVIVORS_HIT  # no time to give
                 f.recovered_s = f.recovered_s if f.recovered_s is not None else since
             if f.training_again_s is None:
                 steps = {r["index"]: r for r in self.active()}
