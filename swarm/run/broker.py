@@ -109,8 +109,12 @@ class Broker:
 
     @classmethod
     def from_table(cls, ctx: RunContext, config: BrokerConfig, table: AssignmentTable, *,
-                   secret: str | None = None) -> Broker:
-        """The standby's takeover: continue from the last published table under a new lease epoch."""
+                   secret: str | None = None, holder_kept_state: bool = False) -> Broker:
+        """The standby's takeover: continue from the last published table under a new lease epoch. The old broker
+        is counted failed (its node gives up its slot and is admitted again), except when this is its own process
+        taking the lease back (`holder_kept_state`: it stood down, frozen past its lease, and nobody took over):
+        its node still holds its slot's state, maybe the run's newest, and stays in its slot as a member frozen
+        that long would."""
         b = cls(ctx, config, lease_epoch=table.lease_epoch + 1, version=table.version, secret=secret)
         b.delegation_env = table.delegation
         b.rollback = table.rollback
@@ -127,7 +131,7 @@ class Broker:
             b.seating.slots[(s.stage, s.replica)] = s.peer_id
             b.providers.setdefault(s.peer_id, b._provider(s.peer_id, ACTIVE)).stage = s.stage
         old = table.peer_id
-        if old in b.providers and b.providers[old].state != GONE:
+        if old in b.providers and b.providers[old].state != GONE and not (holder_kept_state and old == ctx.me):
             b.mark_failed(old, "the broker's lease expired")
         b._pick_standby()
         b._rebuild()

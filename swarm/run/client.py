@@ -453,7 +453,9 @@ class RunClient:
         lease has expired, or we are its broker and take back a lease that nobody else took over."""
         assert self.table is not None and self._nursery is not None
         old = self.table.peer_id
-        b = Broker.from_table(self.ctx, self.broker_config, self.table, secret=self.secret)
+        # our own broker stood down in this process (not a restart): the node kept its state, and its slot
+        kept = self.local_broker is not None and old == self.me
+        b = Broker.from_table(self.ctx, self.broker_config, self.table, secret=self.secret, holder_kept_state=kept)
         self.local_broker = b
         b.on_change.append(lambda t, env: self._accept(t, env, t.peer_id))
         await self._nursery.start(b.run)
@@ -479,8 +481,8 @@ class RunClient:
         """This node is named the broker without holding the lease (`orphaned`): never ask ourselves for anything;
         wait for the lease to settle. A standby's takeover shows up as its table (polled here), and is followed; if
         none comes within `takeover_s`, or the table names no standby, take the lease back under the next epoch
-        (the old broker's place in its slot is given up either way: this node is admitted again, and enters a
-        group with the group's state)."""
+        (a restarted node gives up its old place in its slot: it is admitted again, and enters a group with the
+        group's state; a broker that stood down in this process keeps its slot and the state it holds)."""
         t = self.table
         if t is None:  # (orphaned: a table names this node)
             return

@@ -647,6 +647,24 @@ async def test_a_restarted_broker_takes_its_lease_back_only_after_a_takeover_cou
         n.cancel_scope.cancel()
 
 
+async def test_a_broker_frozen_past_its_lease_takes_it_back_in_its_slot(autojump_clock):
+    """Seen in a churn run: the broker's node, frozen 6.8 s, came back holding the run's newest state (step 123),
+    found no standby to take over, took its lease back and counted itself failed as a restarted broker is: it left
+    its slot, and with the other members gone too the run rolled back 23 steps to a disk checkpoint. A broker that
+    stood down in this process still holds its state: it keeps its slot, as a member frozen that long does."""
+    client, old, _ = await orphan(standby=False)
+    slot = old.table.slot_of(client.me)
+    client.local_broker = old  # this process's own broker, not a previous life's
+    old.stand_down("its lease lapsed while the process stood still")
+    assert client.orphaned() and slot is not None
+    async with trio.open_nursery() as n:
+        client._nursery = n
+        await client._settle_lease()
+        assert client.is_broker() and client.table.lease_epoch == old.lease_epoch + 1
+        assert client.provider_state() == ACTIVE and client.slot() == slot
+        n.cancel_scope.cancel()
+
+
 async def test_a_restarted_broker_follows_the_standby_that_took_over(autojump_clock):
     client, old, others = await orphan()
     standby = next(o for o in others if o.peer_id == old.table.standby)
