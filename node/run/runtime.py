@@ -148,12 +148,25 @@ class RunRuntime:
                 self._nursery.start_soon(self.links.close)
             if table.provider_state(self.services.peer_id) == GONE and self.replica.at_step > 0:
                 self._abandon(self.group_at(self.replica.at_step))
+            self._count_out_failed(table)
             if self._stepping is not None and self.collective is not None \
                     and self._superseded(*self._stepping):
                 # a table that re-formed our group at a step we are already in (it reached us late): the round in
                 # flight waits for members that are elsewhere; it ends now, and the step is caught up with
                 # (Entry.caught_late)
                 self.collective.give_up(self._stepping[1].epoch_tag())
+
+    def _count_out_failed(self, table: AssignmentTable) -> None:
+        """Members of our group now that `table` counts failed are not waited for in its rounds: they leave it (a
+        frozen one, once it wakes, sees the table and abandons the group), so a round waiting for one would wait
+        for its deadline (docs/architecture.md, "Failure is data")."""
+        if self.collective is None or self.replica.trainer is None:
+            return
+        groups = {self.group_at(self.replica.at_step), self._stepping[1] if self._stepping is not None else None}
+        for g in groups - {None}:
+            gone = {m for m in g.members if m != g.me and table.provider_state(m) == GONE}
+            if gone:
+                self.collective.count_out(g.epoch_tag(), gone)
 
     def _superseded(self, step: int, group: Group) -> bool:
         """Whether the tables this node holds now give its stage another group epoch at `step` than `group`."""

@@ -29,6 +29,7 @@ MAX_TAG_CHARS = 200
 DONE_TAGS_KEPT = 4096  # finished tags remembered, so late messages for them are dropped
 MAX_PEER_TAGS = 64  # tags one peer may have waiting in the inbox at once
 GIVEN_UP_KEPT = 16  # group epochs whose rounds this node gave up (`give_up`), the newest
+COUNTED_OUT_KEPT = 16  # group epochs with members counted out (`count_out`), the newest
 
 
 class Collective:
@@ -96,6 +97,7 @@ class Collective:
         self._out_locks: dict[str, trio.Lock] = {}  # one message at a time on a stream
         self._waiting: dict[trio.CancelScope, str] = {}  # the deadlines of the exchanges in progress -> their tags
         self._given_up: deque[str] = deque(maxlen=GIVEN_UP_KEPT)  # tag prefixes whose exchanges end at once
+        self._counted_out: OrderedDict[str, set[str]] = OrderedDict()  # tag prefix -> peers not waited for there
         self._held: set[tuple[str, str]] = set()  # (tag, peer) of waiting messages the gate is to judge again
         self.closed = False
         self.departed_skipped = 0  # peers an exchange stopped waiting for because they had departed
@@ -134,6 +136,23 @@ class Collective:
         for scope, tag in self._waiting.items():
             if tag.startswith(prefix):
                 scope.cancel()
+
+    def count_out(self, prefix: str, peers: set[str]) -> None:
+        """`peers` are not waited for in exchanges under tags starting with `prefix` (a group epoch's rounds: the
+        one in progress and the later ones), as if they had departed: the run's broker counts them failed, and a
+        member counted failed leaves that group for good (a frozen one too, once it wakes). Every member holds the
+        same table, so each stops waiting for the same peers, now rather than at the round's deadline."""
+        known = self._counted_out.setdefault(prefix, set())
+        if peers <= known:
+            return
+        known |= peers
+        self._counted_out.move_to_end(prefix)
+        while len(self._counted_out) > COUNTED_OUT_KEPT:
+            self._counted_out.popitem(last=False)
+        self._wake()
+
+    def _out_of(self, tag: str) -> set[str]:
+        return set().union(*(p for prefix, p in self._counted_out.items() if tag.startswith(prefix)))
 
     # -- receiving ----------------------------------------------------------------------------------
 
@@ -349,7 +368,8 @@ class Collective:
         Returns as soon as every expected message has arrived and every send finished (or the deadline passed);
         missing peers are simply absent. A peer our own send failed to reach is not waited for (a killed process
         costs a failed dial, not a deadline), nor one that departed (its connections closed: a process killed after
-        our send reached it). A message to self is handed over without the network.
+        our send reached it), nor one counted out (`count_out`). A message to self is handed over without the
+        network.
         """
         if not tag or len(tag) > MAX_TAG_CHARS:
             raise ValueError(f"tag must be 1..{MAX_TAG_CHARS} characters")
@@ -374,6 +394,7 @@ class Collective:
                     while True:
                         waiting = others - failed - self._inbox.get(tag, {}).keys()
                         gone, wait = self._departed(waiting)
+                        gone |= waiting & self._out_of(tag)
                         if waiting <= gone:
                             self.departed_skipped += len(gone)
                             break

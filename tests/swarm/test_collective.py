@@ -188,3 +188,30 @@ async def test_a_peer_killed_after_our_message_reached_it_is_not_waited_for():
             ended = trio.current_time()
         assert out == {a: b"self"} and coll.departed_skipped == 1
         assert ended - closed_at[0] < 2.0, ended - closed_at[0]
+
+
+async def test_a_peer_counted_out_is_not_waited_for_in_that_epoch_only():
+    """c is alive and silent (a frozen member keeps its connections): the round waits for it until the table that
+    counts it failed reaches us (`count_out` for the group epoch), then ends at once with what it has; the epoch's
+    later rounds do not wait for it either, while another epoch's round still does, until its deadline."""
+    async with AsyncExitStack() as stack:
+        hosts, _, colls = await three_hosts(stack)
+        a, b, c = (h.peer_id for h in hosts)
+        epoch = "run/0/3/"
+        assert await colls[1].exchange(f"{epoch}7/up", {a: b"from b"}, set(), timeout_s=5) == {}
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:
+            async def counted_out_later():
+                await trio.sleep(0.5)
+                colls[0].count_out(epoch, {c})
+
+            n.start_soon(counted_out_later)
+            out = await colls[0].exchange(f"{epoch}7/up", {a: b"self"}, {a, b, c}, timeout_s=30.0)
+        assert out == {a: b"self", b: b"from b"}
+        assert 0.4 < trio.current_time() - t0 < 3.0  # at the count-out, not the 30 s deadline
+        t1 = trio.current_time()
+        assert await colls[0].exchange(f"{epoch}8/up", {a: b"self"}, {a, c}, timeout_s=30.0) == {a: b"self"}
+        assert trio.current_time() - t1 < 1.0
+        t2 = trio.current_time()
+        assert await colls[0].exchange("run/0/4/8/up", {a: b"self"}, {a, c}, timeout_s=1.0) == {a: b"self"}
+        assert trio.current_time() - t2 >= 0.9  # another epoch: c is waited for until the deadline

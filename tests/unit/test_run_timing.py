@@ -719,3 +719,25 @@ async def test_a_provider_that_restarts_in_its_slot_enters_again_ahead_and_a_bac
     assert b.table.switch_step(0) == 120  # it enters there, with the group's state
     await b.admit(first, AdmitRequest(run_id=ctx.run_id, hardware=HW))  # a backup restarts
     assert b.table.backups == (first, second) and b.epochs[0] == epoch + 1
+
+
+async def test_members_the_table_counts_failed_are_counted_out_of_our_groups_rounds():
+    """Seen in a churn run: a member frozen 8 s was counted failed and replaced, and the two others waited in their
+    round for it until its deadline (16 s more). The runtime tells its collective, for the group it trains in (and
+    the one of the step in flight), which members the newest table counts failed."""
+    from shoal.node.run.runtime import RunRuntime
+
+    clock = FakeClock()
+    b = Broker(context(clock, replicas=3), CFG)
+    me, a, c, backup = await admitted(b, 4)
+    group = Group(run_id=b.ctx.run_id, epoch=2, members=tuple(sorted((me, a, c))), me=me)
+    counted: list[tuple[str, set[str]]] = []
+    rt = SimpleNamespace(collective=SimpleNamespace(count_out=lambda prefix, peers: counted.append((prefix, peers))),
+                         replica=SimpleNamespace(trainer=object(), at_step=40), group_at=lambda step: group,
+                         _stepping=(40, group))
+    RunRuntime._count_out_failed(rt, b.table)
+    assert counted == []  # nobody failed yet
+    b.mark_failed(c, "frozen past fail_after_s")
+    assert b.table.provider_state(c) == GONE and b.table.slot_of(backup) is not None
+    RunRuntime._count_out_failed(rt, b.table)
+    assert counted == [(group.epoch_tag(), {c})]
