@@ -16,12 +16,13 @@ from shoal.node.run.config import RunConfig
 from shoal.node.run.context import NodeServices
 from shoal.node.run.entitled import majority_step
 from shoal.node.run.lanes import StageLinks
-from shoal.node.run.pulls import Ask, StatePulls
+from shoal.node.run.pulls import Ask, NotWanted, StatePulls
 from shoal.node.run.recovery import StageRecovery
 from shoal.node.run.replica import Replica
 from shoal.node.run.snapshots import SnapshotStore
 from shoal.protocol.assignment import AssignmentTable
 from shoal.swarm.run.client import RunClient
+from shoal.swarm.run.group import Group
 from shoal.swarm.run.timeline import GroupTimeline
 from shoal.swarm.state.agreed import NobodyHolds
 from shoal.swarm.state.snapshot import Snapshot
@@ -34,6 +35,7 @@ LOST_CONFIRM_S = 3.0  # a stage whose members all say they cannot serve its stat
 
 Build = Callable[[int, int], Awaitable[None]]  # (stage, replica) -> the replica's new trainer is built
 Spawn = Callable[[Callable[[], Awaitable[Any]]], None]  # start a task in the run's nursery
+Abstain = Callable[[Group, int], Awaitable[None]]
 
 
 class Entry:
@@ -42,12 +44,13 @@ class Entry:
     def __init__(self, *, services: NodeServices, config: RunConfig, run_id: str, replica: Replica,
                  timeline: GroupTimeline, pulls: StatePulls, client: RunClient, links: StageLinks | None,
                  build: Build, spawn: Spawn, recovery: StageRecovery, snapshots: SnapshotStore,
-                 rolled: Callable[[], int], ask: Ask):
+                 rolled: Callable[[], int], ask: Ask, abstain: Abstain | None = None):
         self.services, self.config, self.run_id = services, config, run_id
         self.replica, self.timeline, self.pulls, self.client, self.links = replica, timeline, pulls, client, links
         self.build, self.spawn = build, spawn
         self.recovery, self.snapshots, self.rolled = recovery, snapshots, rolled  # rolled: rollbacks applied
         self.ask = ask  # (peer, step): ask a member to keep its state at that step (Consistency.ask_snapshot)
+        self.abstain = abstain  # (group, step): tell a group epoch's members this node will not enter it
         self.entries: list[dict[str, Any]] = []
         self.lane_broken_at: int | None = None  # the step at which this stage's lane failed, until re-formed
         self._lane_report_at = 0.0
@@ -99,6 +102,7 @@ class Entry:
         clock = self.services.clock
         t0 = clock()
         log.info("entering the group at step %d: pulling that revision from %s", step, [p[-8:] for p in peers])
+        entering = self.timeline.group_at(step, stage)  # the group epoch this entry is for
         try:
             snap = await self._pull_entry(step, stage, replica, peers)
             if snap is None:  # every member that had the stage lost its state: it is lost all the same
@@ -109,6 +113,9 @@ class Entry:
             # settles it), a state that does not fit, or the slot changed: wait for the broker's next table and try
             # its entry then
             log.warning("could not enter the group at step %d: %s", step, e)
+            if isinstance(e, NotWanted) and entering is not None and self.abstain is not None:
+                # that group epoch goes on without this node: its members need not wait for it in its first round
+                self.spawn(functools.partial(self.abstain, entering, step))
             r.state = "ready"
             await self.wait_for_table(READY_POLL_S)
             return False
@@ -175,7 +182,7 @@ class Entry:
                 log.info("stage %d: %s; asking again in %.0f s", stage, e, LOST_CONFIRM_S)
             await trio.sleep(LOST_CONFIRM_S)
             if not wanted():
-                raise StateTransferError(f"revision {step} is no longer wanted (this node's slot changed)")
+                raise NotWanted(f"revision {step} is no longer wanted (this node's slot changed)")
             if stage in self.recovery.lost_stages(step, stage, holds_own=self._holds_own(stage, replica)):
                 log.warning("stage %d: every member it had before step %d is gone now", stage, step)
                 return None  # (the members that went silent were found failed meanwhile)

@@ -20,6 +20,10 @@ from shoal.swarm.state.transfer import StateTransferConfig, StateTransferError
 
 log = logging.getLogger(__name__)
 
+
+class NotWanted(StateTransferError):
+    """The pull was given up: the entry it was for is no longer this node's (a newer table moved its slot on)."""
+
 PULL_RETRY_S = 0.2  # the pause between rounds of pull attempts while no majority has the revision
 WARM_LEAD_STEPS = 4  # a backup asks the group to keep its state this many steps past the group's newest step
 
@@ -79,7 +83,7 @@ class StatePulls:
         refused: set[str] = set()  # served another state than the hash they claimed: never pulled from again here
         while trio.current_time() < deadline:
             if rounds and wanted is not None and not wanted():  # asked before every retry, with or without peers
-                raise StateTransferError(f"revision {revision} is no longer wanted (this node's slot changed): {last}")
+                raise NotWanted(f"revision {revision} is no longer wanted (this node's slot changed): {last}")
             rounds += 1
             live, evicted = self.sources.live(), set(self.evicted())
             voters = [p for p in peers if (p in live or last is None) and p not in evicted]  # silent: one try

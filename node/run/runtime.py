@@ -168,6 +168,13 @@ class RunRuntime:
             if gone:
                 self.collective.count_out(g.epoch_tag(), gone)
 
+    async def _abstain(self, group: Group, step: int) -> None:
+        """Tell `group`'s other members that this node, which was to enter it at `step`, will not."""
+        if self.collective is not None:
+            log.info("telling the %d other members of stage %d's epoch %d that this node will not enter it at step %d",
+                     group.size - 1, group.stage, group.epoch, step)
+            await self.collective.abstain(group.epoch_tag(), step, set(group.members))
+
     def _superseded(self, step: int, group: Group) -> bool:
         """Whether the tables this node holds now give its stage another group epoch at `step` than `group`."""
         now = self.timeline.group_at(step, group.stage)
@@ -571,7 +578,7 @@ class RunRuntime:
                                timeline=self.timeline, pulls=self.pulls, client=client, links=self.links,
                                build=self._build, spawn=nursery.start_soon, recovery=self.recovery,
                                snapshots=self.snapshots, rolled=lambda: self._rolled,
-                               ask=self.consistency.ask_snapshot)
+                               ask=self.consistency.ask_snapshot, abstain=self._abstain)
             await nursery.start(client.run)
             if client.table is not None:
                 self._on_table(client.table)

@@ -30,6 +30,7 @@ DONE_TAGS_KEPT = 4096  # finished tags remembered, so late messages for them are
 MAX_PEER_TAGS = 64  # tags one peer may have waiting in the inbox at once
 GIVEN_UP_KEPT = 16  # group epochs whose rounds this node gave up (`give_up`), the newest
 COUNTED_OUT_KEPT = 16  # group epochs with members counted out (`count_out`), the newest
+ABSENT = "absent"  # the last part of a tag that says its sender takes no part in that group epoch (`abstain`)
 
 
 class Collective:
@@ -151,6 +152,17 @@ class Collective:
             self._counted_out.popitem(last=False)
         self._wake()
 
+    async def abstain(self, prefix: str, round_: int, peers: set[str]) -> None:
+        """Tell `peers` that this node takes no part in the group epoch whose round tags start with `prefix` (it was
+        to enter it at round `round_` and its slot moved on before it could): each counts it out there
+        (`count_out`), rather than wait in the epoch's first round for it until the entry's grace runs out. One
+        message each, under that round's tag, so the receivers' gate checks that the sender is a member of that
+        epoch; a peer can only count itself out."""
+        tag, sent, failed = f"{prefix}{round_}/{ABSENT}", set(), set()
+        async with trio.open_nursery() as nursery:
+            for p in peers - {self.me}:
+                nursery.start_soon(self._send, p, tag, b"\x01", sent, failed)
+
     def _out_of(self, tag: str) -> set[str]:
         return set().union(*(p for prefix, p in self._counted_out.items() if tag.startswith(prefix)))
 
@@ -213,6 +225,12 @@ class Collective:
 
     def _deliver(self, tag: str, peer: str, payload: bytes, wire: int, held: bool = False) -> None:
         self._expire()
+        if tag.endswith("/" + ABSENT):  # (the gate took it: the sender is a member of that epoch)
+            if not held:  # an epoch not known here yet: the deadline stands
+                self.count_out("/".join(tag.split("/")[:3]) + "/", {peer})
+            self.bytes_recv += wire
+            self.messages_recv += 1
+            return
         if tag in self._done_set:
             log.debug("late message for finished %s from %s dropped", tag, peer)
             self.late_dropped += 1

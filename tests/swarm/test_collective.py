@@ -215,3 +215,32 @@ async def test_a_peer_counted_out_is_not_waited_for_in_that_epoch_only():
         t2 = trio.current_time()
         assert await colls[0].exchange("run/0/4/8/up", {a: b"self"}, {a, c}, timeout_s=1.0) == {a: b"self"}
         assert trio.current_time() - t2 >= 0.9  # another epoch: c is waited for until the deadline
+
+
+async def test_a_member_that_will_not_enter_an_epoch_says_so_and_is_counted_out_there_alone():
+    """c was to enter the group epoch at round 141 and its slot moved on before it could: it tells the epoch's
+    members (`abstain`), and a's round stops waiting for c at once; b, silent, is still waited for (a message
+    counts out its sender only), and c in another epoch too."""
+    async with AsyncExitStack() as stack:
+        hosts, _, colls = await three_hosts(stack)
+        a, b, c = (h.peer_id for h in hosts)
+        epoch = "run/0/7/"
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:
+            async def c_abstains():
+                await trio.sleep(0.5)
+                await colls[2].abstain(epoch, 141, {a, b, c})
+
+            n.start_soon(c_abstains)
+            out = await colls[0].exchange(f"{epoch}141/up", {a: b"self"}, {a, c}, timeout_s=30.0)
+        assert out == {a: b"self"} and 0.4 < trio.current_time() - t0 < 3.0
+        t1 = trio.current_time()
+        assert await colls[0].exchange(f"{epoch}142/up", {a: b"self"}, {a, b, c}, timeout_s=1.0) == {a: b"self"}
+        assert trio.current_time() - t1 >= 0.9  # b was not counted out by c's word
+        await wait_for(lambda: colls[1].messages_recv == 1, 5, "c's word to reach b")
+        t2 = trio.current_time()
+        assert await colls[1].exchange(f"{epoch}141/up", {b: b"self"}, {b, c}, timeout_s=30.0) == {b: b"self"}
+        assert trio.current_time() - t2 < 1.0  # b had it before its round began
+        t3 = trio.current_time()
+        assert await colls[0].exchange("run/0/8/150/up", {a: b"self"}, {a, c}, timeout_s=1.0) == {a: b"self"}
+        assert trio.current_time() - t3 >= 0.9
