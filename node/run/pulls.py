@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 class NotWanted(StateTransferError):
     """The pull was given up: the entry it was for is no longer this node's (a newer table moved its slot on)."""
 
+
 PULL_RETRY_S = 0.2  # the pause between rounds of pull attempts while no majority has the revision
 WARM_LEAD_STEPS = 4  # a backup asks the group to keep its state this many steps past the group's newest step
 
