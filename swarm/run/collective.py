@@ -158,7 +158,9 @@ class Collective:
         (`count_out`), rather than wait in the epoch's first round for it until the entry's grace runs out. One
         message each, under that round's tag, so the receivers' gate checks that the sender is a member of that
         epoch; a peer can only count itself out."""
-        tag, sent, failed = f"{prefix}{round_}/{ABSENT}", set(), set()
+        tag = f"{prefix}{round_}/{ABSENT}"
+        sent: set[str] = set()
+        failed: set[str] = set()
         async with trio.open_nursery() as nursery:
             for p in peers - {self.me}:
                 nursery.start_soon(self._send, p, tag, b"\x01", sent, failed)
