@@ -150,9 +150,8 @@ class ChurnRun:
         self.t0 = 0.0
         self.rows: list[dict] = []
         self._steps: dict[int, tuple[int, int]] = {}  # node -> (pid, last step seen)
-        self._survivors: dict[int, set[int]] = {}  # fault -> the active nodes other than its target when applied
-        # and not hit by a later fault before the first fault's survivors trained on
-        self._unmeasured: dict[int, bool] = {}  # fault -> its training-again time is still open
+        # fault -> the active nodes other than its target when applied, less those a later fault hit since
+        self._survivors: dict[int, set[int]] = {}
         self.steps_lost = 0
 
     # -- reading the swarm -----------------------------------------------------------------------------------
@@ -218,9 +217,8 @@ class ChurnRun:
         row = next(r for r in self.rows if r["index"] == i)
         node = self.swarm.nodes[i]
         f.node, f.slot, f.top_step = i, row.get("slot"), self.top_step()
-        for g_id, survivors in self._survivors.items():  # hit now, it no longer survives an earlier fault: it
-            if i in survivors and self._unmeasured.get(g_id):  # may come back as a backup and never train again
-                survivors.discard(i)
+        for survivors in self._survivors.values():  # hit now, it no longer survives an earlier fault: it may come
+            survivors.discard(i)  # back as a backup and never train again (a measured fault's set is read no more)
         f.at_fault = {}  # filled from each survivor's first status written after the fault (statuses lag)
         # survivors: the other active nodes, outside the target's lane (a pipeline lane cannot train without it)
         lane = f.slot.partition("r")[2] if f.slot else None
@@ -266,7 +264,6 @@ class ChurnRun:
             if f.applied_s is None:
                 continue
             since = round(now - f.applied_s, 2)
-            self._unmeasured[id(f)] = f.training_again_s is None
             if self.finished():
                 if f.training_again_s is None and self._survivors.get(id(f)):
                     f.training_again_s = since
